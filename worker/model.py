@@ -1,0 +1,193 @@
+"""MFS's nested model: one Llama-style decoder whose first layers, with their own exits, are the
+smaller tiers of the family.
+
+Two forwards share the weights:
+* :meth:`NestedModel.forward_step` — serving: a flattened variable-length batch whose rows are ordered
+  by tier, highest first, over the tier-segmented paged KV cache. After segment ``s`` the rows of tier
+  ``s`` are a contiguous tail of the batch: they leave it and are projected through their exit.
+* :meth:`NestedModel.exit_hidden` — training and evaluation: dense causal attention, no cache, and the
+  exit hidden state of every tier.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import TORCH_OPS, KernelOps
+from kernels.rotary import build_cos_sin_cache
+from worker.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Tier:
+    index: int
+    name: str
+    layers: int  # the tier's exit is after this many decoder layers
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+        self.input_layernorm = nn.Parameter(torch.ones(h))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# HF parameter name (after "model.layers.{i}.") -> our attribute path.
+_LAYER_KEYS = {
+    "self_attn.q_proj": "q_proj", "self_attn.k_proj": "k_proj", "self_attn.v_proj": "v_proj",
+    "self_attn.o_proj": "o_proj", "mlp.gate_proj": "gate_proj", "mlp.up_proj": "up_proj",
+    "mlp.down_proj": "down_proj",
+}
+
+
+class NestedModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tiers: list[Tier], max_positions: int | None = None,
+                 ops: KernelOps = TORCH_OPS):
+        super().__init__()
+        if not tiers:
+            raise ValueError("a nested model needs at least one tier")
+        layers = [t.layers for t in tiers]
+        if layers != sorted(set(layers)) or layers[0] < 1 or layers[-1] > cfg.num_layers:
+            raise ValueError(f"tier layers must be strictly increasing within 1..{cfg.num_layers}, "
+                             f"got {layers}")
+        self.cfg = cfg
+        self.tiers = tiers
+        self.ops = ops
+        self.boundaries = [0] + layers  # segment s = layers [boundaries[s], boundaries[s+1])
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(layers[-1]))
+        self.exit_norms = nn.ParameterList(nn.Parameter(torch.ones(cfg.hidden_size)) for _ in tiers)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.max_positions = min(max_positions or cfg.max_position, cfg.max_position)
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        self.rebuild_buffers()
+        self.scale = cfg.head_dim ** -0.5
+
+    # ---- construction ------------------------------------------------------------------------
+    def rebuild_buffers(self) -> None:
+        """(Re)computes the rotary table in fp32 on the weights' device (after meta init or .to())."""
+        dev = self.embed_tokens.weight.device
+        if dev.type == "meta":
+            return
+        self.cos_sin = build_cos_sin_cache(self.cfg.inv_freq, self.max_positions,
+                                           self.cfg.rope_attention_scaling).to(dev)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.tiers)
+
+    def segment_layers(self, s: int) -> range:
+        return range(self.boundaries[s], self.boundaries[s + 1])
+
+    def load_base_state(self, sd: dict[str, torch.Tensor], exit_norms: dict[int, torch.Tensor] | None = None):
+        """Copy HF-named weights in. Lower exits start as copies of the final norm unless given."""
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(sd["model.embed_tokens.weight"])
+            if not self.cfg.tie_embeddings:
+                self.lm_head.weight.copy_(sd["lm_head.weight"])
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                for hf, ours in _LAYER_KEYS.items():
+                    lin = getattr(layer, ours)
+                    lin.weight.copy_(sd[p + hf + ".weight"])
+                    if lin.bias is not None:
+                        lin.bias.copy_(sd[p + hf + ".bias"])
+                layer.input_layernorm.copy_(sd[p + "input_layernorm.weight"])
+                layer.post_attention_layernorm.copy_(sd[p + "post_attention_layernorm.weight"])
+            for t in self.tiers:
+                src = (exit_norms or {}).get(t.index, sd["model.norm.weight"])
+                self.exit_norms[t.index].copy_(src)
+
+    def exit_param_name(self, tier: int) -> str:
+        return f"exit_norms.{tier}"
+
+    # ---- training / evaluation forward ------------------------------------------------------
+    def exit_hidden(self, input_ids: torch.Tensor, upto_tier: int | None = None) -> list[torch.Tensor]:
+        """input_ids [B, S] -> the normed exit hidden state [B, S, H] of tiers 0..upto_tier."""
+        top = self.num_segments - 1 if upto_tier is None else upto_tier
+        B, S = input_ids.shape
+        pos = torch.arange(S, device=input_ids.device)
+        x = self.embed_tokens(input_ids)
+        outs = []
+        cfg = self.cfg
+        for s in range(top + 1):
+            for li in self.segment_layers(s):
+                layer = self.layers[li]
+                h = self.ops.rms_norm(x, layer.input_layernorm, cfg.rms_eps)
+                q = layer.q_proj(h).view(B * S, cfg.num_heads, cfg.head_dim)
+                k = layer.k_proj(h).view(B * S, cfg.num_kv_heads, cfg.head_dim)
+                v = layer.v_proj(h).view(B, S, cfg.num_kv_heads, cfg.head_dim)
+                q, k = self.ops.rotary(q, k, pos.repeat(B), self.cos_sin)
+                q = q.view(B, S, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+                k = k.view(B, S, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+                a = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True,
+                                                   scale=self.scale,
+                                                   enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+                x = x + layer.o_proj(a.transpose(1, 2).reshape(B, S, -1))
+                x = x + layer.mlp(self.ops.rms_norm(x, layer.post_attention_layernorm, cfg.rms_eps))
+            outs.append(self.ops.rms_norm(x, self.exit_norms[s], cfg.rms_eps))
+        return outs
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # ---- serving forward --------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward_step(self, batch: "StepTensors", kv: "SegmentedKVCache") -> torch.Tensor:
+        """Runs one step of the group batch; returns logits [n_sampled_rows, V] in row order."""
+        cfg, ops = self.cfg, self.ops
+        h = self.embed_tokens(batch.input_ids)
+        residual = None
+        exits: list[torch.Tensor] = []
+        for s in range(self.num_segments):
+            seg = batch.segments[s]
+            if seg.num_tokens == 0:
+                break
+            if h.shape[0] != seg.num_tokens:  # rows of lower tiers have left at earlier exits
+                h, residual = h[:seg.num_tokens], residual[:seg.num_tokens]
+            pos = batch.positions[:seg.num_tokens]
+            k_cache, v_cache = kv.k[s], kv.v[s]
+            for j, li in enumerate(self.segment_layers(s)):
+                layer = self.layers[li]
+                if residual is None:
+                    residual = h
+                    hn = ops.rms_norm(h, layer.input_layernorm, cfg.rms_eps)
+                else:
+                    hn, residual = ops.fused_add_rms_norm(h, residual, layer.input_layernorm, cfg.rms_eps)
+                T = hn.shape[0]
+                q = layer.q_proj(hn).view(T, cfg.num_heads, cfg.head_dim)
+                k = layer.k_proj(hn).view(T, cfg.num_kv_heads, cfg.head_dim)
+                v = layer.v_proj(hn).view(T, cfg.num_kv_heads, cfg.head_dim)
+                q, k = ops.rotary(q, k, pos, self.cos_sin)
+                ops.write_kv(k, v, k_cache[j], v_cache[j], seg.slot_mapping)
+                a = ops.paged_attention(q, k_cache[j], v_cache[j], seg.block_tables, seg.q_start_loc,
+                                        seg.ctx_lens, self.scale, seg.q_lens_host, seg.ctx_lens_host)
+                h = layer.o_proj(a.view(T, -1))
+                hn, residual = ops.fused_add_rms_norm(h, residual, layer.post_attention_layernorm,
+                                                      cfg.rms_eps)
+                h = layer.mlp(hn)
+            idx = batch.exit_token_index[s]
+            if idx is not None:
+                e, _ = ops.fused_add_rms_norm(h.index_select(0, idx), residual.index_select(0, idx),
+                                              self.exit_norms[s], cfg.rms_eps)
+                exits.append(e)
+        if not exits:
+            return h.new_empty((0, cfg.vocab_size))
+        logits = self.lm_head(torch.cat(exits))  # exit order: lowest tier first
+        return logits.index_select(0, batch.exit_to_row_order)
