@@ -152,6 +152,7 @@ def build_model(base: BaseWeights, tiers: list[TierSpec], dtype: torch.dtype = t
     with torch.device("meta"):
         model = NestedModel(cfg, tlist, max_positions=max_positions, ops=ops or select_backend(None, device))
     model = model.to_empty(device=device)
+    model.tie_weights()
     model.rebuild_buffers()
     model.load_base_state(base.state_dict)
     model = model.to(dtype)

@@ -5,7 +5,10 @@ then handed to MFS's own nested model. Nothing here reaches a model hub: paths m
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,21 +46,71 @@ def split_source(path: str | os.PathLike) -> tuple[Path, str | None]:
     raise ValueError(f"{p}: no config.json and {'several' if ggufs else 'no'} .gguf files found")
 
 
+def cache_root() -> Path:
+    return Path(os.environ.get("MFS_CACHE", Path.home() / ".cache" / "mfs"))
+
+
+def _gguf_cache_dir(folder: Path, gguf: str) -> Path:
+    st = (folder / gguf).stat()
+    key = hashlib.sha256(f"{(folder / gguf).resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    return cache_root() / "gguf" / key[:16]
+
+
 def load_base(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
               with_tokenizer: bool = True) -> BaseWeights:
+    """Dequantizing a GGUF takes seconds; the result is cached once as a HF directory under
+    $MFS_CACHE (default ~/.cache/mfs) and later loads read that instead."""
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
     folder, gguf = split_source(path)
+    original = str(folder / (gguf or ""))
+    if gguf:
+        cached = _gguf_cache_dir(folder, gguf)
+        if (cached / ".complete").exists():
+            folder, gguf = cached, None
     kw = {"gguf_file": gguf} if gguf else {}
     hf_config = AutoConfig.from_pretrained(folder, **kw)
-    log.info("loading base weights", source=str(folder / (gguf or "")), arch=hf_config.model_type)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
+    log.info("loading base weights", source=original, arch=hf_config.model_type,
+             cached=original != str(folder / (gguf or "")))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32 if gguf else dtype, **kw)
+    if gguf:
+        _write_cache(model, folder, gguf)
+        model = model.to(dtype)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     gen = getattr(model, "generation_config", None)
     if gen is not None and gen.eos_token_id is not None and hf_config.eos_token_id is None:
         hf_config.eos_token_id = gen.eos_token_id
     del model
     tok = load_tokenizer(folder, gguf) if with_tokenizer else None
-    return BaseWeights(hf_config, sd, tok, str(folder / (gguf or "")))
+    return BaseWeights(hf_config, sd, tok, original)
+
+
+def _write_cache(model, folder: Path, gguf: str) -> None:
+    """Best effort: a failed cache write only costs the next load its speed."""
+    target = _gguf_cache_dir(folder, gguf)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    try:
+        from safetensors.torch import save_file  # noqa: PLC0415
+        tmp.mkdir(parents=True, exist_ok=True)
+        sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg["dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        tok = load_tokenizer(folder, gguf)
+        if tok is not None:
+            tok.save_pretrained(tmp)
+        (tmp / ".complete").write_text(str(folder / gguf))
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except Exception as e:  # noqa: BLE001 - any failure only costs speed
+        log.warning("could not cache dequantized weights", error=str(e))
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_tokenizer(folder: Path, gguf: str | None):

@@ -72,14 +72,18 @@ class NestedModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(layers[-1]))
         self.exit_norms = nn.ParameterList(nn.Parameter(torch.ones(cfg.hidden_size)) for _ in tiers)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
         self.max_positions = min(max_positions or cfg.max_position, cfg.max_position)
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         self.rebuild_buffers()
         self.scale = cfg.head_dim ** -0.5
 
     # ---- construction ------------------------------------------------------------------------
+    def tie_weights(self) -> None:
+        """Tied embeddings share one tensor (re-done after meta init, where to_empty unties them)."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
     def rebuild_buffers(self) -> None:
         """(Re)computes the rotary table in fp32 on the weights' device (after meta init or .to())."""
         dev = self.embed_tokens.weight.device

@@ -1,0 +1,147 @@
+"""`mfs generate`, `mfs tiers` and `mfs up`: the commands a new user meets first."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+MODEL_HELP = "default (the embedded family), default-raw (not precipitated), a checkpoint dir, HF dir or .gguf"
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help=MODEL_HELP)
+    p.add_argument("--tiers", default=None, help="cut points, e.g. 10,20,30 or small=10,large=30")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--kernels", default=None, choices=["auto", "torch", "triton"])
+
+
+def load_from_args(args):
+    from mfs.family import load_family  # noqa: PLC0415
+    return load_family(args.model, tiers=args.tiers, dtype=args.dtype, device=args.device,
+                       kernels=args.kernels)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer; it can only serve token ids")
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer.encode(prompt)
+
+
+def resolve_tier(model, tier: str | None) -> int:
+    if tier is None:
+        return model.tiers[-1].index
+    for t in model.tiers:
+        if tier in (t.name, str(t.index)) or tier.endswith("-" + t.name):
+            return t.index
+    raise ValueError(f"unknown tier {tier!r}; this family has: {', '.join(t.name for t in model.tiers)}")
+
+
+# ---- generate --------------------------------------------------------------------------------
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate a completion at one tier (prints only the completion)")
+    add_model_args(p)
+    p.add_argument("--tier", default=None, help="tier name (default: the top tier)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("prompt")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args) -> int:
+    from worker.engine import Engine  # noqa: PLC0415
+    from worker.sampling import SamplingParams  # noqa: PLC0415
+    fam = load_from_args(args)
+    tier = resolve_tier(fam.model, args.tier)
+    ids = encode_prompt(fam.tokenizer, args.prompt, args.chat)
+    eng = Engine(fam.model, max_model_len=len(ids) + args.max_tokens + 1)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    eng.add_request("cli", ids, tier, params)
+    from gateway.detok import IncrementalDetokenizer  # noqa: PLC0415
+    detok = IncrementalDetokenizer(fam.tokenizer)
+    while eng.has_unfinished():
+        for out in eng.step():
+            stop = out.finish_reason == "stop"
+            text = detok.push([] if stop else out.new_token_ids)
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    sys.stdout.write(detok.flush() + "\n")
+    return 0
+
+
+# ---- tiers -----------------------------------------------------------------------------------
+def add_tiers(sub) -> None:
+    p = sub.add_parser("tiers", help="list a family's tiers: layers, parameters, KV bytes per token")
+    add_model_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_tiers)
+
+
+def tier_table(fam) -> list[dict]:
+    m = fam.model
+    cfg = m.cfg
+    dtype = next(m.parameters()).dtype
+    embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
+    weak = not fam.manifest.precipitated
+    rows = []
+    for t in m.tiers:
+        rows.append({
+            "tier": t.name, "model_id": fam.model_id(t), "layers": t.layers,
+            "params": cfg.param_count_layers(t.layers) + embed + cfg.hidden_size,
+            "kv_bytes_per_token": cfg.kv_bytes_per_token(t.layers, dtype),
+            "note": ("not precipitated: a truncated exit, weak" if weak and t.index < len(m.tiers) - 1
+                     else ""),
+        })
+    return rows
+
+
+def run_tiers(args) -> int:
+    import json  # noqa: PLC0415
+    fam = load_from_args(args)
+    rows = tier_table(fam)
+    if args.json:
+        print(json.dumps({"family": fam.manifest.family, "precipitated": fam.manifest.precipitated,
+                          "tiers": rows}, indent=2))
+        return 0
+    print(f"family {fam.manifest.family}  (precipitated: {'yes' if fam.manifest.precipitated else 'no'})")
+    print(f"{'tier':<8} {'model id':<28} {'layers':>6} {'params':>12} {'KV B/token':>11}  note")
+    for r in rows:
+        print(f"{r['tier']:<8} {r['model_id']:<28} {r['layers']:>6} {r['params']:>12,} "
+              f"{r['kv_bytes_per_token']:>11,}  {r['note']}")
+    return 0
+
+
+# ---- up --------------------------------------------------------------------------------------
+def add_up(sub) -> None:
+    p = sub.add_parser("up", help="start the service (Redis, scheduler, workers, gateway)")
+    add_model_args(p)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--layout", default="nested", choices=["nested", "independent"])
+    p.set_defaults(func=run_up)
+
+
+def run_up(args) -> int:
+    try:
+        from mfs.launch import up  # noqa: PLC0415
+    except ModuleNotFoundError:
+        # The service is not built yet: show the family answering instead.
+        print("mfs up: the HTTP service is not part of this build yet; running a CLI demo.", flush=True)
+        args.tier, args.max_tokens, args.temperature, args.top_p, args.top_k = None, 40, 0.0, 1.0, 0
+        args.seed, args.chat = None, True
+        fam_prompt = "What is the capital of France?"
+        print(f"> {fam_prompt}")
+        args.prompt = fam_prompt
+        return run_generate(args)
+    return up(args)

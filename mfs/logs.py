@@ -1,0 +1,21 @@
+"""Logging set-up: structlog to stderr (stdout belongs to command output), JSON lines for services."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import structlog
+
+
+def configure(json_lines: bool | None = None, level: str | None = None) -> None:
+    json_lines = os.environ.get("MFS_LOG_JSON", "0") == "1" if json_lines is None else json_lines
+    lvl = getattr(logging, (level or os.environ.get("MFS_LOG_LEVEL", "INFO")).upper(), logging.INFO)
+    processors = [structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+                  structlog.processors.TimeStamper(fmt="iso", utc=True)]
+    renderer = (structlog.processors.JSONRenderer() if json_lines
+                else structlog.dev.ConsoleRenderer(colors=False))
+    structlog.configure(processors=processors + [renderer],
+                        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+                        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+                        cache_logger_on_first_use=False)

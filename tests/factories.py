@@ -1,0 +1,47 @@
+"""Tiny random-weight models saved as Hugging Face directories, built inside the tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def tiny_llama(path: Path, *, layers: int = 6, tie: bool = False, kv_heads: int = 2,
+               rope_scaling: dict | None = None, vocab: int = 160, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if rope_scaling:
+        rope = {"rope_theta": 10000.0, **rope_scaling}
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                      tie_word_embeddings=tie, rope_parameters=rope, eos_token_id=2, bos_token_id=1)
+    model = LlamaForCausalLM(cfg)
+    _spread_norms(model)
+    model.save_pretrained(path)
+    return path
+
+
+def tiny_qwen2(path: Path, *, layers: int = 6, seed: int = 0) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=160, hidden_size=96, intermediate_size=160, num_hidden_layers=layers,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                      eos_token_id=2, bos_token_id=1, use_sliding_window=False)
+    model = Qwen2ForCausalLM(cfg)
+    _spread_norms(model)
+    with torch.no_grad():  # random init leaves biases at zero: make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+def _spread_norms(model) -> None:
+    """Norm weights initialise to ones; random ones catch a norm applied in the wrong place."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)

@@ -1,0 +1,46 @@
+"""The commands a new user runs first, as subprocesses of the installed `mfs` script."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MFS = [sys.executable, "-m", "mfs.cli"]
+
+
+def run(*args, timeout=300):
+    env = dict(os.environ, MFS_LOG_LEVEL="WARNING")
+    return subprocess.run(MFS + list(args), capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=Path(__file__).resolve().parents[1])
+
+
+@pytest.mark.slow
+def test_generate_default_family_top_tier_answers_paris():
+    r = run("generate", "--model", "default", "--tier", "large", "--chat", "--max-tokens", "20",
+            "What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "loading" not in r.stdout  # stdout is the completion only
+
+
+@pytest.mark.slow
+def test_tiers_lists_layers_params_and_kv_bytes():
+    r = run("tiers", "--model", "default", "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    tiers = info["tiers"]
+    assert [t["layers"] for t in tiers] == [10, 20, 30]
+    assert [t["tier"] for t in tiers] == ["small", "medium", "large"]
+    # 2 (K,V) x layers x 3 KV heads x 64 dims x 4 bytes
+    assert [t["kv_bytes_per_token"] for t in tiers] == [2 * n * 3 * 64 * 4 for n in (10, 20, 30)]
+    assert tiers[0]["params"] < tiers[1]["params"] < tiers[2]["params"]
+    assert 130e6 < tiers[2]["params"] < 140e6
+
+
+def test_generate_rejects_unknown_tier_and_missing_model(llama_dir):
+    r = run("generate", "--model", str(llama_dir), "--tier", "gigantic", "hi")
+    assert r.returncode == 2 and "unknown tier" in r.stderr
+    r = run("generate", "--model", "/nonexistent/model", "hi")
+    assert r.returncode == 2 and ("does not exist" in r.stderr or "no such file" in r.stderr)
