@@ -195,3 +195,34 @@ class NestedModel(nn.Module):
             return h.new_empty((0, cfg.vocab_size))
         logits = self.lm_head(torch.cat(exits))  # exit order: lowest tier first
         return logits.index_select(0, batch.exit_to_row_order)
+
+
+def standalone_tier(model: NestedModel, tier: int) -> NestedModel:
+    """One tier as its own model with its own copy of the weights: the "separate deployments"
+    baseline that MFS replaces (benchmarks and ``mfs up --layout independent``)."""
+    t = model.tiers[tier]
+    dev = model.embed_tokens.weight.device
+    with torch.device("meta"):
+        m = NestedModel(model.cfg, [Tier(0, t.name, t.layers)], model.max_positions, model.ops)
+    m = m.to_empty(device=dev).to(model.embed_tokens.weight.dtype)
+    m.tie_weights()
+    with torch.no_grad():
+        m.embed_tokens.weight.copy_(model.embed_tokens.weight)
+        if not model.cfg.tie_embeddings:
+            m.lm_head.weight.copy_(model.lm_head.weight)
+        for i in range(t.layers):
+            m.layers[i].load_state_dict(model.layers[i].state_dict())
+        m.exit_norms[0].copy_(model.exit_norms[tier])
+    m.rebuild_buffers()
+    return m.eval()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of distinct parameter storage (tied tensors counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = p.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += p.untyped_storage().nbytes()
+    return total
