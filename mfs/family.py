@@ -176,3 +176,32 @@ def load_family(model: str = "default", tiers: str | None = None, dtype: str | N
         apply_weights(nm, mdir / manifest.weights["file"], manifest.weights["kind"])
     nm.eval()
     return LoadedFamily(nm, base.tokenizer, manifest, base)
+
+
+@dataclass(slots=True)
+class Frontend:
+    """What a gateway needs of a family: names and tokenizer, no weights."""
+    manifest: Manifest
+    tokenizer: object | None
+
+    @property
+    def tiers(self) -> list[TierSpec]:
+        return self.manifest.tiers
+
+    def model_id(self, tier_index: int) -> str:
+        return f"{self.manifest.family}-{self.manifest.tiers[tier_index].name}"
+
+    @property
+    def family_id(self) -> str:
+        return self.manifest.family
+
+
+def load_frontend(model: str = "default", tiers: str | None = None) -> Frontend:
+    from worker.loader import _gguf_cache_dir, load_tokenizer, split_source  # noqa: PLC0415
+    manifest, mdir = manifest_for(model, tiers)
+    if tiers and mdir is not None:
+        manifest.tiers = parse_tiers(tiers, max(t.layers for t in manifest.tiers))
+    folder, gguf = split_source(resolve_base(manifest.base, mdir))
+    if gguf and (_gguf_cache_dir(folder, gguf) / ".complete").exists():
+        folder, gguf = _gguf_cache_dir(folder, gguf), None
+    return Frontend(manifest, load_tokenizer(folder, gguf))

@@ -1,0 +1,167 @@
+"""Every Redis stream and key MFS uses, and the msgpack records that travel on them.
+
+One module owns the names so an operator can find them (README "Watching it with redis-cli"):
+
+================================  ==========  =========================================================
+name                              type        what
+================================  ==========  =========================================================
+``mfs:req``                       stream      gateway -> scheduler: ``submit`` / ``cancel`` (group ``scheduler``)
+``mfs:done``                      stream      worker -> scheduler: step results (group ``scheduler``)
+``mfs:plan:{worker}``             stream      scheduler -> worker: step plans (group ``worker``)
+``mfs:out:{gateway}``             stream      worker/scheduler -> gateway: tokens, finishes, errors
+``mfs:workers``                   set         worker ids that have registered
+``mfs:worker:{worker}``           hash + TTL  a live worker's registration (expires without heartbeat)
+``mfs:gateway:{gateway}``         string+TTL  a live gateway's heartbeat
+``mfs:stats``                     hash        scheduler gauges/counters for ``/metrics`` (msgpack)
+================================  ==========  =========================================================
+
+Every stream entry has two fields: ``t`` (the record type) and ``d`` (the msgpack body).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+import msgpack
+
+REQ_STREAM = "mfs:req"
+DONE_STREAM = "mfs:done"
+SCHEDULER_GROUP = "scheduler"
+WORKER_GROUP = "worker"
+WORKERS_SET = "mfs:workers"
+STATS_KEY = "mfs:stats"
+STREAM_MAXLEN = 100_000  # approximate trim (MAXLEN ~) on every XADD
+HEARTBEAT_S = 1.0
+WORKER_TTL_S = 5
+
+
+def plan_stream(worker: str) -> str:
+    return f"mfs:plan:{worker}"
+
+
+def out_stream(gateway: str) -> str:
+    return f"mfs:out:{gateway}"
+
+
+def worker_key(worker: str) -> str:
+    return f"mfs:worker:{worker}"
+
+
+def gateway_key(gateway: str) -> str:
+    return f"mfs:gateway:{gateway}"
+
+
+class Record:
+    """Typed msgpack record: ``encode()`` -> stream fields, ``decode(fields)`` -> record."""
+    TYPE = ""
+
+    def encode(self) -> dict[str, bytes]:
+        return {"t": self.TYPE, "d": msgpack.packb(asdict(self), use_bin_type=True)}
+
+    @classmethod
+    def from_body(cls, body: bytes):
+        raw = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+@dataclass(slots=True)
+class Submit(Record):
+    TYPE = "submit"
+    request_id: str
+    gateway_id: str
+    prompt_ids: list[int]
+    tier: int
+    model_id: str = ""
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    arrival: float = 0.0
+    session_id: str | None = None
+
+
+@dataclass(slots=True)
+class Cancel(Record):
+    TYPE = "cancel"
+    request_id: str
+    reason: str = "abort"
+
+
+@dataclass(slots=True)
+class TokenEvent(Record):
+    """Tokens of one request; ``seq`` is the index of ``token_ids[0]`` among its output tokens, so
+    a client-side stream can drop duplicates and notice gaps."""
+    TYPE = "tokens"
+    request_id: str
+    seq: int
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    tier: int = 0
+    worker: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None        # set with finish_reason "error"
+    error_code: str | None = None   # OpenAI-style code, e.g. "context_length_exceeded"
+    status: int = 0                 # HTTP status the gateway should answer an error with
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """What a worker must know of a request to sample it and to notice its end."""
+    request_id: str
+    gateway_id: str
+    tier: int
+    prompt_len: int
+    max_tokens: int
+    stop_ids: list[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+
+
+@dataclass(slots=True)
+class PlanRow:
+    request_id: str
+    tier: int
+    token_ids: list[int]
+    start_pos: int
+    block_tables: list[list[int]]
+    sample: bool
+    num_output: int  # output tokens the request already has (the seq of the token sampled now)
+
+
+@dataclass(slots=True)
+class StepPlan(Record):
+    TYPE = "plan"
+    step_id: int
+    new: list[dict] = field(default_factory=list)    # NewRequest as dicts
+    rows: list[dict] = field(default_factory=list)   # PlanRow as dicts
+    drop: list[str] = field(default_factory=list)    # requests the worker may forget
+
+
+@dataclass(slots=True)
+class StepResult(Record):
+    TYPE = "result"
+    worker: str
+    step_id: int
+    tokens: dict = field(default_factory=dict)  # request_id -> sampled token id
+    forward_s: float = 0.0
+    num_tokens: int = 0
+
+
+RECORDS = {r.TYPE: r for r in (Submit, Cancel, TokenEvent, StepPlan, StepResult)}
+
+
+def decode(entry_fields: dict) -> Record:
+    """Stream entry fields (bytes keys or str keys) -> the typed record."""
+    t = entry_fields.get(b"t", entry_fields.get("t"))
+    d = entry_fields.get(b"d", entry_fields.get("d"))
+    t = t.decode() if isinstance(t, bytes) else t
+    if t not in RECORDS:
+        raise ValueError(f"unknown record type {t!r}")
+    return RECORDS[t].from_body(d)
