@@ -29,7 +29,7 @@ def solo(fam, prompt, tier, params):
 
 
 def all_blocks_free(eng):
-    return all(p.num_free == p.num_blocks for p in eng.kv.pools)
+    return all(p.num_free == p.num_blocks for p in eng.pools)
 
 
 def test_mixed_batch_equals_each_request_alone(llama_family):
@@ -98,11 +98,11 @@ def test_lower_tiers_hold_blocks_only_in_their_segments(llama_family):
     eng = make_engine(llama_family)
     eng.add_request("small", list(range(3, 12)), 0, SamplingParams(max_tokens=4))
     eng.step()
-    used = [p.num_used for p in eng.kv.pools]
+    used = [p.num_used for p in eng.pools]
     assert used[0] == 3 and used[1] == 0 and used[2] == 0  # 9 tokens, block size 4
     eng.add_request("large", list(range(3, 8)), 2, SamplingParams(max_tokens=4))
     eng.step()
-    used = [p.num_used for p in eng.kv.pools]
+    used = [p.num_used for p in eng.pools]
     assert used[1] == 2 and used[2] == 2
 
 

@@ -1,0 +1,343 @@
+"""The step scheduler of one worker: its requests, queues and KV block accounting.
+
+``schedule()`` decides what the worker's next forward holds; ``update()`` takes the sampled tokens
+back and decides who finished. The worker only executes plans (worker/runner.py), so the same class
+serves the in-process engine and the scheduler process.
+
+Decode rows (and partly prefilled prompts) are scheduled first so a long prompt never starves them;
+waiting prompts are then admitted in chunks under the per-step token budget. When a segment's pool
+runs out, the latest-arrived running request is preempted (blocks freed) and later recomputed from its
+prompt plus the tokens it already made. Optional limits: how many tiers one step may mix, how often the
+tier mix may change (path-switch budget, per second), and per-tier shares of the KV pool.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import structlog
+
+from scheduler.blocks import BlockPool
+from worker.sampling import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses; everything else keeps running."""
+
+    def __init__(self, message: str, code: str = "invalid_request", status: int = 400):
+        super().__init__(message)
+        self.code, self.status = code, status
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+def finish_reason(token: int, num_output: int, num_tokens: int, max_tokens: int,
+                  stop_ids, max_model_len: int) -> str | None:
+    """Why a request ends after sampling `token` as its `num_output`-th output (None: it goes on).
+    Shared by the scheduler and the worker so both agree without a round trip."""
+    if token in stop_ids:
+        return "stop"
+    if num_output >= max_tokens or num_tokens >= max_model_len:
+        return "length"
+    return None
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    tier: int
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    arrival: int
+    meta: dict = field(default_factory=dict)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_tables: list[list[int]] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    announced: bool = False  # the worker has been told about this request
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids[start:] if start < p else []) + self.output_ids[max(0, start - p):end - p]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    tier: int = 0
+    logits: object = None
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    num_tiers: int
+    num_blocks: list[int]
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    max_tiers_per_step: int = 0        # 0: any mix
+    path_switches_per_s: float = 0.0   # 0: unlimited
+    kv_quota: dict[int, float] = field(default_factory=dict)  # tier -> max share of segment-0 blocks
+    served_tiers: tuple[int, ...] | None = None  # None: every tier (nested); else a standalone copy
+    eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int = 0
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    rows: list[tuple[Request, int]]
+    new: list[Request]
+    drop: list[str]
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    steps: int = 0
+    forward_tokens: int = 0
+    preemptions: int = 0
+    path_switches: int = 0
+    peak_kv_blocks: list[int] = field(default_factory=list)
+
+
+class StepScheduler:
+    def __init__(self, cfg: SchedulerConfig):
+        if len(cfg.num_blocks) != cfg.num_tiers:
+            raise ValueError(f"num_blocks has {len(cfg.num_blocks)} entries for {cfg.num_tiers} segments")
+        self.cfg = cfg
+        self.pools = [BlockPool(n) for n in cfg.num_blocks]
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._drop: list[str] = []
+        self._last_mix: frozenset[int] = frozenset()
+        self._switch_tokens = max(1.0, cfg.path_switches_per_s)
+        self._switch_t = time.monotonic()
+        self.stats = SchedulerStats(peak_kv_blocks=[0] * cfg.num_tiers)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.cfg.block_size)
+
+    def validate(self, prompt_ids: list[int], tier: int, params: SamplingParams) -> None:
+        cfg = self.cfg
+        if not 0 <= tier < cfg.num_tiers:
+            raise InvalidRequest(f"unknown tier {tier!r}", "model_not_found", 404)
+        if cfg.served_tiers is not None and tier not in cfg.served_tiers:
+            raise InvalidRequest(f"tier {tier} is not served here", "model_not_found", 404)
+        try:
+            params.validate()
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        if len(prompt_ids) >= cfg.max_model_len:
+            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; this model's context limit "
+                                 f"is {cfg.max_model_len} (prompt plus at least one new token)",
+                                 "context_length_exceeded")
+        if cfg.vocab_size and (min(prompt_ids) < 0 or max(prompt_ids) >= cfg.vocab_size):
+            raise InvalidRequest(f"token ids must be in [0, {cfg.vocab_size})")
+        need = self.blocks_needed(min(len(prompt_ids) + params.max_tokens, cfg.max_model_len))
+        segs = range(tier + 1) if cfg.served_tiers is None else range(1)
+        small = min(self.pools[s].num_blocks for s in segs)
+        if need > small:
+            raise InvalidRequest(f"the request needs {need} KV blocks but the pool holds {small}",
+                                 "context_length_exceeded")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], tier: int,
+                    params: SamplingParams, meta: dict | None = None) -> Request:
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        self.validate(prompt_ids, tier, params)
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop.update(self.cfg.eos_token_ids)
+        req = Request(request_id, list(prompt_ids), tier, params, frozenset(stop),
+                      next(self._arrivals), meta or {})
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status, req.finish_reason = Status.FINISHED, "abort"
+        if req.announced:
+            self._drop.append(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- blocks ------------------------------------------------------------------------------
+    def _segments(self, req: Request) -> int:
+        """How many segment pools a request holds blocks in (a standalone copy has one)."""
+        return req.tier + 1 if self.cfg.served_tiers is None else 1
+
+    def _release(self, req: Request) -> None:
+        for s, table in enumerate(req.block_tables):
+            self.pools[s].release(table)
+        req.block_tables = []
+
+    def _allocate(self, req: Request, num_new: int) -> bool:
+        need = self.blocks_needed(req.num_computed_tokens + num_new)
+        if not req.block_tables:
+            req.block_tables = [[] for _ in range(self._segments(req))]
+        grow = [need - len(t) for t in req.block_tables]
+        if any(g > self.pools[s].num_free for s, g in enumerate(grow) if g > 0):
+            return False
+        for s, g in enumerate(grow):
+            if g > 0:
+                req.block_tables[s].extend(self.pools[s].allocate(g))
+        return True
+
+    def _within_quota(self, req: Request, num_new: int) -> bool:
+        share = self.cfg.kv_quota.get(req.tier)
+        if share is None:
+            return True
+        held = sum(len(r.block_tables[0]) for r in self.running if r.tier == req.tier and r.block_tables)
+        return held + self.blocks_needed(num_new) <= share * self.pools[0].num_blocks
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(req)
+        log.debug("preempted", request_id=req.request_id, tier=req.tier, tokens=req.num_tokens)
+
+    # ---- the tier mix ------------------------------------------------------------------------
+    def _allowed_tiers(self) -> set[int] | None:
+        cfg = self.cfg
+        if not cfg.max_tiers_per_step and not cfg.path_switches_per_s:
+            return None
+        order: list[int] = []
+        for r in sorted(self.running, key=lambda r: r.arrival) + list(self.waiting):
+            if r.tier not in order:
+                order.append(r.tier)
+        if cfg.path_switches_per_s:
+            now = time.monotonic()
+            self._switch_tokens = min(max(1.0, cfg.path_switches_per_s),
+                                      self._switch_tokens + (now - self._switch_t) * cfg.path_switches_per_s)
+            self._switch_t = now
+            keep = [t for t in order if t in self._last_mix]
+            if keep and self._switch_tokens < 1.0:
+                return set(keep)  # no budget to change the mix: run the current one
+        return set(order[:cfg.max_tiers_per_step] if cfg.max_tiers_per_step else order)
+
+    def _count_switch(self, mix: frozenset[int]) -> None:
+        if mix and self._last_mix and mix != self._last_mix:
+            self.stats.path_switches += 1
+            self._switch_tokens -= 1.0
+        if mix:
+            self._last_mix = mix
+
+    # ---- one iteration -----------------------------------------------------------------------
+    def schedule(self) -> ScheduledStep:
+        budget = self.cfg.max_num_batched_tokens
+        allowed = self._allowed_tiers()
+        rows: list[tuple[Request, int]] = []
+        preempted = False
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if budget == 0:
+                break
+            if req.status is not Status.RUNNING or (allowed is not None and req.tier not in allowed):
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self._allocate(req, n):
+                victim = max(self.running, key=lambda r: r.arrival)
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                rows.append((req, n))
+                budget -= n
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting.popleft()
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if (allowed is not None and req.tier not in allowed) or not self._within_quota(req, n):
+                skipped.append(req)
+                continue
+            if not self._allocate(req, n):
+                self.waiting.appendleft(req)
+                break
+            req.status = Status.RUNNING
+            self.running.append(req)
+            rows.append((req, n))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        new = [r for r, _ in rows if not r.announced]
+        for r in new:
+            r.announced = True
+        drop, self._drop = self._drop, []
+        self._count_switch(frozenset(r.tier for r, _ in rows))
+        for s, p in enumerate(self.pools):
+            self.stats.peak_kv_blocks[s] = max(self.stats.peak_kv_blocks[s], p.num_used)
+        if rows:
+            self.stats.steps += 1
+            self.stats.forward_tokens += sum(n for _, n in rows)
+        return ScheduledStep(rows, new, drop)
+
+    def update(self, step: ScheduledStep, tokens: dict[str, int]) -> list[RequestOutput]:
+        """Advance the step's rows and append each sampled token; finished requests free blocks."""
+        for req, n in step.rows:
+            if req.status is Status.RUNNING:
+                req.num_computed_tokens += n
+        outs = []
+        for req, _ in step.rows:
+            tok = tokens.get(req.request_id)
+            if tok is None or req.status is not Status.RUNNING:
+                continue
+            req.output_ids.append(tok)
+            reason = finish_reason(tok, len(req.output_ids), req.num_tokens, req.params.max_tokens,
+                                   req.stop_ids, self.cfg.max_model_len)
+            if reason:
+                self.running.remove(req)
+                self._release(req)
+                req.status, req.finish_reason = Status.FINISHED, reason
+                self.requests.pop(req.request_id, None)
+                self._drop.append(req.request_id)
+            outs.append(RequestOutput(req.request_id, [tok], reason is not None, reason,
+                                      len(req.prompt_ids), len(req.output_ids), req.tier))
+        return outs
+
+    def kv_usage(self) -> tuple[list[int], list[int]]:
+        return [p.num_used for p in self.pools], [p.num_blocks for p in self.pools]

@@ -1,0 +1,29 @@
+"""The tensors of the tier-segmented paged KV cache: one pool per segment (the layers between two
+exits). Which block belongs to whom is the scheduler's business (scheduler/blocks.py)."""
+from __future__ import annotations
+
+import torch
+
+
+class SegmentedKVCache:
+    """k[s], v[s]: [layers_in_segment, num_blocks_s, block_size, kv_heads, head_dim]."""
+
+    def __init__(self, segment_layers: list[int], num_blocks: list[int], block_size: int,
+                 kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        assert len(segment_layers) == len(num_blocks)
+        self.block_size = block_size
+        self.num_blocks = list(num_blocks)
+        self.k = [torch.zeros(nl, nb, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+                  for nl, nb in zip(segment_layers, num_blocks)]
+        self.v = [torch.zeros_like(t) for t in self.k]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.k)
+
+    def bytes_per_block(self, s: int) -> int:
+        t = self.k[s]
+        return 2 * t[:, 0].numel() * t.element_size()
+
+    def total_bytes(self) -> int:
+        return sum(self.bytes_per_block(s) * n for s, n in enumerate(self.num_blocks))
