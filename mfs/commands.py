@@ -12,7 +12,7 @@ MODEL_HELP = "default (the embedded family), default-raw (not precipitated), a c
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help=MODEL_HELP)
     p.add_argument("--tiers", default=None, help="cut points, e.g. 10,20,30 or small=10,large=30")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kernels", default=None, choices=["auto", "torch", "triton"])
 

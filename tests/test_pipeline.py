@@ -1,0 +1,139 @@
+"""Scheduler and worker processes over a real redis-server, driven through the protocol itself
+(the gateway's side of it): outputs equal the offline engine's, placement, cancellation, errors."""
+import random
+import time
+
+import msgpack
+import pytest
+import redis
+
+from mfs import protocol as P
+from mfs.family import load_family
+from mfs.launch import Service
+from worker.engine import Engine
+from worker.sampling import SamplingParams
+
+GW = "gw-test"
+
+
+@pytest.fixture(scope="module")
+def nested_service(llama_dir):
+    with Service(str(llama_dir), tiers="2,4,6", workers=2, gateway=False, dtype="float64",
+                 worker_args=["--num-blocks", "64", "--block-size", "4", "--threads", "1"]) as svc:
+        yield svc
+
+
+def submit(r, rid, prompt, tier, **kw):
+    r.xadd(P.REQ_STREAM, P.Submit(rid, GW, prompt, tier, arrival=time.time(), **kw).encode())
+
+
+class Reader:
+    def __init__(self, r, gw=GW):
+        self.r, self.stream, self.last = r, P.out_stream(gw), "0"
+        self.events: dict[str, list[P.TokenEvent]] = {}
+
+    def until(self, pred, timeout=60.0):
+        deadline = time.monotonic() + timeout
+        while not pred():
+            assert time.monotonic() < deadline, f"timed out; got {self.summary()}"
+            for _, entries in self.r.xread({self.stream: self.last}, block=500) or []:
+                for eid, f in entries:
+                    self.last = eid
+                    ev = P.decode(f)
+                    self.events.setdefault(ev.request_id, []).append(ev)
+
+    def finished(self, rid):
+        return any(e.finished for e in self.events.get(rid, []))
+
+    def tokens(self, rid):
+        evs = sorted(self.events.get(rid, []), key=lambda e: e.seq)
+        seqs = [e.seq for e in evs for _ in e.token_ids]
+        toks = [t for e in evs for t in e.token_ids]
+        assert seqs == list(range(len(toks))), f"{rid}: sequence numbers {seqs}"
+        return toks
+
+    def summary(self):
+        return {k: (len(v), v[-1].finish_reason) for k, v in self.events.items()}
+
+
+def stats(r):
+    raw = r.hget(P.STATS_KEY, "scheduler")
+    return msgpack.unpackb(raw, strict_map_key=False) if raw else {}
+
+
+def wait_kv_idle(r, timeout=10):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = stats(r)
+        if s and all(sum(v) == 0 for v in s["kv_blocks_used"].values()) and not s["running"]:
+            return s
+        time.sleep(0.2)
+    raise AssertionError(f"KV blocks still in use: {stats(r)}")
+
+
+def test_outputs_equal_the_offline_engine_across_two_workers(nested_service, llama_dir):
+    r = redis.Redis.from_url(nested_service.redis_url)
+    rng = random.Random(11)
+    work = [(f"p{i}", [rng.randrange(3, 160) for _ in range(rng.randint(2, 30))], i % 3,
+             rng.randint(3, 16)) for i in range(12)]
+    for rid, prompt, tier, n in work:
+        submit(r, rid, prompt, tier, max_tokens=n, ignore_eos=True)
+    rd = Reader(r)
+    rd.until(lambda: all(rd.finished(rid) for rid, *_ in work))
+    fam = load_family(str(llama_dir), tiers="2,4,6", dtype="float64")
+    eng = Engine(fam.model, block_size=4, num_blocks=64)
+    for rid, prompt, tier, n in work:
+        want = eng.generate([prompt], [tier], SamplingParams(max_tokens=n, ignore_eos=True))[0]
+        assert rd.tokens(rid) == want, rid
+    workers = {e.worker for evs in rd.events.values() for e in evs}
+    assert len(workers) == 2, "placement by load should use both workers"
+    wait_kv_idle(r)
+
+
+def test_cancel_stops_generation_and_frees_blocks(nested_service):
+    r = redis.Redis.from_url(nested_service.redis_url)
+    submit(r, "long", [5, 6, 7, 8, 9], 2, max_tokens=200, ignore_eos=True)
+    rd = Reader(r)
+    rd.until(lambda: len(rd.events.get("long", [])) >= 3)
+    r.xadd(P.REQ_STREAM, P.Cancel("long", "client disconnected").encode())
+    wait_kv_idle(r)
+    n = len(rd.events["long"])
+    time.sleep(0.5)
+    rd.until(lambda: True)
+    assert len(rd.events["long"]) <= n + 2  # at most the step in flight when the cancel landed
+    assert not rd.finished("long")
+
+
+@pytest.mark.parametrize("prompt,tier,kw,code,status", [
+    (list(range(3, 140)) * 4, 0, {}, "context_length_exceeded", 400),
+    ([5, 6], 7, {}, "model_not_found", 404),
+    ([5, 6], 0, {"max_tokens": 0}, "invalid_request", 400),
+    ([], 1, {}, "invalid_request", 400),
+])
+def test_bad_requests_get_an_error_event(nested_service, prompt, tier, kw, code, status):
+    r = redis.Redis.from_url(nested_service.redis_url)
+    rid = f"bad-{code}-{tier}-{len(prompt)}"
+    submit(r, rid, prompt, tier, **kw)
+    rd = Reader(r)
+    rd.until(lambda: rd.finished(rid))
+    ev = rd.events[rid][-1]
+    assert ev.finish_reason == "error" and ev.error_code == code and ev.status == status, ev
+    submit(r, rid + "-ok", [5, 6, 7], 1, max_tokens=2, ignore_eos=True)
+    rd.until(lambda: rd.finished(rid + "-ok"))
+    assert len(rd.tokens(rid + "-ok")) == 2
+
+
+def test_independent_layout_serves_each_tier_from_its_own_copy(llama_dir):
+    with Service(str(llama_dir), tiers="2,4,6", layout="independent", gateway=False, dtype="float64",
+                 worker_args=["--num-blocks", "64", "--block-size", "4", "--threads", "1"]) as svc:
+        r = redis.Redis.from_url(svc.redis_url)
+        prompts = {f"i{t}": ([9, 8, 7, 6 + t], t) for t in range(3)}
+        for rid, (p, t) in prompts.items():
+            submit(r, rid, p, t, max_tokens=6, ignore_eos=True)
+        rd = Reader(r)
+        rd.until(lambda: all(rd.finished(rid) for rid in prompts))
+        fam = load_family(str(llama_dir), tiers="2,4,6", dtype="float64")
+        eng = Engine(fam.model, block_size=4, num_blocks=64)
+        for rid, (p, t) in prompts.items():
+            assert rd.tokens(rid) == eng.generate([p], [t], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+        assert {e.worker for evs in rd.events.values() for e in evs} == {"w0-small", "w0-medium", "w0-large"}

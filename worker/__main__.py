@@ -1,0 +1,5 @@
+import sys
+
+from worker.service import main
+
+sys.exit(main())

@@ -1,0 +1,179 @@
+"""The worker process: holds the nested model (or one standalone tier) and its KV tensors, executes
+the scheduler's step plans, streams each sampled token straight to the requesting gateway and the
+step result back to the scheduler. A heartbeat keeps its registration alive."""
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import msgpack
+import redis
+import structlog
+import torch
+
+from mfs import protocol as P
+from scheduler.core import finish_reason
+from worker.batch import RowInput
+from worker.runner import ModelRunner
+from worker.sampling import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Live:
+    """What the worker keeps of a request between steps."""
+    gateway_id: str
+    tier: int
+    prompt_len: int
+    max_tokens: int
+    stop_ids: frozenset[int]
+
+
+class WorkerService:
+    def __init__(self, args):
+        from mfs.family import load_family  # noqa: PLC0415
+        from worker.model import standalone_tier  # noqa: PLC0415
+        self.id = args.worker_id
+        self.r = redis.Redis.from_url(args.redis_url)
+        fam = load_family(args.model, tiers=args.tiers, dtype=args.dtype, device=args.device,
+                          kernels=args.kernels)
+        model = fam.model
+        ntiers = len(model.tiers)
+        if args.standalone_tier is not None:
+            k = args.standalone_tier
+            if not 0 <= k < ntiers:
+                raise ValueError(f"--standalone-tier {k}: the family has tiers 0..{ntiers - 1}")
+            model, self.tiers, tier_map, nseg = standalone_tier(model, k), [k], {k: 0}, 1
+        else:
+            self.tiers, tier_map, nseg = list(range(ntiers)), None, ntiers
+        self.num_blocks = [args.num_blocks] * nseg
+        self.block_size = args.block_size
+        self.max_model_len = min(args.max_model_len, model.max_positions)
+        self.runner = ModelRunner(model, self.num_blocks, args.block_size, tier_map=tier_map)
+        self.model = model
+        self.num_tiers = ntiers
+        self.live: dict[str, Live] = {}
+        self.started = f"{time.time():.6f}-{os.getpid()}"
+        self.stop = threading.Event()
+        self.steps = 0
+
+    # ---- registration ------------------------------------------------------------------------
+    def register(self) -> None:
+        stream = P.plan_stream(self.id)
+        self.r.delete(stream)  # plans for a previous life of this id refer to blocks it no longer has
+        self.r.xgroup_create(stream, P.WORKER_GROUP, id="0", mkstream=True)
+        cfg = self.model.cfg
+        info = {"tiers": msgpack.packb(self.tiers), "num_tiers": self.num_tiers,
+                "num_blocks": msgpack.packb(self.num_blocks), "block_size": self.block_size,
+                "max_model_len": self.max_model_len, "vocab_size": cfg.vocab_size,
+                "eos": msgpack.packb(list(cfg.eos_token_ids)), "started": self.started,
+                "device": str(self.runner.device), "kernels": self.model.ops.name, "pid": os.getpid()}
+        p = self.r.pipeline()
+        p.hset(P.worker_key(self.id), mapping=info)
+        p.expire(P.worker_key(self.id), P.WORKER_TTL_S)
+        p.sadd(P.WORKERS_SET, self.id)
+        p.execute()
+        log.info("worker registered", worker=self.id, tiers=self.tiers, blocks=self.num_blocks,
+                 kernels=self.model.ops.name)
+
+    def _heartbeat(self) -> None:
+        hb = redis.Redis(connection_pool=self.r.connection_pool)
+        while not self.stop.wait(P.HEARTBEAT_S):
+            try:
+                p = hb.pipeline()
+                p.hset(P.worker_key(self.id), "heartbeat", time.time())
+                p.expire(P.worker_key(self.id), P.WORKER_TTL_S)
+                p.sadd(P.WORKERS_SET, self.id)
+                p.execute()
+            except redis.RedisError as e:
+                log.warning("heartbeat failed", worker=self.id, error=str(e))
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        self.register()
+        threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
+        stream = P.plan_stream(self.id)
+        consumer = f"{self.id}-{os.getpid()}"
+        while not self.stop.is_set():
+            try:
+                resp = self.r.xreadgroup(P.WORKER_GROUP, consumer, {stream: ">"}, count=8, block=1000)
+            except redis.RedisError as e:
+                log.warning("plan read failed; retrying", worker=self.id, error=str(e))
+                time.sleep(0.5)
+                continue
+            for _, entries in resp or []:
+                for entry_id, fields in entries:
+                    self.execute(P.decode(fields))
+                    self.r.xack(stream, P.WORKER_GROUP, entry_id)
+
+    def execute(self, plan: P.StepPlan) -> None:
+        t0 = time.perf_counter()
+        self.runner.drop(plan.drop)
+        for rid in plan.drop:
+            self.live.pop(rid, None)
+        for n in plan.new:
+            nr = P.NewRequest(**n)
+            self.runner.add(nr.request_id, SamplingParams(
+                max_tokens=nr.max_tokens, temperature=nr.temperature, top_p=nr.top_p, top_k=nr.top_k,
+                seed=nr.seed))
+            self.live[nr.request_id] = Live(nr.gateway_id, nr.tier, nr.prompt_len, nr.max_tokens,
+                                            frozenset(nr.stop_ids))
+        rows = [P.PlanRow(**d) for d in plan.rows]
+        num_out = {r.request_id: r.num_output for r in rows}
+        out = self.runner.execute([(r.request_id, RowInput(r.tier, r.token_ids, r.start_pos,
+                                                            r.block_tables, r.sample)) for r in rows])
+        dt = time.perf_counter() - t0
+        pipe = self.r.pipeline(transaction=False)
+        for rid, tok in out.tokens.items():
+            live = self.live.get(rid)
+            if live is None:
+                continue
+            n = num_out[rid] + 1
+            reason = finish_reason(tok, n, live.prompt_len + n, live.max_tokens, live.stop_ids,
+                                   self.max_model_len)
+            ev = P.TokenEvent(rid, n - 1, [tok], reason is not None, reason, live.tier, self.id,
+                              live.prompt_len)
+            pipe.xadd(P.out_stream(live.gateway_id), ev.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
+            if reason:
+                self.live.pop(rid, None)
+                self.runner.drop([rid])
+        res = P.StepResult(self.id, plan.step_id, out.tokens, dt, out.num_tokens)
+        pipe.xadd(P.DONE_STREAM, res.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
+        pipe.execute()
+        self.steps += 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mfs.commands import add_model_args  # noqa: PLC0415
+    from mfs.logs import configure  # noqa: PLC0415
+    p = argparse.ArgumentParser(prog="python -m worker", description="MFS worker process")
+    add_model_args(p)
+    p.add_argument("--worker-id", default=f"w-{os.getpid()}")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per segment pool")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--standalone-tier", type=int, default=None,
+                   help="serve only this tier, as its own truncated copy (the independent layout)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = p.parse_args(argv)
+    configure(json_lines=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    svc = WorkerService(args)
+    try:
+        svc.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        svc.stop.set()
+        try:
+            svc.r.srem(P.WORKERS_SET, svc.id)
+            svc.r.delete(P.worker_key(svc.id))
+        except redis.RedisError:
+            pass
+    return 0
