@@ -21,3 +21,10 @@ def llama_family(llama_dir):
 def default_family():
     from mfs.family import load_family
     return load_family("default")
+
+# Triton fixes its library functions to GPU or interpreter mode when it is first imported: make every
+# test process use the CPU interpreter unless a GPU run asks otherwise.
+import os  # noqa: E402
+
+if not os.environ.get("MFS_TEST_GPU"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
