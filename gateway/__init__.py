@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front of MFS (aiohttp on uvloop); see gateway/README.md."""

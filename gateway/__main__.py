@@ -1,0 +1,70 @@
+"""``python -m gateway``: the OpenAI-compatible HTTP front of MFS (aiohttp on uvloop)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+
+import structlog
+import uvloop
+from aiohttp import web
+
+from gateway.app import GatewayConfig, init_app
+from gateway.complexity import ComplexityConfig
+from mfs.logs import configure
+
+log = structlog.get_logger("gateway")
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
+    p.add_argument("--model", default="default", help="default | default-raw | checkpoint dir | HF dir | .gguf")
+    p.add_argument("--tiers", default=None, help="tier cut, e.g. 10,20,30 (see mfs tiers)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--gateway-id", default=None, help="names this gateway's stream mfs:out:{ID}")
+    p.add_argument("--max-inflight", type=int, default=256, help="in-flight requests before 429")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline (s)")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="cap for chat requests without max_tokens (default: the rest of the context)")
+    p.add_argument("--complexity-config", default=None,
+                   help="JSON file or inline JSON object overriding the complexity scorer's settings")
+    a = p.parse_args(argv)
+    cfg = GatewayConfig(model=a.model, tiers=a.tiers, host=a.host, port=a.port, redis_url=a.redis_url,
+                        max_inflight=a.max_inflight, max_body_bytes=a.max_body_bytes,
+                        request_timeout_s=a.request_timeout, default_max_tokens=a.default_max_tokens,
+                        complexity=ComplexityConfig.load(a.complexity_config))
+    if a.gateway_id:
+        cfg.gateway_id = a.gateway_id
+    return cfg
+
+
+async def serve(cfg: GatewayConfig) -> None:
+    runner = web.AppRunner(init_app(cfg), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    await site.start()
+    log.info("gateway.listening", url=f"http://{cfg.host}:{cfg.port}", gateway_id=cfg.gateway_id)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("gateway.stopping", gateway_id=cfg.gateway_id)
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    configure(json_lines=True)
+    cfg = parse_args(argv)
+    uvloop.run(serve(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

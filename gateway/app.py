@@ -1,0 +1,118 @@
+"""The gateway application: ``init_app(config)`` builds it, a cleanup context owns its Redis side.
+
+The cleanup context opens the Redis client, starts the token-event reader and the heartbeat
+(``SET mfs:gateway:{id}`` with a short TTL every second), and on shutdown stops both and closes the
+client. One error middleware answers every failure in OpenAI's error JSON.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+import structlog
+from aiohttp import web
+from redis.exceptions import RedisError
+
+from gateway.backend import Backend
+from gateway.complexity import ComplexityConfig
+from gateway.keys import CONFIG, SERVICE
+from gateway.metrics import Metrics
+from gateway.openai_api import APIError
+from gateway.routes import setup_routes
+from gateway.serving import ClientGone, Service
+from mfs.protocol import gateway_key
+
+log = structlog.get_logger("gateway")
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    model: str = "default"                   # what --model names (see mfs.family)
+    tiers: str | None = None                 # --tiers for a model that is not a nested checkpoint
+    host: str = "127.0.0.1"
+    port: int = 8000
+    redis_url: str = field(default_factory=lambda: os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    gateway_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex[:8]}")
+    max_inflight: int = 256                  # requests in flight before this gateway answers 429
+    max_body_bytes: int = 4 << 20            # larger bodies get 413
+    request_timeout_s: float = 600.0         # the gateway's own deadline per request (then Cancel, 504)
+    default_max_tokens: int | None = None    # chat without max_tokens: the rest of the context, capped here
+    complexity: ComplexityConfig = field(default_factory=ComplexityConfig)
+    reader_block_ms: int = 1000
+    frontend: object | None = None           # a loaded mfs.family.Frontend (tests share one)
+
+
+def _error_response(e: APIError) -> web.Response:
+    return web.json_response(e.body(), status=e.status, headers=e.headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except APIError as e:
+        err = e
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        msg = {404: f"Unknown path {request.path}", 405: f"Method {request.method} is not allowed here",
+               413: f"The request body is too large (limit {request.app[CONFIG].max_body_bytes} bytes)"
+               }.get(e.status, e.reason)
+        code = {413: "request_too_large", 404: "not_found"}.get(e.status)
+        err = APIError(e.status, msg, code=code, headers={k: v for k, v in e.headers.items()
+                                                          if k.lower() in ("allow", "retry-after")})
+    except ClientGone:
+        return web.Response(status=499)  # nobody is listening
+    except RedisError as e:
+        log.error("redis.error", path=request.path, error=str(e))
+        err = APIError(503, "The gateway cannot reach Redis; retry shortly.", code="backend_unavailable",
+                       headers={"Retry-After": "2"})
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 - a bug: log it, answer in the API's shape
+        log.exception("unhandled", path=request.path)
+        err = APIError(500, "Internal server error.", code="internal_error")
+    if SERVICE in request.app:
+        request.app[SERVICE].metrics.errors.labels(str(err.status)).inc()
+    log.info("request.rejected", path=request.path, status=err.status, code=err.code, message=err.message)
+    return _error_response(err)
+
+
+async def redis_ctx(app: web.Application):
+    cfg, svc = app[CONFIG], app[SERVICE]
+    client = aioredis.Redis.from_url(cfg.redis_url, health_check_interval=30)
+    backend = Backend(client, cfg.gateway_id, block_ms=cfg.reader_block_ms)
+    svc.backend = backend
+    tasks = [asyncio.create_task(backend.run_reader(), name="mfs-gateway-reader"),
+             asyncio.create_task(backend.run_heartbeat({"port": cfg.port}), name="mfs-gateway-heartbeat")]
+    log.info("gateway.start", gateway_id=cfg.gateway_id, redis=cfg.redis_url, models=svc.model_ids)
+    yield
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    try:
+        await client.delete(gateway_key(cfg.gateway_id))
+    except RedisError:
+        pass
+    await client.aclose()
+
+
+def init_app(config: GatewayConfig | None = None) -> web.Application:
+    cfg = config or GatewayConfig()
+    frontend = cfg.frontend
+    if frontend is None:
+        from mfs.family import load_frontend  # noqa: PLC0415 - heavy (transformers)
+        frontend = load_frontend(cfg.model, cfg.tiers)
+    if frontend.tokenizer is None:
+        raise ValueError(f"--model {cfg.model!r} has no tokenizer; the gateway needs one to tokenize prompts")
+    app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
+    app[CONFIG] = cfg
+    app[SERVICE] = Service(frontend, Metrics(), complexity_cfg=cfg.complexity, gateway_id=cfg.gateway_id,
+                           max_inflight=cfg.max_inflight, request_timeout_s=cfg.request_timeout_s,
+                           default_max_tokens=cfg.default_max_tokens)
+    app.cleanup_ctx.append(redis_ctx)
+    setup_routes(app)
+    return app

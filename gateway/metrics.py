@@ -1,0 +1,91 @@
+"""Prometheus metrics of one gateway app (its own CollectorRegistry, so tests can run many apps).
+
+Request metrics are labelled by the tier's model id; scheduler gauges are read from the Redis hash
+``mfs:stats`` field ``scheduler`` at scrape time (``refresh_scheduler``), so ``/metrics`` of any
+gateway shows the whole system.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("mfs_requests", "Finished requests by tier model id and finish reason",
+                                ["model", "finish_reason"], registry=r)
+        self.errors = Counter("mfs_request_errors", "Requests answered with an error, by HTTP status",
+                              ["status"], registry=r)
+        self.prompt_tokens = Counter("mfs_prompt_tokens", "Prompt tokens submitted", ["model"], registry=r)
+        self.completion_tokens = Counter("mfs_completion_tokens", "Completion tokens received",
+                                         ["model"], registry=r)
+        self.ttft = Histogram("mfs_time_to_first_token_seconds", "Time to first token", ["model"],
+                              buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("mfs_time_per_output_token_seconds", "Mean time per output token after "
+                              "the first", ["model"], buckets=_TPOT, registry=r)
+        self.e2e = Histogram("mfs_e2e_request_latency_seconds", "End-to-end request latency", ["model"],
+                             buckets=_LATENCY, registry=r)
+        self.inflight = Gauge("mfs_inflight_requests", "Requests this gateway is serving now",
+                              registry=r)
+        self.routing = Counter("mfs_tier_routed", "Requests routed per tier (by name or by the "
+                               "complexity scorer)", ["model", "how"], registry=r)
+        self.live_workers = Gauge("mfs_live_workers", "Workers with a live registration", registry=r)
+        self.waiting = Gauge("mfs_scheduler_waiting", "Requests waiting in the scheduler", ["tier"],
+                             registry=r)
+        self.running = Gauge("mfs_scheduler_running", "Requests running", ["tier"], registry=r)
+        self.kv_used = Gauge("mfs_kv_blocks_used", "KV blocks in use", ["worker", "segment"], registry=r)
+        self.kv_total = Gauge("mfs_kv_blocks_total", "KV blocks in the pool", ["worker", "segment"],
+                              registry=r)
+        self.path_switches = Gauge("mfs_scheduler_path_switches", "Tier-mix changes of worker "
+                                   "batches (cumulative, as the scheduler reports it)", registry=r)
+        self.escalations = Gauge("mfs_scheduler_escalations", "Tier escalations (cumulative)", registry=r)
+        self.preemptions = Gauge("mfs_scheduler_preemptions", "Preemptions (cumulative)", registry=r)
+
+    def observe_request(self, model: str, finish: str, prompt_tokens: int, completion_tokens: int,
+                        ttft: float | None, tpot: float | None, e2e: float) -> None:
+        self.requests.labels(model, finish).inc()
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.completion_tokens.labels(model).inc(completion_tokens)
+        if ttft is not None:
+            self.ttft.labels(model).observe(ttft)
+        if tpot is not None:
+            self.tpot.labels(model).observe(tpot)
+        self.e2e.labels(model).observe(e2e)
+
+    def refresh_scheduler(self, stats: dict, tier_names: list[str]) -> None:
+        """Sets the scheduler gauges from its msgpack dict; missing keys leave their gauges empty."""
+        def tier_label(k) -> str:
+            try:
+                return tier_names[int(k)]
+            except (ValueError, TypeError, IndexError):
+                return str(k)
+
+        for gauge, key in ((self.waiting, "waiting"), (self.running, "running")):
+            gauge.clear()
+            for k, v in _items(stats.get(key)):
+                gauge.labels(tier_label(k)).set(_num(v))
+        for gauge, key in ((self.kv_used, "kv_blocks_used"), (self.kv_total, "kv_blocks_total")):
+            gauge.clear()
+            for worker, segs in _items(stats.get(key)):
+                for s, v in enumerate(segs if isinstance(segs, (list, tuple)) else [segs]):
+                    gauge.labels(str(worker), str(s)).set(_num(v))
+        for gauge, key in ((self.path_switches, "path_switches"), (self.escalations, "escalations"),
+                           (self.preemptions, "preemptions")):
+            gauge.set(_num(stats.get(key, 0)))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _items(v):
+    return v.items() if isinstance(v, dict) else ()
+
+
+def _num(v) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return 0.0

@@ -1,0 +1,294 @@
+"""The OpenAI wire format: request bodies -> typed records, typed results -> response JSON, errors.
+
+Everything that knows what an OpenAI field is called lives here; nothing here touches Redis or the
+tokenizer. Parsing raises :class:`APIError` (status + OpenAI error JSON) for any bad input, so a client
+never sees a 500 for a malformed request.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+ROLES = ("system", "user", "assistant")
+MAX_STOP_STRINGS = 16
+INT32_MAX = (1 << 31) - 1
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "service_unavailable", 504: "timeout_error"}
+
+
+class APIError(Exception):
+    """An error answered with ``status`` and ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str, available: list[str]) -> APIError:
+    return APIError(404, f"The model '{model}' does not exist. Available models: {', '.join(available)}",
+                    param="model", code="model_not_found")
+
+
+def context_overflow(max_len: int, prompt_tokens: int, max_tokens: int | None) -> APIError:
+    asks = f" and asks for {max_tokens} more" if max_tokens is not None else ""
+    return APIError(400, f"This model's maximum context length is {max_len} tokens; the request has "
+                         f"{prompt_tokens} prompt tokens{asks}. Shorten the prompt or lower max_tokens.",
+                    param="messages", code="context_length_exceeded")
+
+
+# ---- typed requests ---------------------------------------------------------------------------
+@dataclass(slots=True)
+class GenParams:
+    max_tokens: int | None = None     # None: the rest of the context (chat) / 16 (completions)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    session_id: str | None = None
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    model: str
+    messages: list[dict]      # [{"role", "content": str}] with text parts already joined
+    params: GenParams
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    model: str
+    prompt: str | list[int]   # text, or token ids
+    params: GenParams
+
+
+def _require_object(body) -> dict:
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.")
+    return body
+
+
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("'model' is required and must be a non-empty string.", "model")
+    return model
+
+
+def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise invalid(f"'{name}' must be an integer, got {v!r}.", name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bounds = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise invalid(f"'{name}' must be {bounds}, got {v}.", name)
+    return v
+
+
+def _float(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise invalid(f"'{name}' must be a number, got {v!r}.", name)
+    if not lo <= v <= hi:
+        raise invalid(f"'{name}' must be between {lo} and {hi}, got {v}.", name)
+    return float(v)
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise invalid(f"'{name}' must be a boolean, got {v!r}.", name)
+    return v
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if (not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops)
+            or len(stops) > MAX_STOP_STRINGS):
+        raise invalid(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} "
+                      "non-empty strings.", "stop")
+    return list(dict.fromkeys(stops))
+
+
+def _unsupported(body: dict) -> None:
+    n = _int(body, "n", lo=1)
+    if n not in (None, 1):
+        raise invalid(f"n={n} is not supported: this server returns exactly one choice per request "
+                      "(send n=1 or leave it out).", "n", code="unsupported_parameter")
+    best_of = _int(body, "best_of", lo=1)
+    if best_of not in (None, 1):
+        raise invalid("'best_of' > 1 is not supported.", "best_of", code="unsupported_parameter")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _float(body, name, 0.0, -2.0, 2.0) != 0.0:
+            raise invalid(f"'{name}' is not supported.", name, code="unsupported_parameter")
+    lp = body.get("logprobs")
+    if lp not in (None, False, 0):
+        raise invalid("'logprobs' is not supported.", "logprobs", code="unsupported_parameter")
+    if body.get("echo") not in (None, False):
+        raise invalid("'echo' is not supported.", "echo", code="unsupported_parameter")
+    if body.get("suffix") not in (None, ""):
+        raise invalid("'suffix' is not supported.", "suffix", code="unsupported_parameter")
+    if body.get("tools") or body.get("functions"):
+        raise invalid("tools/function calling is not supported.", "tools", code="unsupported_parameter")
+
+
+def parse_params(body: dict) -> GenParams:
+    _unsupported(body)
+    max_tokens = _int(body, "max_completion_tokens", lo=1, hi=INT32_MAX)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", lo=1, hi=INT32_MAX)
+    top_k = _int(body, "top_k", lo=-1, hi=INT32_MAX)
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise invalid("'stream_options' must be an object.", "stream_options")
+    include_usage = _bool(opts or {}, "include_usage") if stream else False
+    seed = _int(body, "seed", lo=-(1 << 63), hi=(1 << 63) - 1)
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                 and 0 <= t <= INT32_MAX for t in stop_ids):
+        raise invalid("'stop_token_ids' must be a list of token ids.", "stop_token_ids")
+    session = body.get("session_id", body.get("user"))
+    return GenParams(max_tokens=max_tokens,
+                     temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
+                     top_p=_float(body, "top_p", 1.0, 0.0, 1.0),
+                     top_k=max(0, top_k or 0), seed=seed, stop=_stop(body), stop_token_ids=stop_ids,
+                     ignore_eos=_bool(body, "ignore_eos"), stream=stream, include_usage=include_usage,
+                     session_id=session if isinstance(session, str) and session else None)
+
+
+def _content(msg: dict, i: int) -> str:
+    c = msg.get("content")
+    if isinstance(c, str):
+        return c
+    if c is None and msg["role"] == "assistant":
+        return ""
+    if isinstance(c, list):
+        parts = []
+        for p in c:
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise invalid(f"messages[{i}].content: only text parts ({{\"type\": \"text\", "
+                              "\"text\": ...}) are supported.", f"messages[{i}].content")
+            parts.append(p["text"])
+        return "\n".join(parts)
+    raise invalid(f"messages[{i}].content must be a string or a list of text parts.",
+                  f"messages[{i}].content")
+
+
+def parse_chat(body) -> ChatRequest:
+    body = _require_object(body)
+    model = _model(body)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise invalid("'messages' must be a non-empty list.", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise invalid(f"messages[{i}] must be an object.", f"messages[{i}]")
+        if m.get("role") not in ROLES:
+            raise invalid(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r}.",
+                          f"messages[{i}].role")
+        out.append({"role": m["role"], "content": _content(m, i)})
+    return ChatRequest(model, out, parse_params(body))
+
+
+def parse_completion(body) -> CompletionRequest:
+    body = _require_object(body)
+    model = _model(body)
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # one prompt in a batch of one
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if any(t < 0 or t > INT32_MAX for t in p):
+            raise invalid("'prompt' token ids must be non-negative.", "prompt")
+        prompt: str | list[int] = p
+    elif isinstance(p, str) and p:
+        prompt = p
+    elif isinstance(p, list) and len(p) > 1:
+        raise invalid("Batched prompts are not supported: send one prompt per request.", "prompt",
+                      code="unsupported_parameter")
+    else:
+        raise invalid("'prompt' must be a non-empty string or a list of token ids.", "prompt")
+    return CompletionRequest(model, prompt, parse_params(body))
+
+
+# ---- responses --------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
+
+
+def chat_response(rid: str, model: str, created: int, text: str, finish: str, use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish}],
+            "usage": use}
+
+
+def completion_response(rid: str, model: str, created: int, text: str, finish: str, use: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "usage": use}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None,
+               with_usage: bool) -> dict:
+    c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    if with_usage:
+        c["usage"] = None
+    return c
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None,
+                     with_usage: bool) -> dict:
+    c = {"id": rid, "object": "text_completion", "created": created, "model": model,
+         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+    if with_usage:
+        c["usage"] = None
+    return c
+
+
+def usage_chunk(rid: str, model: str, created: int, obj: str, use: dict) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
+
+
+def models_list(ids: list[str], created: int | None = None, owner: str = "mfs") -> dict:
+    created = created or int(time.time())
+    return {"object": "list", "data": [{"id": i, "object": "model", "created": created,
+                                        "owned_by": owner} for i in ids]}

@@ -1,0 +1,15 @@
+"""The URL table; the views live in ``gateway.views``."""
+from __future__ import annotations
+
+from aiohttp import web
+
+from gateway import views
+
+
+def setup_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/models", views.list_models)
+    app.router.add_get("/v1/models/{model}", views.get_model)
+    app.router.add_post("/v1/chat/completions", views.chat_completions)
+    app.router.add_post("/v1/completions", views.completions)
+    app.router.add_get("/health", views.health)
+    app.router.add_get("/metrics", views.metrics)

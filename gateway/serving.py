@@ -1,0 +1,300 @@
+"""What happens to one request between its parsed body and its response.
+
+:class:`Service` owns the gateway's serving state (frontend, backend, metrics, in-flight slots) and
+turns a typed OpenAI request into a :class:`Job` (tier chosen, prompt tokenized, context checked).
+:class:`Generation` submits the job and turns the token events that come back into text pieces:
+duplicate events dropped by ``seq``, incremental detokenization, stop strings cut in the text (the
+request is then cancelled), and a Cancel sent whenever the gateway stops listening early (client gone,
+deadline).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import structlog
+
+from gateway import complexity
+from gateway.backend import Backend, max_context
+from gateway.detok import IncrementalDetokenizer
+from gateway.metrics import Metrics
+from gateway.openai_api import (APIError, ChatRequest, CompletionRequest, GenParams, context_overflow,
+                                invalid, model_not_found)
+from mfs import protocol as P
+
+log = structlog.get_logger("gateway")
+AUTO = "auto"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class ClientGone(Exception):
+    """The client closed its connection; nobody reads the answer."""
+
+
+@dataclass(slots=True)
+class Job:
+    request_id: str
+    kind: str                  # "chat" | "completion"
+    tier: int
+    prompt_ids: list[int]
+    max_tokens: int
+    params: GenParams
+    routed: str                # "named" | "auto"
+    score: float | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class StopMatcher:
+    """Cuts generated text at the first stop string, holding back a tail that may start one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+
+    def feed(self, new: str, final: bool = False) -> tuple[str, bool]:
+        """Returns (text safe to send now, whether a stop string matched)."""
+        start = max(0, len(self.text) - self.hold)
+        self.text += new
+        hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            cut = min(hits)
+            out, self.text, self.sent = self.text[self.sent:cut], self.text[:cut], cut
+            return out, True
+        end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out, False
+
+
+class Service:
+    def __init__(self, frontend, metrics: Metrics, *, complexity_cfg: complexity.ComplexityConfig,
+                 gateway_id: str, max_inflight: int = 256, request_timeout_s: float = 600.0,
+                 default_max_tokens: int | None = None, poll_s: float = 0.25):
+        self.frontend = frontend
+        self.tok = frontend.tokenizer
+        self.metrics = metrics
+        self.complexity = complexity_cfg
+        self.gateway_id = gateway_id
+        self.max_inflight = max_inflight
+        self.request_timeout_s = request_timeout_s
+        self.default_max_tokens = default_max_tokens
+        self.poll_s = poll_s
+        self.backend: Backend | None = None  # set by the app's cleanup context
+        self.inflight = 0
+        n = len(frontend.tiers)
+        self.tier_ids = [frontend.model_id(i) for i in range(n)]
+        self.tier_names = [t.name for t in frontend.tiers]
+        self.eos_ids = _eos_ids(self.tok)
+        self.vocab_size = len(self.tok)
+
+    @property
+    def model_ids(self) -> list[str]:
+        return self.tier_ids + [self.frontend.family_id]
+
+    def resolve_model(self, model: str) -> int | None:
+        """Tier index, or None for "choose for me" (the family id or "auto")."""
+        if model in (self.frontend.family_id, AUTO):
+            return None
+        if model in self.tier_ids:
+            return self.tier_ids.index(model)
+        raise model_not_found(model, self.model_ids + [AUTO])
+
+    # ---- preparing --------------------------------------------------------------------------
+    @asynccontextmanager
+    async def generation(self, request, req: ChatRequest | CompletionRequest) -> AsyncIterator["Generation"]:
+        tier = self.resolve_model(req.model)
+        if self.inflight >= self.max_inflight:
+            raise APIError(429, f"This gateway is at its limit of {self.max_inflight} requests in "
+                                "flight; retry shortly.", code="too_many_requests",
+                           headers={"Retry-After": "1"})
+        self.inflight += 1
+        self.metrics.inflight.set(self.inflight)
+        gen = None
+        try:
+            job = await self._prepare(req, tier)
+            gen = Generation(self, job, request)
+            await gen.start()
+            yield gen
+        except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes away
+            if gen is not None:
+                gen.cancel_reason = "disconnect"
+            raise
+        finally:
+            if gen is not None:
+                await gen.close()
+            self.inflight -= 1
+            self.metrics.inflight.set(self.inflight)
+
+    async def _prepare(self, req: ChatRequest | CompletionRequest, tier: int | None) -> Job:
+        workers = await self.backend.live_workers()
+        self.metrics.live_workers.set(len(workers))
+        if not workers:
+            raise APIError(503, "No worker is serving right now; retry shortly.", code="no_live_worker",
+                           headers={"Retry-After": "2"})
+        if isinstance(req, ChatRequest):
+            kind, ids = "chat", self._chat_ids(req.messages)
+            text, turns = complexity.chat_text(req.messages)
+        else:
+            kind, ids = "completion", self._prompt_ids(req.prompt)
+            text, turns = (req.prompt if isinstance(req.prompt, str) else self.tok.decode(req.prompt)), 1
+        routed, score = "named", None
+        if tier is None:
+            s = complexity.score_prompt(text, len(ids), turns, len(self.tier_ids), self.complexity)
+            tier, routed, score = s.tier, "auto", s.score
+        p = req.params
+        max_len = max_context(workers)
+        asked = p.max_tokens
+        if max_len is not None and (len(ids) >= max_len or len(ids) + (asked or 0) > max_len):
+            raise context_overflow(max_len, len(ids), asked)
+        if asked is None:
+            default = COMPLETIONS_DEFAULT_MAX_TOKENS if kind == "completion" else self.default_max_tokens
+            room = (max_len - len(ids)) if max_len is not None else None
+            asked = min(x for x in (default, room, 1 << 20) if x is not None)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return Job(f"{prefix}-{uuid.uuid4().hex}", kind, tier, ids, asked, p, routed, score)
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        try:
+            out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # noqa: BLE001 - a template that rejects the conversation is bad input
+            raise invalid(f"The chat template rejected these messages: {e}", "messages") from None
+        if hasattr(out, "keys") and "input_ids" in out:  # transformers 5: a BatchEncoding
+            out = out["input_ids"]
+        ids = list(out)
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        return [int(t) for t in ids]
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            bad = [t for t in prompt if t >= self.vocab_size]
+            if bad:
+                raise invalid(f"Token id {bad[0]} is out of range (vocabulary size {self.vocab_size}).",
+                              "prompt")
+            return list(prompt)
+        return list(self.tok(prompt)["input_ids"])
+
+
+def _eos_ids(tok) -> list[int]:
+    eos = getattr(tok, "eos_token_id", None)
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+class Generation:
+    """One submitted request: yields ``(text, finish_reason)`` pieces, finish_reason on the last."""
+
+    def __init__(self, svc: Service, job: Job, request):
+        self.svc, self.job, self.request = svc, job, request
+        self.detok = IncrementalDetokenizer(svc.tok)
+        self.stopper = StopMatcher(job.params.stop)
+        self.stop_ids = set(job.params.stop_token_ids) | (set() if job.params.ignore_eos else set(svc.eos_ids))
+        self.tier = job.tier
+        self.next_seq = 0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.done = False                 # the backend has finished (or been told to stop) the request
+        self.cancel_reason = "abort"
+        self.queue: asyncio.Queue[P.TokenEvent] | None = None
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.deadline = self.t0 + svc.request_timeout_s
+        self.log = log.bind(request_id=job.request_id)
+
+    @property
+    def model(self) -> str:
+        return self.svc.tier_ids[self.tier]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.job.prompt_ids)
+
+    async def start(self) -> None:
+        j, p = self.job, self.job.params
+        sub = P.Submit(request_id=j.request_id, gateway_id=self.svc.gateway_id, prompt_ids=j.prompt_ids,
+                       tier=j.tier, model_id=self.model, max_tokens=j.max_tokens, temperature=p.temperature,
+                       top_p=p.top_p, top_k=p.top_k, seed=p.seed, stop_token_ids=sorted(self.stop_ids),
+                       ignore_eos=p.ignore_eos, arrival=time.time(), session_id=p.session_id)
+        self.queue = await self.svc.backend.submit(sub)
+        self.svc.metrics.routing.labels(self.model, j.routed).inc()
+
+    async def _next_event(self) -> P.TokenEvent:
+        while True:
+            t = self.request.transport
+            if t is None or t.is_closing():
+                self.cancel_reason = "disconnect"
+                raise ClientGone()
+            left = self.deadline - time.perf_counter()
+            if left <= 0:
+                self.cancel_reason = "deadline"
+                raise APIError(504, f"The request did not finish within {self.svc.request_timeout_s:g} s.",
+                               code="timeout")
+            try:
+                return await asyncio.wait_for(self.queue.get(), min(self.svc.poll_s, left))
+            except TimeoutError:
+                continue
+
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
+        while not self.done:
+            ev = await self._next_event()
+            if ev.finish_reason == "error":
+                self.done, self.finish_reason = True, "error"
+                status = ev.status or (400 if ev.error_code == "context_length_exceeded" else 500)
+                raise APIError(status, ev.error or "The backend failed this request.", code=ev.error_code)
+            ids = ev.token_ids[max(0, self.next_seq - ev.seq):]
+            if ev.seq > self.next_seq:
+                self.log.warning("tokens.gap", expected=self.next_seq, got=ev.seq)
+            self.next_seq = max(self.next_seq, ev.seq + len(ev.token_ids))
+            if 0 <= ev.tier < len(self.svc.tier_ids):
+                self.tier = ev.tier
+            self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
+            if ids:
+                now = time.perf_counter()
+                self.t_first = self.t_first or now
+                self.t_last = now
+                self.completion_tokens += len(ids)
+            elif not ev.finished:
+                continue  # a duplicate
+            text_ids = ids[:-1] if ev.finish_reason == "stop" and ids and ids[-1] in self.stop_ids else ids
+            text = self.detok.push(text_ids)
+            if ev.finished:
+                text += self.detok.flush()
+            out, stopped = self.stopper.feed(text, final=ev.finished)
+            if stopped and not ev.finished:
+                await self.svc.backend.cancel(self.job.request_id, "stop")
+            if stopped or ev.finished:
+                self.done = True
+                self.finish_reason = "stop" if stopped else (ev.finish_reason or "stop")
+                yield out, self.finish_reason
+                return
+            if out:
+                yield out, None
+
+    async def close(self) -> None:
+        be = self.svc.backend
+        if self.done:
+            be.release(self.job.request_id)
+        else:
+            self.finish_reason = self.cancel_reason
+            await be.cancel(self.job.request_id, self.cancel_reason)
+        e2e = time.perf_counter() - self.t0
+        ttft = (self.t_first - self.t0) if self.t_first else None
+        tpot = ((self.t_last - self.t_first) / (self.completion_tokens - 1)
+                if self.t_first and self.completion_tokens > 1 else None)
+        finish = self.finish_reason or "abort"
+        self.svc.metrics.observe_request(self.model, finish, self.prompt_tokens, self.completion_tokens,
+                                         ttft, tpot, e2e)
+        self.log.info("request.done", kind=self.job.kind, tier=self.tier, model=self.model,
+                      routed=self.job.routed, score=self.job.score, finish_reason=finish,
+                      prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                      cached_tokens=self.cached_tokens, ttft_s=_r(ttft), tpot_s=_r(tpot), e2e_s=_r(e2e))
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)

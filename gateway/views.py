@@ -1,0 +1,128 @@
+"""Thin HTTP views: body -> typed request (openai_api) -> Generation (serving) -> JSON or SSE."""
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+from redis.exceptions import RedisError
+
+from gateway import openai_api as api
+from gateway.keys import CONFIG, SERVICE
+from gateway.serving import ClientGone, Generation
+
+
+async def read_json(request: web.Request):
+    raw = await request.read()  # raises 413 past client_max_size
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise api.invalid(f"The body is not valid JSON: {e}") from None
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response(api.models_list(request.app[SERVICE].model_ids))
+
+
+async def get_model(request: web.Request) -> web.Response:
+    svc, name = request.app[SERVICE], request.match_info["model"]
+    if name not in svc.model_ids:
+        raise api.model_not_found(name, svc.model_ids)
+    return web.json_response(api.models_list([name])["data"][0])
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, api.parse_chat(await read_json(request)))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, api.parse_completion(await read_json(request)))
+
+
+async def health(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    try:
+        n = len(await svc.backend.live_workers())
+    except RedisError as e:
+        return web.json_response({"status": "error", "workers": 0, "error": f"redis: {e}"}, status=503)
+    svc.metrics.live_workers.set(n)
+    return web.json_response({"status": "ok" if n else "no_workers", "workers": n,
+                              "gateway_id": request.app[CONFIG].gateway_id}, status=200 if n else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    try:
+        svc.metrics.refresh_scheduler(await svc.backend.scheduler_stats(), svc.tier_names)
+    except RedisError:
+        pass  # the request metrics are still worth a scrape
+    return web.Response(body=svc.metrics.render(), content_type="text/plain",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
+# ---- completions ----------------------------------------------------------------------------
+async def _serve(request: web.Request, req) -> web.StreamResponse:
+    async with request.app[SERVICE].generation(request, req) as gen:
+        if req.params.stream:
+            return await _stream(request, gen)
+        texts, finish = [], None
+        async for text, finish in gen.pieces():
+            texts.append(text)
+        return web.json_response(_final(gen, "".join(texts), finish))
+
+
+def _final(gen: Generation, text: str, finish: str) -> dict:
+    j = gen.job
+    use = api.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+    build = api.chat_response if j.kind == "chat" else api.completion_response
+    return build(j.request_id, gen.model, j.created, text, finish, use)
+
+
+def _chunk(gen: Generation, text: str | None, finish: str | None, role: bool = False) -> dict:
+    j, incl = gen.job, gen.job.params.include_usage
+    if j.kind == "completion":
+        return api.completion_chunk(j.request_id, gen.model, j.created, text or "", finish, incl)
+    delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+    return api.chat_chunk(j.request_id, gen.model, j.created, delta, finish, incl)
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+
+
+async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
+    pieces = gen.pieces()
+    # Wait for the first piece before committing to 200: an immediate error keeps its real status.
+    first = await anext(pieces)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no", "X-Request-Id": gen.job.request_id})
+    await resp.prepare(request)
+    try:
+        if gen.job.kind == "chat":
+            await resp.write(_sse(_chunk(gen, None, None, role=True)))
+        text, finish = first
+        while True:
+            if text or finish:
+                await resp.write(_sse(_chunk(gen, text, finish)))
+            if finish:
+                break
+            text, finish = await anext(pieces)
+        if gen.job.params.include_usage:
+            obj = "chat.completion.chunk" if gen.job.kind == "chat" else "text_completion"
+            use = api.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+            await resp.write(_sse(api.usage_chunk(gen.job.request_id, gen.model, gen.job.created, obj, use)))
+        await resp.write(_sse(b"[DONE]"))
+    except api.APIError as e:  # mid-stream: the status is sent already; say it in the stream
+        request.app[SERVICE].metrics.errors.labels(str(e.status)).inc()
+        await _write_quietly(resp, _sse(e.body()) + _sse(b"[DONE]"))
+    except (ConnectionResetError, ClientGone):
+        gen.cancel_reason = "disconnect"
+    finally:
+        await pieces.aclose()
+    return resp
+
+
+async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
+    try:
+        await resp.write(data)
+    except ConnectionResetError:
+        pass

@@ -1,0 +1,506 @@
+"""The gateway against a real redis-server, with the test playing scheduler + worker.
+
+The fake backend reads the Submit/Cancel records the gateway XADDs to ``mfs:req`` and answers with
+TokenEvent records on ``mfs:out:{gateway}``, exactly as mfs/protocol.py describes; clients are the
+official ``openai`` package and ``httpx`` (for raw bodies and disconnects) against a real port.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx2 as httpx  # what openai 3.x ships (the httpx API)
+import msgpack
+import openai
+import pytest
+import redis
+import uvloop
+from aiohttp import web
+
+from gateway.app import GatewayConfig, init_app
+from mfs import protocol as P
+from tests.redis_server import redis_url  # noqa: F401 - the session fixture
+
+MAX_LEN = 4096
+PARIS = "The capital of France is Paris."
+
+
+# ---- harness ----------------------------------------------------------------------------------
+class ServerThread:
+    """One gateway app on its own (uvloop) event loop in a thread, on a free port."""
+
+    def __init__(self, cfg: GatewayConfig):
+        self.cfg, self.port = cfg, None
+        self.ready = threading.Event()
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        asyncio.set_event_loop(self.loop)
+        runner = web.AppRunner(init_app(self.cfg), handler_cancellation=True, access_log=None)
+        self.loop.run_until_complete(runner.setup())
+        self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+        self.port = runner.addresses[0][1]
+        self.ready.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(runner.cleanup())
+        self.loop.close()
+
+    def __enter__(self):
+        self.thread.start()
+        assert self.ready.wait(30), "gateway did not start"
+        return self
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(15)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, **kw)
+
+
+class FakeBackend(threading.Thread):
+    """Plays scheduler + worker: every Submit is answered by ``self.script(submit)``."""
+
+    def __init__(self, url: str, tokenizer):
+        super().__init__(daemon=True)
+        self.r = redis.Redis.from_url(url)
+        self.tok = tokenizer
+        self.submits: dict[str, P.Submit] = {}
+        self.cancels: dict[str, str] = {}
+        self.halt = threading.Event()
+        self.script = self.reply(PARIS)
+
+    def run(self):
+        last = self.r.xrevrange(P.REQ_STREAM, count=1)
+        last_id = last[0][0] if last else "0-0"
+        while not self.halt.is_set():
+            for _, entries in self.r.xread({P.REQ_STREAM: last_id}, block=50) or ():
+                for last_id, fields in entries:
+                    rec = P.decode(fields)
+                    if isinstance(rec, P.Cancel):
+                        self.cancels[rec.request_id] = rec.reason
+                    elif isinstance(rec, P.Submit):
+                        self.submits[rec.request_id] = rec
+                        threading.Thread(target=self._play, args=(rec, self.script), daemon=True).start()
+
+    def _play(self, sub: P.Submit, script):
+        for delay, ev in script(sub):
+            time.sleep(delay)
+            if sub.request_id in self.cancels or self.halt.is_set():
+                return
+            try:
+                self.r.xadd(P.out_stream(sub.gateway_id), ev.encode())
+            except redis.RedisError:
+                return  # the session is over
+
+    def last_submit(self) -> P.Submit:
+        return list(self.submits.values())[-1]
+
+    def wait_cancel(self, request_id: str, timeout: float = 5.0) -> str | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if request_id in self.cancels:
+                return self.cancels[request_id]
+            time.sleep(0.02)
+        return None
+
+    # scripts: submit -> [(delay_s, TokenEvent)]
+    def reply(self, text, chunk: int = 2, delay: float = 0.0, duplicate: bool = True):
+        """``text``: a string, or a function of the Submit that returns one."""
+        def script(sub: P.Submit):
+            ids = self.tok.encode(text(sub) if callable(text) else text, add_special_tokens=False)
+            toks = ids + ([] if sub.ignore_eos else [self.tok.eos_token_id])
+            finish = "stop"
+            if len(toks) >= sub.max_tokens:
+                toks, finish = toks[:sub.max_tokens], "length"
+            out = []
+            for s in range(0, len(toks), chunk):
+                last = s + chunk >= len(toks)
+                ev = P.TokenEvent(sub.request_id, s, toks[s:s + chunk], last, finish if last else None,
+                                  tier=sub.tier, worker="w0", prompt_tokens=len(sub.prompt_ids))
+                out.append((delay, ev))
+                if duplicate and not last:
+                    out.append((0.0, ev))  # at-least-once delivery: the gateway drops it by seq
+            return out
+        return script
+
+    def endless(self, delay: float = 0.05):
+        def script(sub: P.Submit):
+            return [(delay, P.TokenEvent(sub.request_id, i, [self.tok.encode(" la")[0]], tier=sub.tier))
+                    for i in range(400)]
+        return script
+
+    def error(self, status: int, code: str, message: str, after_tokens: int = 0):
+        def script(sub: P.Submit):
+            out = [(0.0, P.TokenEvent(sub.request_id, i, self.tok.encode(" ok")[:1], tier=sub.tier))
+                   for i in range(after_tokens)]
+            out.append((0.05, P.TokenEvent(sub.request_id, after_tokens, [], True, "error", tier=sub.tier,
+                                           error=message, error_code=code, status=status)))
+            return out
+        return script
+
+
+def register_worker(r: redis.Redis, worker: str = "w0", max_len: int = MAX_LEN) -> None:
+    r.hset(P.worker_key(worker), mapping={"max_model_len": str(max_len), "tiers": "3"})
+    r.expire(P.worker_key(worker), 120)
+    r.sadd(P.WORKERS_SET, worker)
+
+
+@pytest.fixture(scope="session")
+def frontend():
+    from mfs.family import load_frontend
+    return load_frontend("default")
+
+
+@pytest.fixture(scope="session")
+def rds(redis_url):  # noqa: F811
+    r = redis.Redis.from_url(redis_url)
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="session")
+def backend(redis_url, frontend):  # noqa: F811
+    fb = FakeBackend(redis_url, frontend.tokenizer)
+    fb.start()
+    yield fb
+    fb.halt.set()
+    fb.join(5)
+    fb.r.close()
+
+
+@pytest.fixture(scope="session")
+def gw(redis_url, frontend, backend):  # noqa: F811
+    cfg = GatewayConfig(redis_url=redis_url, gateway_id="gw-test", frontend=frontend,
+                        max_body_bytes=1 << 20)
+    with ServerThread(cfg) as s:
+        yield s
+
+
+@pytest.fixture(autouse=True)
+def fresh(rds, backend):
+    register_worker(rds)
+    backend.script = backend.reply(PARIS)
+    yield
+
+
+# ---- happy paths ------------------------------------------------------------------------------
+def test_models_lists_tiers_and_family(gw):
+    ids = [m.id for m in gw.client().models.list().data]
+    assert ids == ["smollm2-135m-small", "smollm2-135m-medium", "smollm2-135m-large", "smollm2-135m"]
+    assert gw.client().models.retrieve("smollm2-135m-large").id == "smollm2-135m-large"
+    with pytest.raises(openai.NotFoundError):
+        gw.client().models.retrieve("smollm2-135m-huge")
+
+
+def test_chat_non_stream(gw, backend, frontend):
+    r = gw.client().chat.completions.create(
+        model="smollm2-135m-medium", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=50, temperature=0.7, top_p=0.9, seed=7, extra_body={"top_k": 20})
+    assert r.choices[0].message.content == PARIS
+    assert r.choices[0].finish_reason == "stop"
+    assert r.model == "smollm2-135m-medium"
+    sub = backend.submits[r.id]
+    assert (sub.tier, sub.max_tokens, sub.temperature, sub.top_p, sub.top_k, sub.seed) == (1, 50, 0.7, 0.9, 20, 7)
+    assert sub.gateway_id == "gw-test" and sub.model_id == "smollm2-135m-medium"
+    assert frontend.tokenizer.eos_token_id in sub.stop_token_ids
+    expect = frontend.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True,
+        tokenize=True)["input_ids"]
+    assert sub.prompt_ids == list(expect)
+    n = len(frontend.tokenizer.encode(PARIS)) + 1  # + the eos the worker sampled
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(expect), n)
+    assert r.usage.total_tokens == len(expect) + n
+
+
+def test_chat_stream_with_usage(gw, backend):
+    chunks = list(gw.client().chat.completions.create(
+        model="smollm2-135m-large", messages=[{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": [{"type": "text", "text": "Capital?"}]}],
+        max_completion_tokens=40, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == PARIS
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.model == "smollm2-135m-large" for c in chunks)
+    assert backend.last_submit().max_tokens == 40
+
+
+def test_completions_length_and_stream(gw, backend):
+    c = gw.client()
+    r = c.completions.create(model="smollm2-135m-small", prompt="Once upon a time", max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    assert r.choices[0].text == "The capital of"
+    assert r.model == "smollm2-135m-small"
+    chunks = list(c.completions.create(model="smollm2-135m-small", prompt="Once upon a time", stream=True,
+                                       max_tokens=100, extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks) == PARIS
+    assert backend.last_submit().ignore_eos is True
+    r = c.completions.create(model="smollm2-135m-small", prompt=[504, 3458], max_tokens=5)  # token ids
+    assert backend.submits[r.id].prompt_ids == [504, 3458]
+
+
+def test_completions_default_max_tokens_is_16(gw, backend):
+    gw.client().completions.create(model="smollm2-135m-small", prompt="Hi")
+    assert backend.last_submit().max_tokens == 16
+
+
+def test_unicode_streams_whole_characters(gw, backend):
+    text = "Café ☕ — 日本語 🎉 done"
+    backend.script = backend.reply(text, chunk=1)
+    chunks = list(gw.client().chat.completions.create(
+        model="smollm2-135m-small", messages=[{"role": "user", "content": "hi"}], stream=True))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("model,prompt,tier", [
+    ("smollm2-135m", "What is the capital of France?", 0),
+    ("auto", "Explain step by step why the sky is blue.", 1),
+    ("smollm2-135m", "Explain why this Python function has a bug and how to fix it:\n```python\n"
+                     "def f(x):\n    return x +\n```", 2),
+])
+def test_family_id_routes_by_complexity(gw, backend, model, prompt, tier):
+    r = gw.client().chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}])
+    assert backend.submits[r.id].tier == tier
+    assert r.model == f"smollm2-135m-{['small', 'medium', 'large'][tier]}"
+
+
+def test_concurrent_requests_get_their_own_tokens(gw, backend):
+    backend.script = backend.reply(lambda sub: f"answer for {sub.request_id[-8:]} ok", chunk=1, delay=0.005)
+    results: dict[int, tuple] = {}
+
+    def one(i: int):
+        c = gw.client()
+        if i % 2:
+            chunks = list(c.chat.completions.create(stream=True, **CHAT))
+            results[i] = (chunks[0].id, "".join(ch.choices[0].delta.content or "" for ch in chunks))
+        else:
+            r = c.chat.completions.create(**CHAT)
+            results[i] = (r.id, r.choices[0].message.content)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(results) == 8
+    for rid, text in results.values():
+        assert text == f"answer for {rid[-8:]} ok"
+
+
+def test_overlapping_events_and_served_tier(gw, backend, frontend):
+    ids = frontend.tokenizer.encode(" one two three four", add_special_tokens=False)
+
+    def script(sub):  # at-least-once, re-batched redelivery; the scheduler escalated it to tier 2
+        ev = lambda seq, toks, fin=False: (0.0, P.TokenEvent(sub.request_id, seq, toks, fin,  # noqa: E731
+                                                             "stop" if fin else None, tier=2))
+        return [ev(0, ids[:2]), ev(1, ids[1:3]), ev(0, ids[:1]), ev(2, ids[2:]), ev(4, [], True)]
+    backend.script = script
+    r = gw.client().completions.create(model="smollm2-135m-small", prompt="count", max_tokens=20)
+    assert r.choices[0].text == " one two three four"
+    assert r.usage.completion_tokens == len(ids)
+    assert r.model == "smollm2-135m-large"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_truncates_and_cancels(gw, backend, stream):
+    backend.script = backend.reply("Hello world. STOP and then a lot more text that is never sent.",
+                                   chunk=1, delay=0.01)
+    c = gw.client()
+    kw = dict(model="smollm2-135m-small", messages=[{"role": "user", "content": "hi"}],
+              stop=["never", "STOP"], stream=stream)
+    if stream:
+        chunks = list(c.chat.completions.create(**kw))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+        finish, rid = chunks[-1].choices[0].finish_reason, chunks[-1].id
+    else:
+        r = c.chat.completions.create(**kw)
+        text, finish, rid = r.choices[0].message.content, r.choices[0].finish_reason, r.id
+    assert text == "Hello world. " and finish == "stop"
+    assert backend.wait_cancel(rid) == "stop"
+
+
+# ---- errors -----------------------------------------------------------------------------------
+def _err(resp: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code is not None:
+        assert err["code"] == code
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+CHAT = {"model": "smollm2-135m-small", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("body,param", [
+    (b"{not json", None),
+    (b"[1, 2]", None),
+    (json.dumps({"model": "smollm2-135m-small"}).encode(), "messages"),
+    (json.dumps({**CHAT, "messages": [{"role": "robot", "content": "x"}]}).encode(), "messages[0].role"),
+    (json.dumps({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(),
+     "messages[0].content"),
+    (json.dumps({**CHAT, "temperature": 5}).encode(), "temperature"),
+    (json.dumps({**CHAT, "max_tokens": 0}).encode(), "max_tokens"),
+    (json.dumps({**CHAT, "max_tokens": "ten"}).encode(), "max_tokens"),
+    (json.dumps({**CHAT, "stop": [1, 2]}).encode(), "stop"),
+    (json.dumps({**CHAT, "top_p": 1.5}).encode(), "top_p"),
+    (json.dumps({**CHAT, "stream": "yes"}).encode(), "stream"),
+    (json.dumps({"messages": CHAT["messages"]}).encode(), "model"),
+    (json.dumps({**CHAT, "seed": 2 ** 70}).encode(), "seed"),
+    (json.dumps({**CHAT, "max_tokens": 2 ** 40}).encode(), "max_tokens"),
+    (b'{"model": "smollm2-135m-small", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+     "temperature"),
+    (b"[" * 100000 + b"]" * 100000, None),
+])
+def test_bad_chat_input_is_400(gw, body, param):
+    r = httpx.post(gw.url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    err = _err(r, 400, param=param)
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "smollm2-135m-small"}, "prompt"),
+    ({"model": "smollm2-135m-small", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "smollm2-135m-small", "prompt": [10 ** 9]}, "prompt"),
+    ({"model": "smollm2-135m-small", "prompt": "x", "echo": True}, "echo"),
+])
+def test_bad_completion_input_is_400(gw, body, param):
+    _err(httpx.post(gw.url + "/v1/completions", json=body), 400, param=param)
+
+
+def test_n_above_one_is_400_with_openai_client(gw):
+    with pytest.raises(openai.BadRequestError) as e:
+        gw.client().chat.completions.create(n=2, **CHAT)
+    assert e.value.status_code == 400 and e.value.code == "unsupported_parameter"
+    assert "n=2 is not supported" in e.value.message
+
+
+def test_unknown_model_is_404(gw):
+    with pytest.raises(openai.NotFoundError) as e:
+        gw.client().chat.completions.create(model="gpt-4", messages=CHAT["messages"])
+    assert e.value.code == "model_not_found"
+    _err(httpx.post(gw.url + "/v1/completions", json={"model": "nope", "prompt": "x"}), 404, "model_not_found")
+    _err(httpx.get(gw.url + "/v1/nothing-here"), 404)
+
+
+def test_context_overflow_is_400(gw, rds):
+    register_worker(rds, "w1", 2048)  # the smallest live worker decides
+    try:
+        r = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2040})
+        err = _err(r, 400, "context_length_exceeded")
+        assert "maximum context length is 2048 tokens" in err["message"]
+        assert "asks for 2040 more" in err["message"]
+        r = httpx.post(gw.url + "/v1/completions", json={"model": "smollm2-135m-small",
+                                                         "prompt": "word " * 3000})
+        assert "maximum context length is 2048" in _err(r, 400, "context_length_exceeded")["message"]
+    finally:
+        rds.delete(P.worker_key("w1"))
+        rds.srem(P.WORKERS_SET, "w1")
+
+
+def test_body_too_large_is_413(gw):
+    big = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * (2 << 20)}]})
+    _err(httpx.post(gw.url + "/v1/chat/completions", content=big), 413, "request_too_large")
+
+
+def test_no_live_worker_is_503_and_health_follows(gw, rds):
+    h = httpx.get(gw.url + "/health")
+    assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["workers"] == 1
+    rds.delete(P.worker_key("w0"))  # registered, but its key expired: not live
+    r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT)
+    _err(r, 503, "no_live_worker")
+    assert r.headers["Retry-After"]
+    assert httpx.get(gw.url + "/health").status_code == 503
+
+
+def test_backend_error_event_keeps_its_status(gw, backend):
+    backend.script = backend.error(400, "context_length_exceeded", "too long for worker w0")
+    r = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True})
+    assert _err(r, 400, "context_length_exceeded")["message"] == "too long for worker w0"
+    backend.script = backend.error(500, "worker_failed", "worker w0 died", after_tokens=2)
+    r = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status_code == 200
+    lines = [ln[6:] for ln in r.text.split("\n\n") if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    assert json.loads(lines[-2])["error"]["code"] == "worker_failed"
+
+
+def test_overload_is_429(redis_url, frontend, backend, rds):  # noqa: F811
+    cfg = GatewayConfig(redis_url=redis_url, gateway_id="gw-limited", frontend=frontend, max_inflight=1)
+    backend.script = backend.endless()
+    with ServerThread(cfg) as s, httpx.Client(timeout=10) as http:
+        with http.stream("POST", s.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as first:
+            lines = first.iter_lines()  # keep a reference: a collected iterator closes the response
+            next(lines)
+            r = httpx.post(s.url + "/v1/chat/completions", json=CHAT)
+            _err(r, 429, "too_many_requests")
+            assert r.headers["Retry-After"] == "1"
+            rid = backend.last_submit().request_id
+        assert backend.wait_cancel(rid) == "disconnect"
+
+
+# ---- cancellation -----------------------------------------------------------------------------
+def test_stream_disconnect_sends_cancel(gw, backend):
+    backend.script = backend.endless()
+    with httpx.Client(timeout=10) as http, \
+            http.stream("POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(ln.startswith("data: ") for ln in got)
+        rid = backend.last_submit().request_id
+    assert backend.wait_cancel(rid) == "disconnect"
+
+
+def test_non_stream_client_gone_sends_cancel(gw, backend):
+    backend.script = backend.endless()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=0.5)
+    rid = backend.last_submit().request_id
+    assert backend.wait_cancel(rid) == "disconnect"
+
+
+def test_deadline_sends_cancel_and_504(redis_url, frontend, backend):  # noqa: F811
+    cfg = GatewayConfig(redis_url=redis_url, gateway_id="gw-deadline", frontend=frontend,
+                        request_timeout_s=0.6)
+    backend.script = backend.endless(delay=0.1)
+    with ServerThread(cfg) as s:
+        _err(httpx.post(s.url + "/v1/chat/completions", json=CHAT), 504, "timeout")
+        assert backend.wait_cancel(backend.last_submit().request_id) == "deadline"
+
+
+# ---- health, metrics, heartbeat ---------------------------------------------------------------
+def test_metrics_and_heartbeat(gw, rds):
+    gw.client().chat.completions.create(**CHAT)
+    stats = {"waiting": {0: 2, 2: 1}, "running": {1: 3}, "kv_blocks_used": {"w0": [5, 4, 1]},
+             "kv_blocks_total": {"w0": [100, 100, 100]}, "path_switches": 7}  # no escalations key
+    rds.hset(P.STATS_KEY, "scheduler", msgpack.packb(stats))
+    try:
+        text = httpx.get(gw.url + "/metrics").text
+    finally:
+        rds.delete(P.STATS_KEY)
+    assert 'mfs_requests_total{finish_reason="stop",model="smollm2-135m-small"}' in text
+    assert 'mfs_time_to_first_token_seconds_count{model="smollm2-135m-small"}' in text
+    assert "mfs_e2e_request_latency_seconds_bucket" in text and "mfs_inflight_requests " in text
+    assert 'mfs_scheduler_waiting{tier="small"} 2.0' in text
+    assert 'mfs_scheduler_running{tier="medium"} 3.0' in text
+    assert 'mfs_kv_blocks_used{segment="1",worker="w0"} 4.0' in text
+    assert "mfs_scheduler_path_switches 7.0" in text and "mfs_scheduler_escalations 0.0" in text
+    assert httpx.get(gw.url + "/metrics").status_code == 200  # the hash gone: still fine
+    ttl = rds.ttl(P.gateway_key("gw-test"))
+    assert 0 < ttl <= P.WORKER_TTL_S
+    beat = json.loads(rds.get(P.gateway_key("gw-test")))
+    assert beat["port"] and beat["pid"] and beat["t"] > 0
