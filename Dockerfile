@@ -1,0 +1,17 @@
+# One image for every MFS process (gateway, scheduler, worker); compose.yaml picks the command.
+FROM python:3.11-slim
+RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf /var/lib/apt/lists/*
+WORKDIR /app
+COPY requirements.lock pyproject.toml Makefile README.md ./
+COPY mfs mfs
+COPY gateway gateway
+COPY scheduler scheduler
+COPY worker worker
+COPY kvstore kvstore
+COPY kernels kernels
+RUN make setup PY=python3
+ENV PATH=/app/.venv/bin:$PATH MFS_LOG_JSON=1 HF_HUB_OFFLINE=1
+# Dequantize the default family's GGUF once at build time (cached under /root/.cache/mfs).
+RUN python -c "from mfs.family import load_family; load_family('default')"
+EXPOSE 8000
+CMD ["mfs", "up", "--model", "default", "--host", "0.0.0.0"]
