@@ -128,7 +128,9 @@ def add_up(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--layout", default="nested", choices=["nested", "independent"])
+    p.add_argument("--layout", default="nested", choices=["nested", "independent"],
+                   help="independent: each tier a standalone copy on its own worker (the baseline)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores - 1)")
     p.set_defaults(func=run_up)
 
 

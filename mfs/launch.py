@@ -147,8 +147,9 @@ class Service:
             self._spawn(f"worker-{wid}", "worker", r + self._model_args() + ["--worker-id", wid] + extra
                         + self.worker_args)
         if self.with_gateway:
-            self._spawn("gateway", "gateway", r + self._model_args() + ["--host", self.host, "--port",
-                                                                        str(self.port)] + self.gateway_args)
+            fam = ["--model", self.model] + (["--tiers", self.tiers] if self.tiers else [])
+            self._spawn("gateway", "gateway", r + fam + ["--host", self.host, "--port", str(self.port)]
+                        + self.gateway_args)
         try:
             if self.with_gateway:
                 self.wait_ready(timeout, expect_workers=len(self.worker_plan()))
@@ -212,7 +213,7 @@ class Service:
 
 
 def up(args) -> int:
-    worker_args = []
+    worker_args = ["--threads", str(args.threads)] if args.threads else []
     svc = Service(args.model, tiers=args.tiers, workers=args.workers, layout=args.layout,
                   host=args.host, port=args.port, worker_args=worker_args, dtype=args.dtype)
     print(f"mfs up: starting {args.layout} layout of {args.model!r} with {args.workers} worker(s); "

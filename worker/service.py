@@ -159,11 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--standalone-tier", type=int, default=None,
                    help="serve only this tier, as its own truncated copy (the independent layout)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                   help="torch threads (default: all cores but one, which the gateway and scheduler use)")
     args = p.parse_args(argv)
     configure(json_lines=True)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     svc = WorkerService(args)
     try:
         svc.run()
