@@ -151,10 +151,7 @@ def build_model(base: BaseWeights, tiers: list[TierSpec], dtype: torch.dtype = t
     tlist = [Tier(i, t.name, t.layers) for i, t in enumerate(tiers)]
     with torch.device("meta"):
         model = NestedModel(cfg, tlist, max_positions=max_positions, ops=ops or select_backend(None, device))
-    model = model.to_empty(device=device)
-    model.tie_weights()
-    model.rebuild_buffers()
-    model.load_base_state(base.state_dict)
+    model.adopt_base_state({k: v.to(device) for k, v in base.state_dict.items()})
     model = model.to(dtype)
     model.rebuild_buffers()
     return model
@@ -171,6 +168,7 @@ def load_family(model: str = "default", tiers: str | None = None, dtype: str | N
     tdtype = _DTYPES[dtype or manifest.dtype]
     nm = build_model(base, manifest.tiers, tdtype, device, max_positions,
                      select_backend(kernels, device))
+    base.state_dict = {}  # the model owns the weights now; keep no second reference
     if manifest.weights and mdir is not None:
         from mfs.checkpoint import apply_weights  # noqa: PLC0415
         apply_weights(nm, mdir / manifest.weights["file"], manifest.weights["kind"])

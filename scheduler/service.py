@@ -52,6 +52,10 @@ class SchedulerService:
         self._last_refresh = 0.0
         self._last_stats = 0.0
         self.escalations = 0
+        # Transport share of a step: plan sent -> result handled, against the worker's own step time.
+        self.step_count = 0
+        self.step_roundtrip_s = 0.0
+        self.step_forward_s = 0.0
         self.running = True
 
     def setup(self) -> None:
@@ -150,6 +154,9 @@ class SchedulerService:
         w = self.workers.get(res.worker)
         if w is None or w.inflight is None or res.step_id != w.step_id:
             return  # a result for a plan from before a restart
+        self.step_count += 1
+        self.step_roundtrip_s += time.monotonic() - w.sent_at
+        self.step_forward_s += res.forward_s
         for o in w.core.update(w.inflight, res.tokens):
             if o.finished:
                 self.placement.pop(o.request_id, None)
@@ -194,7 +201,8 @@ class SchedulerService:
             pre += w.core.stats.preemptions
         stats = {"waiting": waiting, "running": running, "kv_blocks_used": used, "kv_blocks_total": total,
                  "path_switches": sw, "escalations": self.escalations, "preemptions": pre,
-                 "workers": len(self.workers), "updated": time.time()}
+                 "workers": len(self.workers), "updated": time.time(), "steps": self.step_count,
+                 "step_roundtrip_s": self.step_roundtrip_s, "step_forward_s": self.step_forward_s}
         self.r.hset(P.STATS_KEY, "scheduler", msgpack.packb(stats))
 
     # ---- the loop ----------------------------------------------------------------------------

@@ -118,6 +118,30 @@ class NestedModel(nn.Module):
                 src = (exit_norms or {}).get(t.index, sd["model.norm.weight"])
                 self.exit_norms[t.index].copy_(src)
 
+    def adopt_base_state(self, sd: dict[str, torch.Tensor]) -> None:
+        """Like load_base_state, but the model takes the loader's tensors as its parameters instead
+        of copying them (a meta-initialised model needs no memory of its own: loading peaks at one
+        copy of the weights, not two). The exit norms start as copies of the final norm."""
+        def take(module: nn.Module, name: str, key: str) -> None:
+            module._parameters[name] = nn.Parameter(sd[key], requires_grad=False)
+
+        take(self.embed_tokens, "weight", "model.embed_tokens.weight")
+        if not self.cfg.tie_embeddings:
+            take(self.lm_head, "weight", "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            for hf, ours in _LAYER_KEYS.items():
+                lin = getattr(layer, ours)
+                take(lin, "weight", p + hf + ".weight")
+                if lin.bias is not None:
+                    take(lin, "bias", p + hf + ".bias")
+            take(layer, "input_layernorm", p + "input_layernorm.weight")
+            take(layer, "post_attention_layernorm", p + "post_attention_layernorm.weight")
+        for t in self.tiers:
+            self.exit_norms[t.index] = nn.Parameter(sd["model.norm.weight"].clone(), requires_grad=False)
+        self.tie_weights()
+        self.rebuild_buffers()
+
     def exit_param_name(self, tier: int) -> str:
         return f"exit_norms.{tier}"
 

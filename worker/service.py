@@ -48,6 +48,8 @@ class WorkerService:
             if not 0 <= k < ntiers:
                 raise ValueError(f"--standalone-tier {k}: the family has tiers 0..{ntiers - 1}")
             model, self.tiers, tier_map, nseg = standalone_tier(model, k), [k], {k: 0}, 1
+            del fam  # the rest of the family is not this worker's: give its memory back
+            _release_memory()
         else:
             self.tiers, tier_map, nseg = list(range(ntiers)), None, ntiers
         self.num_blocks = [args.num_blocks] * nseg
@@ -145,6 +147,16 @@ class WorkerService:
         pipe.xadd(P.DONE_STREAM, res.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
         pipe.execute()
         self.steps += 1
+
+
+def _release_memory() -> None:
+    import ctypes  # noqa: PLC0415
+    import gc  # noqa: PLC0415
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
