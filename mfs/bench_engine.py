@@ -193,11 +193,14 @@ def add_parser(sub) -> None:
     p.add_argument("--concurrency", type=int, default=16, help="requests for the top-tier vs generate run")
     p.add_argument("--generate-tokens", type=int, default=64)
     p.add_argument("--skip-generate", action="store_true")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from mfs.commands import load_from_args  # noqa: PLC0415
+    if args.threads:
+        torch.set_num_threads(args.threads)
     fam = load_from_args(args)
     model = fam.model
     mix = [float(x) for x in args.mix.split(",")]
