@@ -44,60 +44,76 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q_lens_host = (q_start_loc[1:] - q_start_loc[:-1]).tolist()
     if ctx_lens_host is None:
         ctx_lens_host = ctx_lens.tolist()
-    starts = q_start_loc.tolist()
+    starts = [0]
+    for n in q_lens_host:
+        starts.append(starts[-1] + n)
     out = torch.empty_like(q)
-    kflat = k_cache.view(nb * bs, hkv, d)
-    vflat = v_cache.view(nb * bs, hkv, d)
-    gqa = hq != hkv
-
+    kv = (k_cache.view(nb * bs, hkv, d), v_cache.view(nb * bs, hkv, d), bs)
     small = [r for r in range(R) if q_lens_host[r] <= SMALL_Q]
-    large = [r for r in range(R) if q_lens_host[r] > SMALL_Q]
-    if small:
-        idx = torch.tensor(small, dtype=torch.long, device=q.device)
-        qmax = max(q_lens_host[r] for r in small)
-        lmax = max(ctx_lens_host[r] for r in small)
-        lens = ctx_lens.index_select(0, idx)
-        slots, valid = _gather_index(block_tables.index_select(0, idx), lens, bs, lmax)
-        k = kflat.index_select(0, slots.reshape(-1)).view(len(small), lmax, hkv, d).transpose(1, 2)
-        v = vflat.index_select(0, slots.reshape(-1)).view(len(small), lmax, hkv, d).transpose(1, 2)
-        if qmax == 1:
-            tok = torch.tensor([starts[r] for r in small], dtype=torch.long, device=q.device)
-            qq = q.index_select(0, tok).unsqueeze(2)  # [B, Hq, 1, D]
-            mask = valid[:, None, None, :]
-        else:
-            # Pad every row to qmax queries; query i of a row with n queries sits at ctx - n + i.
-            qpos = torch.arange(qmax, device=q.device)
-            nq = torch.tensor([q_lens_host[r] for r in small], device=q.device)
-            tok = torch.tensor([starts[r] for r in small], device=q.device).unsqueeze(1) + qpos
-            qvalid = qpos.unsqueeze(0) < nq.unsqueeze(1)
-            tok = torch.where(qvalid, tok, torch.zeros_like(tok))
-            qq = q.index_select(0, tok.reshape(-1)).view(len(small), qmax, hq, d).transpose(1, 2)
-            abs_q = lens.unsqueeze(1) - nq.unsqueeze(1) + qpos  # [B, qmax]
-            kpos = torch.arange(lmax, device=q.device)
-            mask = (kpos[None, None, :] <= abs_q[:, :, None]) & valid[:, None, :]
-            mask = mask.unsqueeze(1)  # [B, 1, qmax, lmax]
-        o = F.scaled_dot_product_attention(qq, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                           scale=scale, enable_gqa=gqa)  # [B, Hq, qmax, D]
-        o = o.transpose(1, 2)  # [B, qmax, Hq, D]
-        if qmax == 1:
-            out.index_copy_(0, tok, o[:, 0])
-        else:
-            for i, r in enumerate(small):
-                n = q_lens_host[r]
-                out[starts[r]:starts[r] + n] = o[i, :n]
-    for r in large:
-        n, L = q_lens_host[r], ctx_lens_host[r]
-        slots, _ = _gather_index(block_tables[r:r + 1], ctx_lens[r:r + 1], bs, L)
-        k = kflat.index_select(0, slots[0]).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-        v = vflat.index_select(0, slots[0]).transpose(0, 1).unsqueeze(0)
-        qq = q[starts[r]:starts[r] + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        if n == L:
-            o = F.scaled_dot_product_attention(qq, k.to(q.dtype), v.to(q.dtype), is_causal=True,
-                                               scale=scale, enable_gqa=gqa)
-        else:
-            qpos = torch.arange(L - n, L, device=q.device)
-            mask = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(qq, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                               scale=scale, enable_gqa=gqa)
-        out[starts[r]:starts[r] + n] = o[0].transpose(0, 1)
+    if small and max(q_lens_host[r] for r in small) == 1:
+        _attend_decode(q, out, kv, block_tables, ctx_lens, small, starts, ctx_lens_host, scale)
+    elif small:
+        _attend_small(q, out, kv, block_tables, ctx_lens, small, starts, q_lens_host, ctx_lens_host, scale)
+    for r in range(R):
+        if q_lens_host[r] > SMALL_Q:
+            _attend_row(q, out, kv, block_tables, ctx_lens, r, starts, q_lens_host, ctx_lens_host, scale)
     return out
+
+
+def _gather(kv, block_tables, ctx_lens, rows: list[int], lmax: int):
+    """K, V [B, Hkv, lmax, D] of the given rows (zero-padded past each length) and the mask."""
+    kflat, vflat, bs = kv
+    idx = torch.tensor(rows, dtype=torch.long, device=block_tables.device)
+    lens = ctx_lens.index_select(0, idx)
+    slots, valid = _gather_index(block_tables.index_select(0, idx), lens, bs, lmax)
+    B, hkv, d = len(rows), kflat.shape[1], kflat.shape[2]
+    k = kflat.index_select(0, slots.reshape(-1)).view(B, lmax, hkv, d).transpose(1, 2)
+    v = vflat.index_select(0, slots.reshape(-1)).view(B, lmax, hkv, d).transpose(1, 2)
+    return k, v, valid, lens
+
+
+def _attend_decode(q, out, kv, block_tables, ctx_lens, rows, starts, ctx_host, scale) -> None:
+    """One query per row: one masked SDPA over the padded gather."""
+    k, v, valid, _ = _gather(kv, block_tables, ctx_lens, rows, max(ctx_host[r] for r in rows))
+    tok = torch.tensor([starts[r] for r in rows], dtype=torch.long, device=q.device)
+    qq = q.index_select(0, tok).unsqueeze(2)  # [B, Hq, 1, D]
+    o = F.scaled_dot_product_attention(qq, k.to(q.dtype), v.to(q.dtype), attn_mask=valid[:, None, None, :],
+                                       scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    out.index_copy_(0, tok, o[:, :, 0])
+
+
+def _attend_small(q, out, kv, block_tables, ctx_lens, rows, starts, q_host, ctx_host, scale) -> None:
+    """A few queries per row (speculative verification): pad to the longest, one masked SDPA."""
+    hq, d = q.shape[1], q.shape[2]
+    qmax = max(q_host[r] for r in rows)
+    k, v, valid, lens = _gather(kv, block_tables, ctx_lens, rows, max(ctx_host[r] for r in rows))
+    B, hkv, lmax = len(rows), k.shape[1], k.shape[2]
+    qpos = torch.arange(qmax, device=q.device)
+    nq = torch.tensor([q_host[r] for r in rows], device=q.device)
+    tok = torch.tensor([starts[r] for r in rows], device=q.device).unsqueeze(1) + qpos
+    tok = torch.where(qpos.unsqueeze(0) < nq.unsqueeze(1), tok, torch.zeros_like(tok))
+    qq = q.index_select(0, tok.reshape(-1)).view(B, qmax, hq, d).transpose(1, 2)
+    abs_q = lens.unsqueeze(1) - nq.unsqueeze(1) + qpos  # query i of a row with n sits at ctx - n + i
+    kpos = torch.arange(lmax, device=q.device)
+    mask = ((kpos[None, None, :] <= abs_q[:, :, None]) & valid[:, None, :]).unsqueeze(1)
+    o = F.scaled_dot_product_attention(qq, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                       enable_gqa=hq != hkv).transpose(1, 2)  # [B, qmax, Hq, D]
+    for i, r in enumerate(rows):
+        out[starts[r]:starts[r] + q_host[r]] = o[i, :q_host[r]]
+
+
+def _attend_row(q, out, kv, block_tables, ctx_lens, r, starts, q_host, ctx_host, scale) -> None:
+    """A prefill chunk: causal attention over its whole context, earlier chunks included."""
+    n, L, hq = q_host[r], ctx_host[r], q.shape[1]
+    k, v, _, _ = _gather(kv, block_tables, ctx_lens, [r], L)
+    hkv = k.shape[1]
+    qq = q[starts[r]:starts[r] + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    if n == L:
+        o = F.scaled_dot_product_attention(qq, k.to(q.dtype), v.to(q.dtype), is_causal=True,
+                                           scale=scale, enable_gqa=hq != hkv)
+    else:
+        qpos = torch.arange(L - n, L, device=q.device)
+        mask = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]
+        o = F.scaled_dot_product_attention(qq, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                           scale=scale, enable_gqa=hq != hkv)
+    out[starts[r]:starts[r] + n] = o[0].transpose(0, 1)
