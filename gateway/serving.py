@@ -220,7 +220,8 @@ class Generation:
         sub = P.Submit(request_id=j.request_id, gateway_id=self.svc.gateway_id, prompt_ids=j.prompt_ids,
                        tier=j.tier, model_id=self.model, max_tokens=j.max_tokens, temperature=p.temperature,
                        top_p=p.top_p, top_k=p.top_k, seed=p.seed, stop_token_ids=sorted(self.stop_ids),
-                       ignore_eos=p.ignore_eos, arrival=time.time(), session_id=p.session_id)
+                       ignore_eos=p.ignore_eos, arrival=time.time(),
+                       session_id=self.request.headers.get("X-Session-ID") or p.session_id)
         self.queue = await self.svc.backend.submit(sub)
         self.svc.metrics.routing.labels(self.model, j.routed).inc()
 

@@ -13,6 +13,11 @@ name                              type        what
 ``mfs:worker:{worker}``           hash + TTL  a live worker's registration (expires without heartbeat)
 ``mfs:gateway:{gateway}``         string+TTL  a live gateway's heartbeat
 ``mfs:stats``                     hash        scheduler gauges/counters for ``/metrics`` (msgpack)
+``mfs:kv:session:{session}``      hash + TTL  KV directory: a session's worker (+ its ``started``), tier,
+                                              block-hash chains per segment (msgpack), last use
+``mfs:kv:block:{hash}``           set + TTL   KV directory: workers holding the prefix block ``hash`` (hex)
+``mfs:kv:held:{worker}``          set + TTL   KV directory: block hashes listed for a worker (to drop them)
+``mfs:kv:sessions:{worker}``      set + TTL   KV directory: sessions last placed on a worker
 ================================  ==========  =========================================================
 
 Every stream entry has two fields: ``t`` (the record type) and ``d`` (the msgpack body).
@@ -48,6 +53,22 @@ def worker_key(worker: str) -> str:
 
 def gateway_key(gateway: str) -> str:
     return f"mfs:gateway:{gateway}"
+
+
+def kv_session_key(session: str) -> str:
+    return f"mfs:kv:session:{session}"
+
+
+def kv_block_key(block_hash_hex: str) -> str:
+    return f"mfs:kv:block:{block_hash_hex}"
+
+
+def kv_held_key(worker: str) -> str:
+    return f"mfs:kv:held:{worker}"
+
+
+def kv_sessions_key(worker: str) -> str:
+    return f"mfs:kv:sessions:{worker}"
 
 
 class Record:
@@ -122,6 +143,7 @@ class NewRequest:
     top_p: float
     top_k: int
     seed: int | None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(slots=True)
@@ -142,6 +164,7 @@ class StepPlan(Record):
     new: list[dict] = field(default_factory=list)    # NewRequest as dicts
     rows: list[dict] = field(default_factory=list)   # PlanRow as dicts
     drop: list[str] = field(default_factory=list)    # requests the worker may forget
+    worker_started: str = ""  # the worker life it was made for: block tables of another life are stale
 
 
 @dataclass(slots=True)

@@ -9,6 +9,11 @@ waiting prompts are then admitted in chunks under the per-step token budget. Whe
 runs out, the latest-arrived running request is preempted (blocks freed) and later recomputed from its
 prompt plus the tokens it already made. Optional limits: how many tiers one step may mix, how often the
 tier mix may change (path-switch budget, per second), and per-tier shares of the KV pool.
+
+Prefix caching: every full computed block is registered in its segment's pool under a chained hash
+(scheduler/blocks.py) and outlives its request (delayed reclamation). An admitted request starts from
+the longest prefix of its tokens that is cached in *every* segment it uses (a position's KV must exist
+in all of them before the forward may skip it), always leaving its last token to compute.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from enum import Enum
 
 import structlog
 
-from scheduler.blocks import BlockPool
+from scheduler.blocks import BlockPool, block_hash
 from worker.sampling import SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -67,6 +72,9 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     announced: bool = False  # the worker has been told about this request
+    num_cached_tokens: int = 0   # tokens reused from the prefix cache at its first admission
+    num_cached_blocks: int = 0   # leading blocks of its tables registered in the prefix cache
+    block_hashes: list[list[bytes]] = field(default_factory=list)  # per segment, of its full blocks
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property
@@ -106,6 +114,8 @@ class SchedulerConfig:
     served_tiers: tuple[int, ...] | None = None  # None: every tier (nested); else a standalone copy
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int = 0
+    enable_prefix_caching: bool = True
+    cache_ttl_s: float = 0.0           # uncache blocks unused this long (0: only under pressure)
 
 
 @dataclass(slots=True)
@@ -122,6 +132,13 @@ class SchedulerStats:
     preemptions: int = 0
     path_switches: int = 0
     peak_kv_blocks: list[int] = field(default_factory=list)
+    # Per segment: prompt tokens whose KV was computed / taken from the cache, full prompt blocks
+    # looked up / found at admission, cached blocks evicted (pressure or TTL).
+    prefill_computed: list[int] = field(default_factory=list)
+    prefill_reused: list[int] = field(default_factory=list)
+    cache_queries: list[int] = field(default_factory=list)
+    cache_hits: list[int] = field(default_factory=list)
+    evictions: list[int] = field(default_factory=list)
 
 
 class StepScheduler:
@@ -129,7 +146,7 @@ class StepScheduler:
         if len(cfg.num_blocks) != cfg.num_tiers:
             raise ValueError(f"num_blocks has {len(cfg.num_blocks)} entries for {cfg.num_tiers} segments")
         self.cfg = cfg
-        self.pools = [BlockPool(n) for n in cfg.num_blocks]
+        self.pools = [BlockPool(n, self._evicted(s)) for s, n in enumerate(cfg.num_blocks)]
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -138,7 +155,12 @@ class StepScheduler:
         self._last_mix: frozenset[int] = frozenset()
         self._switch_tokens = max(1.0, cfg.path_switches_per_s)
         self._switch_t = time.monotonic()
-        self.stats = SchedulerStats(peak_kv_blocks=[0] * cfg.num_tiers)
+        n = cfg.num_tiers
+        self.stats = SchedulerStats(peak_kv_blocks=[0] * n, prefill_computed=[0] * n,
+                                    prefill_reused=[0] * n, cache_queries=[0] * n, cache_hits=[0] * n,
+                                    evictions=[0] * n)
+        # (hash, cached?) changes for the block directory; None until an owner drains it.
+        self.cache_log: list[tuple[bytes, bool]] | None = None
 
     # ---- requests ----------------------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:
@@ -210,20 +232,103 @@ class StepScheduler:
 
     def _release(self, req: Request) -> None:
         for s, table in enumerate(req.block_tables):
-            self.pools[s].release(table)
+            self.pools[s].release(reversed(table))  # tail first: the shared head is evicted last
         req.block_tables = []
+        req.num_cached_blocks = 0
 
-    def _allocate(self, req: Request, num_new: int) -> bool:
-        need = self.blocks_needed(req.num_computed_tokens + num_new)
-        if not req.block_tables:
-            req.block_tables = [[] for _ in range(self._segments(req))]
-        grow = [need - len(t) for t in req.block_tables]
-        if any(g > self.pools[s].num_free for s, g in enumerate(grow) if g > 0):
-            return False
+    def _allocate(self, req: Request, num_new: int, hit: list[list[int]] | None = None) -> bool:
+        """Grows the request's tables to hold `num_new` more tokens. A request without tables starts
+        from `hit`, its cached prefix blocks per segment (see :meth:`_cached_prefix`)."""
+        fresh = not req.block_tables
+        tables = (hit or [[] for _ in range(self._segments(req))]) if fresh else req.block_tables
+        start = len(tables[0]) * self.cfg.block_size if fresh else req.num_computed_tokens
+        need = self.blocks_needed(start + num_new)
+        grow = [need - len(t) for t in tables]
+        for s, g in enumerate(grow):
+            pool = self.pools[s]
+            taken = pool.num_evictable_among(tables[s]) if fresh else 0  # reused blocks stop being free
+            if g > 0 and g > pool.num_free - taken:
+                return False
+        if fresh:
+            for s, t in enumerate(tables):
+                self.pools[s].touch(t)
+            req.block_tables = [list(t) for t in tables]
+            req.num_computed_tokens = start
+            req.num_cached_blocks = len(tables[0])
         for s, g in enumerate(grow):
             if g > 0:
                 req.block_tables[s].extend(self.pools[s].allocate(g))
         return True
+
+    # ---- the prefix cache --------------------------------------------------------------------
+    def _segment_key(self, req: Request, s: int) -> int:
+        # A standalone copy's one segment is the whole truncated model: never a nested segment.
+        return s if self.cfg.served_tiers is None else 1000 + req.tier
+
+    def _hashes(self, req: Request, num_blocks: int) -> list[list[bytes]]:
+        """Chained hashes of the request's first `num_blocks` full blocks, per segment (memoized:
+        a request's tokens only ever grow)."""
+        bs = self.cfg.block_size
+        if not req.block_hashes:
+            req.block_hashes = [[] for _ in range(self._segments(req))]
+        for s, chain in enumerate(req.block_hashes):
+            key = self._segment_key(req, s)
+            while len(chain) < num_blocks:
+                i = len(chain)
+                tokens = req.token_slice(i * bs, (i + 1) * bs)
+                chain.append(block_hash(chain[-1] if chain else None, key, tokens))
+        return [chain[:num_blocks] for chain in req.block_hashes]
+
+    def prefix_hashes(self, prompt_ids: list[int], tier: int) -> list[list[bytes]]:
+        """What an admission of this prompt would look up, per segment (for placement)."""
+        probe = Request("", list(prompt_ids), tier, SamplingParams(), frozenset(), -1)
+        return self._hashes(probe, (len(prompt_ids) - 1) // self.cfg.block_size)
+
+    def _cached_prefix(self, req: Request) -> list[list[int]] | None:
+        """The cached blocks a request can start from, per segment: the longest prefix cached in all
+        of its segments, short of its last token (whose logits it samples from)."""
+        if not self.cfg.enable_prefix_caching:
+            return None
+        chains = self._hashes(req, (req.num_tokens - 1) // self.cfg.block_size)
+        hits = [self.pools[s].lookup(chain) for s, chain in enumerate(chains)]
+        k = min(len(h) for h in hits)
+        return [h[:k] for h in hits]
+
+    def _count_admission(self, req: Request, hit: list[list[int]] | None) -> None:
+        full = (len(req.prompt_ids) - 1) // self.cfg.block_size
+        reused = min(req.num_computed_tokens, len(req.prompt_ids))
+        for s in range(self._segments(req)):
+            self.stats.cache_queries[s] += full
+            self.stats.cache_hits[s] += len(hit[s]) if hit else 0
+            self.stats.prefill_reused[s] += reused
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = req.num_computed_tokens
+        if hit and self.cache_log is not None:  # reuse refreshes the directory's entries
+            for s, blocks in enumerate(hit):
+                self.cache_log.extend((self.pools[s].hash_of[b], True) for b in blocks)
+
+    def _register_full_blocks(self, req: Request) -> None:
+        """After a step: the request's newly completed blocks become findable by hash."""
+        full = req.num_computed_tokens // self.cfg.block_size
+        if not self.cfg.enable_prefix_caching or full <= req.num_cached_blocks:
+            return
+        chains = self._hashes(req, full)
+        for s, table in enumerate(req.block_tables):
+            for i in range(req.num_cached_blocks, full):
+                if self.pools[s].cache(table[i], chains[s][i]) and self.cache_log is not None:
+                    self.cache_log.append((chains[s][i], True))
+        req.num_cached_blocks = full
+
+    def _evicted(self, s: int):
+        def note(block: int, h: bytes) -> None:
+            self.stats.evictions[s] += 1
+            if self.cache_log is not None:
+                self.cache_log.append((h, False))
+        return note
+
+    def drain_cache_log(self) -> list[tuple[bytes, bool]]:
+        out, self.cache_log = self.cache_log or [], []
+        return out
 
     def _within_quota(self, req: Request, num_new: int) -> bool:
         share = self.cfg.kv_quota.get(req.tier)
@@ -271,6 +376,9 @@ class StepScheduler:
     # ---- one iteration -----------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
         budget = self.cfg.max_num_batched_tokens
+        if self.cfg.cache_ttl_s > 0:
+            for p in self.pools:
+                p.reclaim_expired(self.cfg.cache_ttl_s)
         allowed = self._allowed_tiers()
         rows: list[tuple[Request, int]] = []
         preempted = False
@@ -292,13 +400,15 @@ class StepScheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting.popleft()
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            hit = self._cached_prefix(req)
+            n = min(req.num_tokens - (len(hit[0]) * self.cfg.block_size if hit else 0), budget)
             if (allowed is not None and req.tier not in allowed) or not self._within_quota(req, n):
                 skipped.append(req)
                 continue
-            if not self._allocate(req, n):
+            if not self._allocate(req, n, hit):
                 self.waiting.appendleft(req)
                 break
+            self._count_admission(req, hit)
             req.status = Status.RUNNING
             self.running.append(req)
             rows.append((req, n))
@@ -320,7 +430,11 @@ class StepScheduler:
         """Advance the step's rows and append each sampled token; finished requests free blocks."""
         for req, n in step.rows:
             if req.status is Status.RUNNING:
+                start, p = req.num_computed_tokens, len(req.prompt_ids)
+                for s in range(self._segments(req)):
+                    self.stats.prefill_computed[s] += max(0, min(start + n, p) - start)
                 req.num_computed_tokens += n
+                self._register_full_blocks(req)
         outs = []
         for req, _ in step.rows:
             tok = tokens.get(req.request_id)

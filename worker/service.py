@@ -31,6 +31,7 @@ class Live:
     prompt_len: int
     max_tokens: int
     stop_ids: frozenset[int]
+    cached_tokens: int = 0
 
 
 class WorkerService:
@@ -113,6 +114,9 @@ class WorkerService:
                     self.r.xack(stream, P.WORKER_GROUP, entry_id)
 
     def execute(self, plan: P.StepPlan) -> None:
+        if plan.worker_started and plan.worker_started != self.started:
+            log.warning("plan for a previous life dropped", worker=self.id, step=plan.step_id)
+            return  # its block tables may point at cached KV this life never computed
         t0 = time.perf_counter()
         self.runner.drop(plan.drop)
         for rid in plan.drop:
@@ -123,7 +127,7 @@ class WorkerService:
                 max_tokens=nr.max_tokens, temperature=nr.temperature, top_p=nr.top_p, top_k=nr.top_k,
                 seed=nr.seed))
             self.live[nr.request_id] = Live(nr.gateway_id, nr.tier, nr.prompt_len, nr.max_tokens,
-                                            frozenset(nr.stop_ids))
+                                            frozenset(nr.stop_ids), nr.cached_tokens)
         rows = [P.PlanRow(**d) for d in plan.rows]
         num_out = {r.request_id: r.num_output for r in rows}
         out = self.runner.execute([(r.request_id, RowInput(r.tier, r.token_ids, r.start_pos,
@@ -138,7 +142,7 @@ class WorkerService:
             reason = finish_reason(tok, n, live.prompt_len + n, live.max_tokens, live.stop_ids,
                                    self.max_model_len)
             ev = P.TokenEvent(rid, n - 1, [tok], reason is not None, reason, live.tier, self.id,
-                              live.prompt_len)
+                              live.prompt_len, live.cached_tokens if n == 1 else 0)
             pipe.xadd(P.out_stream(live.gateway_id), ev.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
             if reason:
                 self.live.pop(rid, None)
