@@ -144,6 +144,7 @@ class NewRequest:
     top_k: int
     seed: int | None
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    seq_offset: int = 0     # output tokens streamed before a re-plan (after a worker was lost)
 
 
 @dataclass(slots=True)

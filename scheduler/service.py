@@ -13,6 +13,7 @@ chosen worker's own block pool decides what is reused."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ class SchedulerService:
         self._last_refresh = 0.0
         self._last_stats = 0.0
         self.escalations = 0
+        self.replanned = 0
         self.directory = BlockDirectory(self.r, limits.directory_ttl_s)
         self.affinity_preferred = 0   # requests with a worker listed as holding their prefix
         self.affinity_yielded = 0     # ...that went to a less loaded worker instead
@@ -130,8 +132,30 @@ class SchedulerService:
         log.warning("worker lost", worker=wid, reason=why, requests=len(w.core.requests))
         self.directory.drop_worker(wid)
         for rid, req in list(w.core.requests.items()):
-            self.fail(rid, req.meta.get("gateway_id", ""), f"{why}; please retry", "worker_lost", 503)
             self.placement.pop(rid, None)
+            if not self.replan(req):
+                self.fail(rid, req.meta.get("gateway_id", ""), f"{why}; please retry", "worker_lost", 503)
+
+    def replan(self, req) -> bool:
+        """Moves a lost worker's request to a live one: it is prefilled again from its prompt plus the
+        tokens already streamed, and its token events continue at the next sequence number."""
+        cands = [w for w in self.workers.values() if req.tier in w.tiers]
+        remaining = req.params.max_tokens - len(req.output_ids)
+        if not cands or remaining <= 0:
+            return False
+        w = min(cands, key=lambda w: w.core.num_unfinished())
+        meta = dict(req.meta, seq_offset=req.meta.get("seq_offset", 0) + len(req.output_ids))
+        params = dataclasses.replace(req.params, max_tokens=remaining)
+        try:
+            w.core.add_request(req.request_id, req.prompt_ids + req.output_ids, req.tier, params, meta=meta)
+        except InvalidRequest as e:
+            log.warning("re-plan refused", request_id=req.request_id, error=str(e))
+            return False
+        self.placement[req.request_id] = w.worker_id
+        self.replanned += 1
+        log.info("request re-planned", request_id=req.request_id, worker=w.worker_id,
+                 streamed=len(req.output_ids))
+        return True
 
     # ---- messages ----------------------------------------------------------------------------
     def fail(self, rid: str, gateway: str, message: str, code: str, status: int) -> None:
@@ -244,7 +268,7 @@ class SchedulerService:
                       "tier": r.tier, "prompt_len": len(r.prompt_ids), "max_tokens": r.params.max_tokens,
                       "stop_ids": sorted(r.stop_ids), "temperature": r.params.temperature,
                       "top_p": r.params.top_p, "top_k": r.params.top_k, "seed": r.params.seed,
-                      "cached_tokens": r.num_cached_tokens}
+                      "cached_tokens": r.num_cached_tokens, "seq_offset": r.meta.get("seq_offset", 0)}
                      for r in sched.new],
                 rows=[{"request_id": r.request_id, "tier": r.tier,
                        "token_ids": r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n),
@@ -283,7 +307,7 @@ class SchedulerService:
                     per_seg[seg] = per_seg.get(seg, 0) + v
             held[w.worker_id] = self.directory.num_held(w.worker_id)
         stats = {"waiting": waiting, "running": running, "kv_blocks_used": used, "kv_blocks_total": total,
-                 "path_switches": sw, "escalations": self.escalations, "preemptions": pre,
+                 "path_switches": sw, "escalations": self.escalations, "replanned": self.replanned, "preemptions": pre,
                  "workers": len(self.workers), "updated": time.time(), "steps": self.step_count,
                  "step_roundtrip_s": self.step_roundtrip_s, "step_forward_s": self.step_forward_s,
                  **cache, "directory_blocks": held, "affinity_preferred": self.affinity_preferred,

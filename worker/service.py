@@ -32,6 +32,7 @@ class Live:
     max_tokens: int
     stop_ids: frozenset[int]
     cached_tokens: int = 0
+    seq_offset: int = 0  # tokens the client already has from a previous worker
 
 
 class WorkerService:
@@ -127,7 +128,7 @@ class WorkerService:
                 max_tokens=nr.max_tokens, temperature=nr.temperature, top_p=nr.top_p, top_k=nr.top_k,
                 seed=nr.seed))
             self.live[nr.request_id] = Live(nr.gateway_id, nr.tier, nr.prompt_len, nr.max_tokens,
-                                            frozenset(nr.stop_ids), nr.cached_tokens)
+                                            frozenset(nr.stop_ids), nr.cached_tokens, nr.seq_offset)
         rows = [P.PlanRow(**d) for d in plan.rows]
         num_out = {r.request_id: r.num_output for r in rows}
         out = self.runner.execute([(r.request_id, RowInput(r.tier, r.token_ids, r.start_pos,
@@ -141,8 +142,9 @@ class WorkerService:
             n = num_out[rid] + 1
             reason = finish_reason(tok, n, live.prompt_len + n, live.max_tokens, live.stop_ids,
                                    self.max_model_len)
-            ev = P.TokenEvent(rid, n - 1, [tok], reason is not None, reason, live.tier, self.id,
-                              live.prompt_len, live.cached_tokens if n == 1 else 0)
+            ev = P.TokenEvent(rid, live.seq_offset + n - 1, [tok], reason is not None, reason, live.tier,
+                              self.id, live.prompt_len - live.seq_offset,
+                              live.cached_tokens if n == 1 else 0)
             pipe.xadd(P.out_stream(live.gateway_id), ev.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
             if reason:
                 self.live.pop(rid, None)
