@@ -160,14 +160,17 @@ class Service:
             raise
         return self
 
+    def _check_alive(self) -> None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{name} exited with {p.returncode} during start-up:\n{tail}")
+
     def wait_ready(self, timeout: float, expect_workers: int = 1) -> None:
         import json  # noqa: PLC0415
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for name, p in self.procs.items():
-                if p.poll() is not None:
-                    tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"{name} exited with {p.returncode} during start-up:\n{tail}")
+            self._check_alive()
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
                     if json.loads(resp.read()).get("workers", 0) >= expect_workers:
@@ -184,10 +187,7 @@ class Service:
         r = redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for name, p in self.procs.items():
-                if p.poll() is not None:
-                    tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"{name} exited with {p.returncode} during start-up:\n{tail}")
+            self._check_alive()
             raw = r.hget(P.STATS_KEY, "scheduler")  # the scheduler has seen them, not only Redis
             if raw and msgpack.unpackb(raw, strict_map_key=False).get("workers", 0) >= n:
                 return
