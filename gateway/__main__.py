@@ -12,6 +12,7 @@ from aiohttp import web
 
 from gateway.app import GatewayConfig, init_app
 from gateway.complexity import ComplexityConfig
+from gateway.openai_api import Limits
 from mfs.logs import configure
 
 log = structlog.get_logger("gateway")
@@ -21,7 +22,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
     p.add_argument("--model", default="default", help="default | default-raw | checkpoint dir | HF dir | .gguf")
     p.add_argument("--tiers", default=None, help="tier cut, e.g. 10,20,30 (see mfs tiers)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--gateway-id", default=None, help="names this gateway's stream mfs:out:{ID}")
@@ -32,11 +33,33 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                    help="cap for chat requests without max_tokens (default: the rest of the context)")
     p.add_argument("--complexity-config", default=None,
                    help="JSON file or inline JSON object overriding the complexity scorer's settings")
+    g = p.add_argument_group("access", "API keys also come from MFS_API_KEYS (comma-separated); with "
+                             "no key at all the gateway is open")
+    g.add_argument("--api-keys-file", default=None,
+                   help="one key per line, '#' comments; re-read when it changes (no restart to revoke)")
+    g.add_argument("--rpm", type=int, default=0, help="requests per minute per key (0: unlimited)")
+    g.add_argument("--tpm", type=int, default=0,
+                   help="tokens per minute per key, prompt + max_tokens counted at admission (0: unlimited)")
+    d = Limits()
+    b = p.add_argument_group("bounds", "a request past one gets a 400 naming the parameter")
+    b.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
+                   help="characters in a prompt, or in all messages together")
+    b.add_argument("--max-prompt-tokens", type=int, default=0, help="prompt tokens (0: only the context)")
+    b.add_argument("--max-tokens-cap", type=int, default=0,
+                   help="largest max_tokens accepted, and the cap of a defaulted one (0: only the context)")
+    b.add_argument("--max-messages", type=int, default=d.max_messages)
+    b.add_argument("--max-stop", type=int, default=d.max_stop, help="stop strings per request")
+    b.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars, help="characters per stop string")
     a = p.parse_args(argv)
+    env_keys = [k.strip() for k in os.environ.get("MFS_API_KEYS", "").split(",") if k.strip()]
+    limits = Limits(max_prompt_chars=a.max_prompt_chars, max_messages=a.max_messages, max_stop=a.max_stop,
+                    max_stop_chars=a.max_stop_chars, max_tokens_cap=a.max_tokens_cap)
     cfg = GatewayConfig(model=a.model, tiers=a.tiers, host=a.host, port=a.port, redis_url=a.redis_url,
                         max_inflight=a.max_inflight, max_body_bytes=a.max_body_bytes,
                         request_timeout_s=a.request_timeout, default_max_tokens=a.default_max_tokens,
-                        complexity=ComplexityConfig.load(a.complexity_config))
+                        complexity=ComplexityConfig.load(a.complexity_config), api_keys=env_keys,
+                        api_keys_file=a.api_keys_file, rpm=a.rpm, tpm=a.tpm,
+                        max_prompt_tokens=a.max_prompt_tokens, limits=limits)
     if a.gateway_id:
         cfg.gateway_id = a.gateway_id
     return cfg

@@ -2,7 +2,8 @@
 
 The cleanup context opens the Redis client, starts the token-event reader and the heartbeat
 (``SET mfs:gateway:{id}`` with a short TTL every second), and on shutdown stops both and closes the
-client. One error middleware answers every failure in OpenAI's error JSON.
+client. One error middleware answers every failure in OpenAI's error JSON; inside it the auth
+middleware (``gateway.auth``) checks API keys and rate limits.
 """
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import structlog
 from aiohttp import web
 from redis.exceptions import RedisError
 
+from gateway.auth import KeyStore, auth_middleware, on_prepare
 from gateway.backend import Backend
 from gateway.complexity import ComplexityConfig
-from gateway.keys import CONFIG, SERVICE
+from gateway.keys import CONFIG, KEYS, SERVICE
 from gateway.metrics import Metrics
-from gateway.openai_api import APIError
+from gateway.openai_api import APIError, Limits
+from gateway.ratelimit import RateLimiter
 from gateway.routes import setup_routes
 from gateway.serving import ClientGone, Service
 from mfs.protocol import gateway_key
@@ -40,6 +43,12 @@ class GatewayConfig:
     max_body_bytes: int = 4 << 20            # larger bodies get 413
     request_timeout_s: float = 600.0         # the gateway's own deadline per request (then Cancel, 504)
     default_max_tokens: int | None = None    # chat without max_tokens: the rest of the context, capped here
+    api_keys: list[str] = field(default_factory=list)  # none and no file: the gateway is open
+    api_keys_file: str | None = None         # one key per line, '#' comments; re-read when it changes
+    rpm: int = 0                             # requests per minute per key (0: unlimited)
+    tpm: int = 0                             # tokens (prompt + max_tokens) per minute per key (0: unlimited)
+    max_prompt_tokens: int = 0               # 0: only the context bounds the prompt
+    limits: Limits = field(default_factory=Limits)  # bounds on one request body
     complexity: ComplexityConfig = field(default_factory=ComplexityConfig)
     reader_block_ms: int = 1000
     frontend: object | None = None           # a loaded mfs.family.Frontend (tests share one)
@@ -86,6 +95,7 @@ async def redis_ctx(app: web.Application):
     client = aioredis.Redis.from_url(cfg.redis_url, health_check_interval=30)
     backend = Backend(client, cfg.gateway_id, block_ms=cfg.reader_block_ms)
     svc.backend = backend
+    svc.limiter = RateLimiter(client, rpm=cfg.rpm, tpm=cfg.tpm)
     tasks = [asyncio.create_task(backend.run_reader(), name="mfs-gateway-reader"),
              asyncio.create_task(backend.run_heartbeat({"port": cfg.port}), name="mfs-gateway-heartbeat")]
     log.info("gateway.start", gateway_id=cfg.gateway_id, redis=cfg.redis_url, models=svc.model_ids)
@@ -108,11 +118,20 @@ def init_app(config: GatewayConfig | None = None) -> web.Application:
         frontend = load_frontend(cfg.model, cfg.tiers)
     if frontend.tokenizer is None:
         raise ValueError(f"--model {cfg.model!r} has no tokenizer; the gateway needs one to tokenize prompts")
-    app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
+    keys = KeyStore(cfg.api_keys, cfg.api_keys_file)
+    if not keys.enabled:
+        log.warning("gateway.open", host=cfg.host,
+                    message="no API keys (MFS_API_KEYS or --api-keys-file): anyone who can reach this "
+                            "gateway may use it")
+    app = web.Application(middlewares=[error_middleware, auth_middleware],
+                          client_max_size=cfg.max_body_bytes)
     app[CONFIG] = cfg
+    app[KEYS] = keys
     app[SERVICE] = Service(frontend, Metrics(), complexity_cfg=cfg.complexity, gateway_id=cfg.gateway_id,
                            max_inflight=cfg.max_inflight, request_timeout_s=cfg.request_timeout_s,
-                           default_max_tokens=cfg.default_max_tokens)
+                           default_max_tokens=cfg.default_max_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
+                           max_tokens_cap=cfg.limits.max_tokens_cap)
     app.cleanup_ctx.append(redis_ctx)
+    app.on_response_prepare.append(on_prepare)
     setup_routes(app)
     return app

@@ -1,4 +1,4 @@
-"""Typed application keys shared by the app factory and the views."""
+"""Typed application and request keys shared by the app factory, the middlewares and the views."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -7,7 +7,13 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from gateway.app import GatewayConfig
+    from gateway.auth import KeyStore
+    from gateway.ratelimit import Admission
     from gateway.serving import Service
 
 CONFIG: web.AppKey["GatewayConfig"] = web.AppKey("config")
 SERVICE: web.AppKey["Service"] = web.AppKey("service")
+KEYS: web.AppKey["KeyStore"] = web.AppKey("api_keys")
+
+KEY_ID: web.RequestKey[str] = web.RequestKey("key_id")                  # the caller's key id
+ADMISSION: web.RequestKey["Admission"] = web.RequestKey("admission")   # its last rate-limit answer

@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass, field
 
 ROLES = ("system", "user", "assistant")
-MAX_STOP_STRINGS = 16
 INT32_MAX = (1 << 31) - 1
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -51,6 +50,21 @@ def context_overflow(max_len: int, prompt_tokens: int, max_tokens: int | None) -
     return APIError(400, f"This model's maximum context length is {max_len} tokens; the request has "
                          f"{prompt_tokens} prompt tokens{asks}. Shorten the prompt or lower max_tokens.",
                     param="messages", code="context_length_exceeded")
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    """Bounds on one request body; a request past one gets a 400 that names the parameter."""
+    max_prompt_chars: int = 1 << 20    # a completion prompt, or all message contents together
+    max_messages: int = 1024
+    max_stop: int = 16                 # stop strings
+    max_stop_chars: int = 256          # characters in one stop string
+    max_stop_token_ids: int = 256
+    max_tokens_cap: int = 0            # max_tokens above it: 400 (0: only the context bounds it)
+    max_session_chars: int = 256       # session_id / user: it names a Redis key
+
+
+DEFAULT_LIMITS = Limits()
 
 
 # ---- typed requests ---------------------------------------------------------------------------
@@ -130,15 +144,17 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
-def _stop(body: dict) -> list[str]:
+def _stop(body: dict, lim: Limits) -> list[str]:
     v = body.get("stop")
     if v is None:
         return []
     stops = [v] if isinstance(v, str) else v
     if (not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops)
-            or len(stops) > MAX_STOP_STRINGS):
-        raise invalid(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} "
+            or len(stops) > lim.max_stop):
+        raise invalid(f"'stop' must be a non-empty string or a list of at most {lim.max_stop} "
                       "non-empty strings.", "stop")
+    if any(len(s) > lim.max_stop_chars for s in stops):
+        raise invalid(f"Each stop string may have at most {lim.max_stop_chars} characters.", "stop")
     return list(dict.fromkeys(stops))
 
 
@@ -164,11 +180,31 @@ def _unsupported(body: dict) -> None:
         raise invalid("tools/function calling is not supported.", "tools", code="unsupported_parameter")
 
 
-def parse_params(body: dict) -> GenParams:
+def _max_tokens(body: dict, lim: Limits) -> int | None:
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    v = _int(body, name, lo=1, hi=INT32_MAX)
+    if v is not None and lim.max_tokens_cap and v > lim.max_tokens_cap:
+        raise invalid(f"'{name}' may be at most {lim.max_tokens_cap} on this server, got {v}.", name)
+    return v
+
+
+def _session(body: dict, lim: Limits) -> str | None:
+    name = "session_id" if body.get("session_id") is not None else "user"
+    v = body.get(name)
+    if not isinstance(v, str) or not v:
+        return None
+    if len(v) > lim.max_session_chars:
+        raise invalid(f"'{name}' may have at most {lim.max_session_chars} characters.", name)
+    try:
+        v.encode("utf-8")  # it travels to Redis in msgpack: a lone surrogate (JSON "\ud800") cannot
+    except UnicodeEncodeError:
+        raise invalid(f"'{name}' is not valid Unicode text.", name) from None
+    return v
+
+
+def parse_params(body: dict, lim: Limits = DEFAULT_LIMITS) -> GenParams:
     _unsupported(body)
-    max_tokens = _int(body, "max_completion_tokens", lo=1, hi=INT32_MAX)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", lo=1, hi=INT32_MAX)
+    max_tokens = _max_tokens(body, lim)
     top_k = _int(body, "top_k", lo=-1, hi=INT32_MAX)
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
@@ -180,13 +216,14 @@ def parse_params(body: dict) -> GenParams:
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                  and 0 <= t <= INT32_MAX for t in stop_ids):
         raise invalid("'stop_token_ids' must be a list of token ids.", "stop_token_ids")
-    session = body.get("session_id", body.get("user"))
+    if len(stop_ids) > lim.max_stop_token_ids:
+        raise invalid(f"'stop_token_ids' may list at most {lim.max_stop_token_ids} ids.", "stop_token_ids")
     return GenParams(max_tokens=max_tokens,
                      temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
                      top_p=_float(body, "top_p", 1.0, 0.0, 1.0),
-                     top_k=max(0, top_k or 0), seed=seed, stop=_stop(body), stop_token_ids=stop_ids,
+                     top_k=max(0, top_k or 0), seed=seed, stop=_stop(body, lim), stop_token_ids=stop_ids,
                      ignore_eos=_bool(body, "ignore_eos"), stream=stream, include_usage=include_usage,
-                     session_id=session if isinstance(session, str) and session else None)
+                     session_id=_session(body, lim))
 
 
 def _content(msg: dict, i: int) -> str:
@@ -207,12 +244,15 @@ def _content(msg: dict, i: int) -> str:
                   f"messages[{i}].content")
 
 
-def parse_chat(body) -> ChatRequest:
+def parse_chat(body, lim: Limits = DEFAULT_LIMITS) -> ChatRequest:
     body = _require_object(body)
     model = _model(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise invalid("'messages' must be a non-empty list.", "messages")
+    if len(msgs) > lim.max_messages:
+        raise invalid(f"'messages' may hold at most {lim.max_messages} messages, got {len(msgs)}.",
+                      "messages")
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
@@ -221,10 +261,13 @@ def parse_chat(body) -> ChatRequest:
             raise invalid(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r}.",
                           f"messages[{i}].role")
         out.append({"role": m["role"], "content": _content(m, i)})
-    return ChatRequest(model, out, parse_params(body))
+    if sum(len(m["content"]) for m in out) > lim.max_prompt_chars:
+        raise invalid(f"The messages may have at most {lim.max_prompt_chars} characters together.",
+                      "messages", code="prompt_too_long")
+    return ChatRequest(model, out, parse_params(body, lim))
 
 
-def parse_completion(body) -> CompletionRequest:
+def parse_completion(body, lim: Limits = DEFAULT_LIMITS) -> CompletionRequest:
     body = _require_object(body)
     model = _model(body)
     p = body.get("prompt")
@@ -235,13 +278,16 @@ def parse_completion(body) -> CompletionRequest:
             raise invalid("'prompt' token ids must be non-negative.", "prompt")
         prompt: str | list[int] = p
     elif isinstance(p, str) and p:
+        if len(p) > lim.max_prompt_chars:
+            raise invalid(f"'prompt' may have at most {lim.max_prompt_chars} characters, got {len(p)}.",
+                          "prompt", code="prompt_too_long")
         prompt = p
     elif isinstance(p, list) and len(p) > 1:
         raise invalid("Batched prompts are not supported: send one prompt per request.", "prompt",
                       code="unsupported_parameter")
     else:
         raise invalid("'prompt' must be a non-empty string or a list of token ids.", "prompt")
-    return CompletionRequest(model, prompt, parse_params(body))
+    return CompletionRequest(model, prompt, parse_params(body, lim))
 
 
 # ---- responses --------------------------------------------------------------------------------

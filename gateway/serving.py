@@ -1,7 +1,8 @@
 """What happens to one request between its parsed body and its response.
 
 :class:`Service` owns the gateway's serving state (frontend, backend, metrics, in-flight slots) and
-turns a typed OpenAI request into a :class:`Job` (tier chosen, prompt tokenized, context checked).
+turns a typed OpenAI request into a :class:`Job` (tier chosen, prompt tokenized, context checked,
+prompt + max_tokens charged to the caller's token rate limit).
 :class:`Generation` submits the job and turns the token events that come back into text pieces:
 duplicate events dropped by ``seq``, incremental detokenization, stop strings cut in the text (the
 request is then cancelled), and a Cancel sent whenever the gateway stops listening early (client gone,
@@ -19,11 +20,13 @@ from dataclasses import dataclass, field
 import structlog
 
 from gateway import complexity
+from gateway.auth import admit
 from gateway.backend import Backend, max_context
 from gateway.detok import IncrementalDetokenizer
 from gateway.metrics import Metrics
 from gateway.openai_api import (APIError, ChatRequest, CompletionRequest, GenParams, context_overflow,
                                 invalid, model_not_found)
+from gateway.ratelimit import RateLimiter
 from mfs import protocol as P
 
 log = structlog.get_logger("gateway")
@@ -74,7 +77,8 @@ class StopMatcher:
 class Service:
     def __init__(self, frontend, metrics: Metrics, *, complexity_cfg: complexity.ComplexityConfig,
                  gateway_id: str, max_inflight: int = 256, request_timeout_s: float = 600.0,
-                 default_max_tokens: int | None = None, poll_s: float = 0.25):
+                 default_max_tokens: int | None = None, max_prompt_tokens: int = 0,
+                 max_tokens_cap: int = 0, poll_s: float = 0.25):
         self.frontend = frontend
         self.tok = frontend.tokenizer
         self.metrics = metrics
@@ -83,8 +87,11 @@ class Service:
         self.max_inflight = max_inflight
         self.request_timeout_s = request_timeout_s
         self.default_max_tokens = default_max_tokens
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_tokens_cap = max_tokens_cap
         self.poll_s = poll_s
         self.backend: Backend | None = None  # set by the app's cleanup context
+        self.limiter: RateLimiter | None = None  # likewise
         self.inflight = 0
         n = len(frontend.tiers)
         self.tier_ids = [frontend.model_id(i) for i in range(n)]
@@ -117,6 +124,7 @@ class Service:
         gen = None
         try:
             job = await self._prepare(req, tier)
+            await admit(request, tokens=len(job.prompt_ids) + job.max_tokens)
             gen = Generation(self, job, request)
             await gen.start()
             yield gen
@@ -146,6 +154,10 @@ class Service:
         if tier is None:
             s = complexity.score_prompt(text, len(ids), turns, len(self.tier_ids), self.complexity)
             tier, routed, score = s.tier, "auto", s.score
+        if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
+            param = "messages" if kind == "chat" else "prompt"
+            raise invalid(f"The prompt has {len(ids)} tokens; this server takes at most "
+                          f"{self.max_prompt_tokens}.", param, code="prompt_too_long")
         p = req.params
         max_len = max_context(workers)
         asked = p.max_tokens
@@ -154,7 +166,7 @@ class Service:
         if asked is None:
             default = COMPLETIONS_DEFAULT_MAX_TOKENS if kind == "completion" else self.default_max_tokens
             room = (max_len - len(ids)) if max_len is not None else None
-            asked = min(x for x in (default, room, 1 << 20) if x is not None)
+            asked = min(x for x in (default, room, self.max_tokens_cap or None, 1 << 20) if x is not None)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Job(f"{prefix}-{uuid.uuid4().hex}", kind, tier, ids, asked, p, routed, score)
 
@@ -177,7 +189,10 @@ class Service:
                 raise invalid(f"Token id {bad[0]} is out of range (vocabulary size {self.vocab_size}).",
                               "prompt")
             return list(prompt)
-        return list(self.tok(prompt)["input_ids"])
+        try:
+            return list(self.tok(prompt)["input_ids"])
+        except Exception as e:  # noqa: BLE001 - text the tokenizer cannot take is bad input
+            raise invalid(f"The prompt cannot be tokenized: {e}", "prompt") from None
 
 
 def _eos_ids(tok) -> list[int]:

@@ -31,11 +31,11 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, api.parse_chat(await read_json(request)))
+    return await _serve(request, api.parse_chat(await read_json(request), request.app[CONFIG].limits))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, api.parse_completion(await read_json(request)))
+    return await _serve(request, api.parse_completion(await read_json(request), request.app[CONFIG].limits))
 
 
 async def health(request: web.Request) -> web.Response:

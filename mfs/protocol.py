@@ -18,6 +18,8 @@ name                              type        what
 ``mfs:kv:block:{hash}``           set + TTL   KV directory: workers holding the prefix block ``hash`` (hex)
 ``mfs:kv:held:{worker}``          set + TTL   KV directory: block hashes listed for a worker (to drop them)
 ``mfs:kv:sessions:{worker}``      set + TTL   KV directory: sessions last placed on a worker
+``mfs:ratelimit:{key-id}``        hash + TTL  a gateway API key's rate-limit buckets (``r``, ``t``, ``ts``);
+                                              ``key-id`` is a hash prefix, never the key
 ================================  ==========  =========================================================
 
 Every stream entry has two fields: ``t`` (the record type) and ``d`` (the msgpack body).
@@ -69,6 +71,10 @@ def kv_held_key(worker: str) -> str:
 
 def kv_sessions_key(worker: str) -> str:
     return f"mfs:kv:sessions:{worker}"
+
+
+def ratelimit_key(key_id: str) -> str:
+    return f"mfs:ratelimit:{key_id}"
 
 
 class Record:
