@@ -43,11 +43,35 @@ class Metrics:
                                    "batches (cumulative, as the scheduler reports it)", registry=r)
         self.escalations = Gauge("mfs_scheduler_escalations", "Tier escalations (cumulative)", registry=r)
         self.preemptions = Gauge("mfs_scheduler_preemptions", "Preemptions (cumulative)", registry=r)
+        # Prefix reuse (issue 5), per KV segment, cumulative as the scheduler reports it. A request of
+        # tier k counts in segments 0..k; tokens are prompt tokens, blocks are full prompt blocks.
+        seg = ["segment"]
+        self.prefill_computed = Gauge("mfs_prefill_tokens_computed", "Prompt tokens whose KV was "
+                                      "computed, per segment (cumulative)", seg, registry=r)
+        self.prefill_reused = Gauge("mfs_prefill_tokens_reused", "Prompt tokens whose KV came from the "
+                                    "prefix cache, per segment (cumulative)", seg, registry=r)
+        self.cache_queries = Gauge("mfs_prefix_cache_queries", "Full prompt blocks looked up in the "
+                                   "prefix cache at admission, per segment (cumulative)", seg, registry=r)
+        self.cache_hits = Gauge("mfs_prefix_cache_hits", "Prompt blocks found in the prefix cache at "
+                                "admission, per segment (cumulative)", seg, registry=r)
+        self.cache_hit_rate = Gauge("mfs_prefix_cache_hit_rate", "Prefix-cache hits / queries per "
+                                    "segment (blocks; absent before the first query)", seg, registry=r)
+        self.evictions = Gauge("mfs_kv_evictions", "Cached KV blocks reclaimed, per segment "
+                               "(cumulative)", seg, registry=r)
+        self.directory_blocks = Gauge("mfs_kv_directory_blocks", "Prefix blocks the KV directory lists "
+                                      "per worker", ["worker"], registry=r)
+        self.affinity_preferred = Gauge("mfs_scheduler_affinity_preferred", "Requests with a worker "
+                                        "listed as holding their prefix (cumulative)", registry=r)
+        self.affinity_yielded = Gauge("mfs_scheduler_affinity_yielded", "...of which placed on a less "
+                                      "loaded worker instead (cumulative)", registry=r)
+        self.cached_tokens = Counter("mfs_cached_prompt_tokens", "Prompt tokens reported as cached "
+                                     "(usage.prompt_tokens_details.cached_tokens)", ["model"], registry=r)
 
     def observe_request(self, model: str, finish: str, prompt_tokens: int, completion_tokens: int,
-                        ttft: float | None, tpot: float | None, e2e: float) -> None:
+                        ttft: float | None, tpot: float | None, e2e: float, cached_tokens: int = 0) -> None:
         self.requests.labels(model, finish).inc()
         self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.cached_tokens.labels(model).inc(max(0, cached_tokens or 0))
         self.completion_tokens.labels(model).inc(completion_tokens)
         if ttft is not None:
             self.ttft.labels(model).observe(ttft)
@@ -75,6 +99,26 @@ class Metrics:
         for gauge, key in ((self.path_switches, "path_switches"), (self.escalations, "escalations"),
                            (self.preemptions, "preemptions")):
             gauge.set(_num(stats.get(key, 0)))
+        self._refresh_reuse(stats)
+
+    def _refresh_reuse(self, stats: dict) -> None:
+        per_seg = {}
+        for gauge, key in ((self.prefill_computed, "prefill_computed"), (self.prefill_reused, "prefill_reused"),
+                           (self.cache_queries, "cache_queries"), (self.cache_hits, "cache_hits"),
+                           (self.evictions, "evictions")):
+            gauge.clear()
+            per_seg[key] = {str(s): _num(v) for s, v in _seq_items(stats.get(key))}
+            for s, v in per_seg[key].items():
+                gauge.labels(s).set(v)
+        self.cache_hit_rate.clear()
+        for s, q in per_seg["cache_queries"].items():
+            if q > 0:
+                self.cache_hit_rate.labels(s).set(per_seg["cache_hits"].get(s, 0.0) / q)
+        self.directory_blocks.clear()
+        for worker, v in _items(stats.get("directory_blocks")):
+            self.directory_blocks.labels(str(worker)).set(_num(v))
+        self.affinity_preferred.set(_num(stats.get("affinity_preferred", 0)))
+        self.affinity_yielded.set(_num(stats.get("affinity_yielded", 0)))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -82,6 +126,15 @@ class Metrics:
 
 def _items(v):
     return v.items() if isinstance(v, dict) else ()
+
+
+def _seq_items(v):
+    """Per-segment values: a dict {segment: value} (what the scheduler writes) or a list."""
+    if isinstance(v, dict):
+        return v.items()
+    if isinstance(v, (list, tuple)):
+        return enumerate(v)
+    return ()
 
 
 def _num(v) -> float:

@@ -4,7 +4,10 @@ against services it starts itself, one per ``--layout`` (nested and/or independe
 Every response is streamed; per request it records TTFT, inter-token latencies, TPOT and end-to-end
 latency; per run: throughput, goodput under a TTFT/TPOT target, the workers' peak resident memory
 (VmHWM of each worker process) and the Redis/IPC share of a worker step (the scheduler's
-plan-to-result round trip against the worker's own step time, from ``mfs:stats``)."""
+plan-to-result round trip against the worker's own step time, from ``mfs:stats``).
+
+``--multi-turn`` runs the multi-turn session workload instead, with prefix reuse on and off
+(``mfs/bench_multiturn.py``)."""
 from __future__ import annotations
 
 import asyncio
@@ -187,10 +190,15 @@ def add_parser(sub) -> None:
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None)
+    from mfs.bench_multiturn import add_args  # noqa: PLC0415
+    add_args(p)  # --multi-turn and its options
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if getattr(args, "multi_turn", False):
+        from mfs import bench_multiturn  # noqa: PLC0415
+        return bench_multiturn.run(args)
     layouts = [None] if args.url else [x.strip() for x in args.layout.split(",") if x.strip()]
     out = {"benchmark": "serve", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "machine": platform.platform(), "args": {k: v for k, v in vars(args).items() if k != "func"},

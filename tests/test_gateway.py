@@ -504,3 +504,39 @@ def test_metrics_and_heartbeat(gw, rds):
     assert 0 < ttl <= P.WORKER_TTL_S
     beat = json.loads(rds.get(P.gateway_key("gw-test")))
     assert beat["port"] and beat["pid"] and beat["t"] > 0
+
+
+def test_reuse_metrics_from_scheduler_stats(gw, rds):
+    stats = {"prefill_computed": {0: 1200, 1: 900, 2: 300}, "prefill_reused": {0: 3000, 1: 2000, 2: 0},
+             "cache_queries": {0: 200, 1: 150, 2: 0}, "cache_hits": {0: 150, 1: 75},  # no segment-2 hits
+             "evictions": {0: 4, 1: 2, 2: 1}, "directory_blocks": {"w0": 42, "w1": 0},
+             "affinity_preferred": 9}  # no affinity_yielded key
+    rds.hset(P.STATS_KEY, "scheduler", msgpack.packb(stats))
+    try:
+        text = httpx.get(gw.url + "/metrics").text
+    finally:
+        rds.delete(P.STATS_KEY)
+    for line in ('mfs_prefill_tokens_computed{segment="0"} 1200.0', 'mfs_prefill_tokens_computed{segment="2"} 300.0',
+                 'mfs_prefill_tokens_reused{segment="1"} 2000.0', 'mfs_prefill_tokens_reused{segment="2"} 0.0',
+                 'mfs_prefix_cache_queries{segment="0"} 200.0', 'mfs_prefix_cache_hits{segment="1"} 75.0',
+                 'mfs_prefix_cache_hit_rate{segment="0"} 0.75', 'mfs_prefix_cache_hit_rate{segment="1"} 0.5',
+                 'mfs_kv_evictions{segment="0"} 4.0', 'mfs_kv_evictions{segment="2"} 1.0',
+                 'mfs_kv_directory_blocks{worker="w0"} 42.0', 'mfs_kv_directory_blocks{worker="w1"} 0.0',
+                 "mfs_scheduler_affinity_preferred 9.0", "mfs_scheduler_affinity_yielded 0.0"):
+        assert line in text, line
+    assert 'mfs_prefix_cache_hit_rate{segment="2"}' not in text  # no queries: no rate
+    assert 'mfs_prefix_cache_hits{segment="2"}' not in text
+    # The hash gone (or an old scheduler without these keys): the series go, the scrape still works.
+    text = httpx.get(gw.url + "/metrics").text
+    assert "mfs_prefill_tokens_computed{" not in text and "mfs_kv_directory_blocks{" not in text
+
+
+def test_cached_tokens_counter():
+    from gateway.metrics import Metrics
+    m = Metrics()
+    m.observe_request("smollm2-135m-large", "length", 100, 4, 0.1, 0.01, 0.2, cached_tokens=96)
+    m.observe_request("smollm2-135m-large", "length", 120, 4, 0.1, 0.01, 0.2, cached_tokens=112)
+    m.observe_request("smollm2-135m-small", "length", 10, 4, 0.1, 0.01, 0.2)
+    text = m.render().decode()
+    assert 'mfs_cached_prompt_tokens_total{model="smollm2-135m-large"} 208.0' in text
+    assert 'mfs_cached_prompt_tokens_total{model="smollm2-135m-small"} 0.0' in text
