@@ -162,6 +162,7 @@ class PlanRow:
     block_tables: list[list[int]]
     sample: bool
     num_output: int  # output tokens the request already has (the seq of the token sampled now)
+    enter: int = 0   # first segment computed: > 0 for a cross-tier catch-up row
 
 
 @dataclass(slots=True)

@@ -75,6 +75,10 @@ class Request:
     num_cached_tokens: int = 0   # tokens reused from the prefix cache at its first admission
     num_cached_blocks: int = 0   # leading blocks of its tables registered in the prefix cache
     block_hashes: list[list[bytes]] = field(default_factory=list)  # per segment, of its full blocks
+    # Cross-tier reuse at admission: (first segment, start, end) of cached positions whose lower
+    # segments' KV exists but whose upper segments must still be computed (from the stored hidden
+    # state at that boundary). Scheduled once, in the request's first step.
+    catchup: tuple[int, int, int] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property
@@ -123,6 +127,7 @@ class ScheduledStep:
     rows: list[tuple[Request, int]]
     new: list[Request]
     drop: list[str]
+    catchups: list[tuple[Request, int, int, int]] = field(default_factory=list)  # req, segment, start, end
 
 
 @dataclass(slots=True)
@@ -254,7 +259,7 @@ class StepScheduler:
                 self.pools[s].touch(t)
             req.block_tables = [list(t) for t in tables]
             req.num_computed_tokens = start
-            req.num_cached_blocks = len(tables[0])
+            req.num_cached_blocks = min(len(t) for t in tables)
         for s, g in enumerate(grow):
             if g > 0:
                 req.block_tables[s].extend(self.pools[s].allocate(g))
@@ -284,23 +289,39 @@ class StepScheduler:
         probe = Request("", list(prompt_ids), tier, SamplingParams(), frozenset(), -1)
         return self._hashes(probe, (len(prompt_ids) - 1) // self.cfg.block_size)
 
-    def _cached_prefix(self, req: Request) -> list[list[int]] | None:
-        """The cached blocks a request can start from, per segment: the longest prefix cached in all
-        of its segments, short of its last token (whose logits it samples from)."""
+    def _cached_prefix(self, req: Request, budget: int) -> list[list[int]] | None:
+        """The cached blocks a request can start from, per segment, short of its last token (whose
+        logits it samples from). Positions cached in *every* segment it uses are reused outright.
+        Cross-tier: when the lower segments 0..D hold a longer prefix (the session ran at a lower
+        tier before), that longer prefix is reused there too and the segments above D are computed
+        for the difference from the hidden state stored at exit D (``req.catchup``)."""
+        req.catchup = None
         if not self.cfg.enable_prefix_caching:
             return None
         chains = self._hashes(req, (req.num_tokens - 1) // self.cfg.block_size)
         hits = [self.pools[s].lookup(chain) for s, chain in enumerate(chains)]
-        k = min(len(h) for h in hits)
-        return [h[:k] for h in hits]
+        low = [min(len(h) for h in hits[:s + 1]) for s in range(len(hits))]  # cached in 0..s
+        top = low[-1]
+        d = max(s for s in range(len(low)) if low[s] == low[0])
+        bs = self.cfg.block_size
+        if (self.cfg.served_tiers is None and d < len(low) - 1 and low[0] > top
+                and all(len(h) == top for h in hits[d + 1:])
+                and (low[0] - top) * bs < budget):
+            req.catchup = (d + 1, top * bs, low[0] * bs)
+            return [h[:low[0]] if s <= d else h[:top] for s, h in enumerate(hits)]
+        return [h[:top] for h in hits]
 
     def _count_admission(self, req: Request, hit: list[list[int]] | None) -> None:
         full = (len(req.prompt_ids) - 1) // self.cfg.block_size
-        reused = min(req.num_computed_tokens, len(req.prompt_ids))
         for s in range(self._segments(req)):
             self.stats.cache_queries[s] += full
             self.stats.cache_hits[s] += len(hit[s]) if hit else 0
-            self.stats.prefill_reused[s] += reused
+            reused = len(hit[s]) * self.cfg.block_size if hit else 0
+            self.stats.prefill_reused[s] += min(reused, len(req.prompt_ids))
+        if req.catchup is not None:  # the upper segments compute these cached positions now
+            seg, a, b = req.catchup
+            for s in range(seg, self._segments(req)):
+                self.stats.prefill_computed[s] += b - a
         if req.num_preemptions == 0:
             req.num_cached_tokens = req.num_computed_tokens
         if hit and self.cache_log is not None:  # reuse refreshes the directory's entries
@@ -398,10 +419,12 @@ class StepScheduler:
                 rows.append((req, n))
                 budget -= n
         skipped: list[Request] = []
+        catchups: list[tuple[Request, int, int, int]] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting.popleft()
-            hit = self._cached_prefix(req)
-            n = min(req.num_tokens - (len(hit[0]) * self.cfg.block_size if hit else 0), budget)
+            hit = self._cached_prefix(req, budget)
+            extra = req.catchup[2] - req.catchup[1] if req.catchup else 0
+            n = min(req.num_tokens - (len(hit[0]) * self.cfg.block_size if hit else 0), budget - extra)
             if (allowed is not None and req.tier not in allowed) or not self._within_quota(req, n):
                 skipped.append(req)
                 continue
@@ -412,7 +435,10 @@ class StepScheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             rows.append((req, n))
-            budget -= n
+            budget -= n + extra
+            if req.catchup is not None:
+                catchups.append((req, *req.catchup))
+                req.catchup = None
         self.waiting.extendleft(reversed(skipped))
         new = [r for r, _ in rows if not r.announced]
         for r in new:
@@ -424,7 +450,7 @@ class StepScheduler:
         if rows:
             self.stats.steps += 1
             self.stats.forward_tokens += sum(n for _, n in rows)
-        return ScheduledStep(rows, new, drop)
+        return ScheduledStep(rows, new, drop, catchups)
 
     def update(self, step: ScheduledStep, tokens: dict[str, int]) -> list[RequestOutput]:
         """Advance the step's rows and append each sampled token; finished requests free blocks."""

@@ -274,7 +274,10 @@ class SchedulerService:
                        "token_ids": r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n),
                        "start_pos": r.num_computed_tokens, "block_tables": r.block_tables,
                        "sample": r.num_computed_tokens + n == r.num_tokens,
-                       "num_output": len(r.output_ids)} for r, n in sched.rows],
+                       "num_output": len(r.output_ids)} for r, n in sched.rows]
+                + [{"request_id": r.request_id, "tier": r.tier, "token_ids": r.token_slice(a, b),
+                    "start_pos": a, "block_tables": r.block_tables, "sample": False,
+                    "num_output": len(r.output_ids), "enter": seg} for r, seg, a, b in sched.catchups],
                 drop=sched.drop, worker_started=w.started)
             self.r.xadd(P.plan_stream(w.worker_id), plan.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
             w.inflight, w.sent_at = sched, time.monotonic()

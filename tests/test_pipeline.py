@@ -137,3 +137,20 @@ def test_independent_layout_serves_each_tier_from_its_own_copy(llama_dir):
         for rid, (p, t) in prompts.items():
             assert rd.tokens(rid) == eng.generate([p], [t], SamplingParams(max_tokens=6, ignore_eos=True))[0]
         assert {e.worker for evs in rd.events.values() for e in evs} == {"w0-small", "w0-medium", "w0-large"}
+
+
+def test_session_escalating_to_the_top_tier_reuses_its_lower_segment_kv(nested_service, llama_dir):
+    r = redis.Redis.from_url(nested_service.redis_url)
+    turn1 = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+    submit(r, "esc-1", turn1, 0, max_tokens=6, ignore_eos=True, session_id="esc")
+    rd = Reader(r)
+    rd.until(lambda: rd.finished("esc-1"))
+    turn2 = turn1 + rd.tokens("esc-1") + [30, 31, 32, 33, 34]
+    submit(r, "esc-2", turn2, 2, max_tokens=6, ignore_eos=True, session_id="esc")
+    rd.until(lambda: rd.finished("esc-2"))
+    first = min(rd.events["esc-2"], key=lambda e: e.seq)
+    assert first.cached_tokens == 16  # positions of turn 1 whose segment-0 KV was reused
+    assert {e.worker for e in rd.events["esc-1"]} == {e.worker for e in rd.events["esc-2"]}
+    fam = load_family(str(llama_dir), tiers="2,4,6", dtype="float64")
+    cold = Engine(fam.model, block_size=4, num_blocks=64, enable_prefix_caching=False)
+    assert rd.tokens("esc-2") == cold.generate([turn2], [2], SamplingParams(max_tokens=6, ignore_eos=True))[0]

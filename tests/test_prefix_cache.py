@@ -117,13 +117,31 @@ def test_lower_tiers_reuse_segment_blocks_of_a_higher_tier_request(llama_family)
         assert d["prefill_reused"][:tier + 1] == [12] * (tier + 1), (tier, d)
         assert d["prefill_reused"][tier + 1:] == [0] * (2 - tier)
         assert out == cold(llama_family, p, tier, 5)
-    # the other way round: a tier-0 history has no KV in segments 1 and 2, so a top-tier request of
-    # the same prompt reuses nothing (its positions must exist in every segment it uses)
+    # The other way round (cross-tier): a tier-0 history has KV only in segment 0. A top-tier request
+    # of the same prompt reuses it there and computes segments 1 and 2 for those positions from the
+    # hidden state stored at exit 0 — segment 0 computes only the last token.
     y = [40, 41, 42, 43, 44, 45, 46, 47, 48]
     eng.generate([y], [0], greedy(2))
     before = snapshot(eng)
     assert eng.generate([y], [2], greedy(4))[0] == cold(llama_family, y, 2, 4)
-    assert deltas(eng, before)["prefill_reused"] == [0, 0, 0]
+    d = deltas(eng, before)
+    assert d["prefill_reused"] == [8, 0, 0]
+    assert d["prefill_computed"] == [1, 9, 9]
+
+
+def test_a_session_escalating_from_small_to_large_computes_only_upper_segments_for_its_history(
+        llama_family):
+    eng = make_engine(llama_family)
+    turn1 = [9, 8, 7, 6, 5, 4, 3, 12, 13, 14, 15]  # 11 tokens
+    a1 = eng.generate([turn1], [0], greedy(6))[0]
+    turn2 = turn1 + a1 + [101, 102, 103, 104, 105]  # 22 tokens; 16 of them were seen at tier 0
+    before = snapshot(eng)
+    out = eng.generate([turn2], [2], greedy(6))[0]
+    d = deltas(eng, before)
+    assert out == cold(llama_family, turn2, 2, 6)
+    reused = 16  # full blocks of turn 1's prompt and answer (its last answer token was never fed)
+    assert d["prefill_reused"] == [reused, 0, 0]
+    assert d["prefill_computed"] == [len(turn2) - reused, len(turn2), len(turn2)]
 
 
 def test_cached_blocks_expire_after_the_ttl(llama_family):

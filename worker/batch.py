@@ -17,12 +17,16 @@ class RowInput:
     start_pos: int                # tokens of this row already in the cache
     block_tables: list[list[int]]  # one per segment 0..tier
     sample: bool                  # the row's last token is its newest: sample the next
+    enter: int = 0                # first segment computed (> 0: cross-tier catch-up from stored hidden)
 
 
 @dataclass(slots=True)
 class SegmentTensors:
     num_rows: int
     num_tokens: int
+    token_index: torch.Tensor | None  # batch positions of the active tokens; None: the first num_tokens
+    enter_index: torch.Tensor | None  # batch positions of tokens entering here from stored hidden
+    enter_slots: torch.Tensor | None  # their slots in the previous segment's pool
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     q_start_loc: torch.Tensor
@@ -39,6 +43,7 @@ class StepTensors:
     exit_token_index: list[torch.Tensor | None]
     exit_to_row_order: torch.Tensor
     sampled_rows: list[int]  # indices (into the sorted rows) of the rows whose logits come back
+    general: bool = False    # some row enters past segment 0: index the batch per segment
 
 
 def order_rows(rows: list[RowInput]) -> list[int]:
@@ -61,39 +66,53 @@ def build_step(rows: list[RowInput], num_segments: int, block_size: int,
     for n in q_lens:
         starts.append(starts[-1] + n)
 
+    def slots_of(r: RowInput, s: int) -> list[int]:
+        table = r.block_tables[s]
+        return [table[p // block_size] * block_size + p % block_size
+                for p in range(r.start_pos, r.start_pos + len(r.token_ids))]
+
+    def ltensor(xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=device)
+
+    general = any(r.enter for r in rows)  # otherwise the active rows of a segment are a prefix
     segments = []
     exit_idx: list[torch.Tensor | None] = []
     exit_rows: list[int] = []
     for s in range(num_segments):
-        nr = sum(1 for r in rows if r.tier >= s)
-        nt = starts[nr]
+        active = [i for i, r in enumerate(rows) if r.enter <= s <= r.tier]
         slots: list[int] = []
-        max_b = max((len(r.block_tables[s]) for r in rows[:nr]), default=1) or 1
-        bt = torch.zeros((nr, max_b), dtype=torch.long)
-        for i, r in enumerate(rows[:nr]):
-            table = r.block_tables[s]
-            need = -(-ctx[i] // block_size)
-            assert len(table) >= need, f"row {i} segment {s}: {len(table)} blocks < {need} needed"
+        max_b = max((len(rows[i].block_tables[s]) for i in active), default=1) or 1
+        bt = torch.zeros((len(active), max_b), dtype=torch.long)
+        qs = [0]
+        for k, i in enumerate(active):
+            r, table = rows[i], rows[i].block_tables[s]
+            assert len(table) >= -(-ctx[i] // block_size), f"row {i} segment {s}: too few blocks"
             if table:
-                bt[i, :len(table)] = torch.tensor(table, dtype=torch.long)
-            for p in range(r.start_pos, ctx[i]):
-                slots.append(table[p // block_size] * block_size + p % block_size)
+                bt[k, :len(table)] = torch.tensor(table, dtype=torch.long)
+            slots.extend(slots_of(r, s))
+            qs.append(qs[-1] + q_lens[i])
+        token_index = enter_index = enter_slots = None
+        if general:
+            token_index = ltensor([t for i in active for t in range(starts[i], starts[i + 1])])
+            entering = [i for i in active if rows[i].enter == s and s > 0]
+            if entering:
+                enter_index = ltensor([t for i in entering for t in range(starts[i], starts[i + 1])])
+                enter_slots = ltensor([x for i in entering for x in slots_of(rows[i], s - 1)])
         segments.append(SegmentTensors(
-            num_rows=nr, num_tokens=nt,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            block_tables=bt.to(device),
-            q_start_loc=torch.tensor(starts[:nr + 1], dtype=torch.long, device=device),
-            ctx_lens=torch.tensor(ctx[:nr], dtype=torch.long, device=device),
-            q_lens_host=q_lens[:nr], ctx_lens_host=ctx[:nr]))
-        leaving = [i for i, r in enumerate(rows[:nr]) if r.tier == s and r.sample]
+            num_rows=len(active), num_tokens=qs[-1], token_index=token_index, enter_index=enter_index,
+            enter_slots=enter_slots, slot_mapping=ltensor(slots), block_tables=bt.to(device),
+            q_start_loc=ltensor(qs), ctx_lens=ltensor([ctx[i] for i in active]),
+            q_lens_host=[q_lens[i] for i in active], ctx_lens_host=[ctx[i] for i in active]))
+        leaving = [i for i in active if rows[i].tier == s and rows[i].sample]
         exit_rows.extend(leaving)
-        exit_idx.append(torch.tensor([starts[i + 1] - 1 for i in leaving], dtype=torch.long,
-                                     device=device) if leaving else None)
+        # The exit reads the row's last token: its index among the segment's active tokens, or (in
+        # the general layout) in the whole batch.
+        where = {i: qs[k + 1] - 1 for k, i in enumerate(active)}
+        exit_idx.append(ltensor([starts[i + 1] - 1 if general else where[i] for i in leaving])
+                        if leaving else None)
     sampled = sorted(exit_rows)  # row order
     where = {row: k for k, row in enumerate(exit_rows)}
     return StepTensors(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=torch.tensor(pos, dtype=torch.long, device=device),
-        segments=segments, exit_token_index=exit_idx,
-        exit_to_row_order=torch.tensor([where[r] for r in sampled], dtype=torch.long, device=device),
-        sampled_rows=sampled)
+        input_ids=ltensor(ids), positions=ltensor(pos), segments=segments, exit_token_index=exit_idx,
+        exit_to_row_order=ltensor([where[r] for r in sampled]), sampled_rows=sampled,
+        general=general)

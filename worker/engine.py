@@ -80,6 +80,9 @@ class Engine:
                                         r.num_computed_tokens, r.block_tables,
                                         r.num_computed_tokens + n == r.num_tokens))
                 for r, n in sched.rows]
+        # Cross-tier catch-up rows: cached positions whose upper segments are computed this step.
+        rows += [(r.request_id, RowInput(r.tier, r.token_slice(a, b), a, r.block_tables, False, enter=seg))
+                 for r, seg, a, b in sched.catchups]
         out = self.runner.execute(rows)
         outs = self.scheduler.update(sched, out.tokens)
         if out.logits is not None:

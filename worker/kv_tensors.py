@@ -9,13 +9,19 @@ class SegmentedKVCache:
     """k[s], v[s]: [layers_in_segment, num_blocks_s, block_size, kv_heads, head_dim]."""
 
     def __init__(self, segment_layers: list[int], num_blocks: list[int], block_size: int,
-                 kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 hidden_size: int = 0):
         assert len(segment_layers) == len(num_blocks)
         self.block_size = block_size
         self.num_blocks = list(num_blocks)
         self.k = [torch.zeros(nl, nb, block_size, kv_heads, head_dim, dtype=dtype, device=device)
                   for nl, nb in zip(segment_layers, num_blocks)]
         self.v = [torch.zeros_like(t) for t in self.k]
+        # hid[s]: the hidden state after segment s of every token in a segment-s block (all but the
+        # last segment). A higher tier reuses a lower tier's cached prefix by starting its upper
+        # segments from here instead of recomputing the lower ones.
+        self.hid = [torch.zeros(nb, block_size, hidden_size, dtype=dtype, device=device)
+                    for nb in num_blocks[:-1]] if hidden_size else []
 
     @property
     def num_segments(self) -> int:
@@ -23,7 +29,8 @@ class SegmentedKVCache:
 
     def bytes_per_block(self, s: int) -> int:
         t = self.k[s]
-        return 2 * t[:, 0].numel() * t.element_size()
+        hid = self.hid[s][0].numel() * self.hid[s].element_size() if s < len(self.hid) else 0
+        return 2 * t[:, 0].numel() * t.element_size() + hid
 
     def total_bytes(self) -> int:
         return sum(self.bytes_per_block(s) * n for s, n in enumerate(self.num_blocks))

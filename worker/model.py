@@ -179,6 +179,8 @@ class NestedModel(nn.Module):
     @torch.inference_mode()
     def forward_step(self, batch: "StepTensors", kv: "SegmentedKVCache") -> torch.Tensor:
         """Runs one step of the group batch; returns logits [n_sampled_rows, V] in row order."""
+        if batch.general:
+            return self._forward_indexed(batch, kv)
         cfg, ops = self.cfg, self.ops
         h = self.embed_tokens(batch.input_ids)
         residual = None
@@ -189,37 +191,76 @@ class NestedModel(nn.Module):
                 break
             if h.shape[0] != seg.num_tokens:  # rows of lower tiers have left at earlier exits
                 h, residual = h[:seg.num_tokens], residual[:seg.num_tokens]
-            pos = batch.positions[:seg.num_tokens]
-            k_cache, v_cache = kv.k[s], kv.v[s]
-            for j, li in enumerate(self.segment_layers(s)):
-                layer = self.layers[li]
-                if residual is None:
-                    residual = h
-                    hn = ops.rms_norm(h, layer.input_layernorm, cfg.rms_eps)
-                else:
-                    hn, residual = ops.fused_add_rms_norm(h, residual, layer.input_layernorm, cfg.rms_eps)
-                T = hn.shape[0]
-                q = layer.q_proj(hn).view(T, cfg.num_heads, cfg.head_dim)
-                k = layer.k_proj(hn).view(T, cfg.num_kv_heads, cfg.head_dim)
-                v = layer.v_proj(hn).view(T, cfg.num_kv_heads, cfg.head_dim)
-                q, k = ops.rotary(q, k, pos, self.cos_sin)
-                ops.write_kv(k, v, k_cache[j], v_cache[j], seg.slot_mapping)
-                a = ops.paged_attention(q, k_cache[j], v_cache[j], seg.block_tables, seg.q_start_loc,
-                                        seg.ctx_lens, self.scale, seg.q_lens_host, seg.ctx_lens_host)
-                h = layer.o_proj(a.view(T, -1))
-                hn, residual = ops.fused_add_rms_norm(h, residual, layer.post_attention_layernorm,
-                                                      cfg.rms_eps)
-                h = layer.mlp(hn)
+            h, residual = self._segment(s, h, residual, batch.positions[:seg.num_tokens], seg, kv)
             idx = batch.exit_token_index[s]
             if idx is not None:
                 e, _ = ops.fused_add_rms_norm(h.index_select(0, idx), residual.index_select(0, idx),
                                               self.exit_norms[s], cfg.rms_eps)
                 exits.append(e)
+        return self._logits(exits, batch)
+
+    def _forward_indexed(self, batch: "StepTensors", kv: "SegmentedKVCache") -> torch.Tensor:
+        """The general layout: some rows enter past segment 0 (cross-tier catch-up), so each segment
+        gathers its active tokens from the whole batch and scatters them back."""
+        cfg, ops = self.cfg, self.ops
+        H = self.embed_tokens(batch.input_ids)
+        R = torch.zeros_like(H)
+        exits: list[torch.Tensor] = []
+        for s in range(self.num_segments):
+            seg = batch.segments[s]
+            if seg.num_tokens == 0:
+                continue
+            if seg.enter_index is not None:  # these tokens start here, from the stored hidden state
+                prev = kv.hid[s - 1]
+                stored = prev.view(-1, prev.shape[-1]).index_select(0, seg.enter_slots)
+                H.index_copy_(0, seg.enter_index, stored)
+                R.index_fill_(0, seg.enter_index, 0.0)
+            idx = seg.token_index
+            h, residual = self._segment(s, H.index_select(0, idx), R.index_select(0, idx),
+                                        batch.positions.index_select(0, idx), seg, kv)
+            H.index_copy_(0, idx, h)
+            R.index_copy_(0, idx, residual)
+            eidx = batch.exit_token_index[s]
+            if eidx is not None:
+                e, _ = ops.fused_add_rms_norm(H.index_select(0, eidx), R.index_select(0, eidx),
+                                              self.exit_norms[s], cfg.rms_eps)
+                exits.append(e)
+        return self._logits(exits, batch)
+
+    def _segment(self, s: int, h: torch.Tensor, residual: torch.Tensor | None, pos: torch.Tensor,
+                 seg, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers of segment s over its active tokens; stores their hidden state after the
+        segment for later cross-tier reuse (every segment but the last)."""
+        cfg, ops = self.cfg, self.ops
+        k_cache, v_cache = kv.k[s], kv.v[s]
+        for j, li in enumerate(self.segment_layers(s)):
+            layer = self.layers[li]
+            if residual is None:
+                residual = h
+                hn = ops.rms_norm(h, layer.input_layernorm, cfg.rms_eps)
+            else:
+                hn, residual = ops.fused_add_rms_norm(h, residual, layer.input_layernorm, cfg.rms_eps)
+            T = hn.shape[0]
+            q = layer.q_proj(hn).view(T, cfg.num_heads, cfg.head_dim)
+            k = layer.k_proj(hn).view(T, cfg.num_kv_heads, cfg.head_dim)
+            v = layer.v_proj(hn).view(T, cfg.num_kv_heads, cfg.head_dim)
+            q, k = ops.rotary(q, k, pos, self.cos_sin)
+            ops.write_kv(k, v, k_cache[j], v_cache[j], seg.slot_mapping)
+            a = ops.paged_attention(q, k_cache[j], v_cache[j], seg.block_tables, seg.q_start_loc,
+                                    seg.ctx_lens, self.scale, seg.q_lens_host, seg.ctx_lens_host)
+            h = layer.o_proj(a.view(T, -1))
+            hn, residual = ops.fused_add_rms_norm(h, residual, layer.post_attention_layernorm, cfg.rms_eps)
+            h = layer.mlp(hn)
+        if s < len(kv.hid):
+            hid = kv.hid[s]
+            hid.view(-1, hid.shape[-1]).index_copy_(0, seg.slot_mapping, (h + residual).to(hid.dtype))
+        return h, residual
+
+    def _logits(self, exits: list[torch.Tensor], batch: "StepTensors") -> torch.Tensor:
         if not exits:
-            return h.new_empty((0, cfg.vocab_size))
+            return self.embed_tokens.weight.new_empty((0, self.cfg.vocab_size))
         logits = self.lm_head(torch.cat(exits))  # exit order: lowest tier first
         return logits.index_select(0, batch.exit_to_row_order)
-
 
 def standalone_tier(model: NestedModel, tier: int) -> NestedModel:
     """One tier as its own model with its own copy of the weights: the "separate deployments"

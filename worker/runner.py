@@ -31,7 +31,8 @@ class ModelRunner:
         p = next(model.parameters())
         self.device = p.device
         self.kv = SegmentedKVCache([len(model.segment_layers(s)) for s in range(model.num_segments)],
-                                   num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, p.dtype, p.device)
+                                   num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, p.dtype, p.device,
+                                   hidden_size=cfg.hidden_size if model.num_segments > 1 else 0)
         self.block_size = block_size
         self.tier_map = tier_map  # global tier -> this model's tier (a standalone copy has one)
         self.keep_logits = keep_logits

@@ -132,7 +132,8 @@ class WorkerService:
         rows = [P.PlanRow(**d) for d in plan.rows]
         num_out = {r.request_id: r.num_output for r in rows}
         out = self.runner.execute([(r.request_id, RowInput(r.tier, r.token_ids, r.start_pos,
-                                                            r.block_tables, r.sample)) for r in rows])
+                                                            r.block_tables, r.sample, r.enter))
+                                   for r in rows])
         dt = time.perf_counter() - t0
         pipe = self.r.pipeline(transaction=False)
         for rid, tok in out.tokens.items():
