@@ -305,7 +305,7 @@ class Generation:
                 if self.t_first and self.completion_tokens > 1 else None)
         finish = self.finish_reason or "abort"
         self.svc.metrics.observe_request(self.model, finish, self.prompt_tokens, self.completion_tokens,
-                                         ttft, tpot, e2e)
+                                         ttft, tpot, e2e, cached_tokens=self.cached_tokens)
         self.log.info("request.done", kind=self.job.kind, tier=self.tier, model=self.model,
                       routed=self.job.routed, score=self.job.score, finish_reason=finish,
                       prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
