@@ -79,6 +79,12 @@ class Request:
     # segments' KV exists but whose upper segments must still be computed (from the stored hidden
     # state at that boundary). Scheduled once, in the request's first step.
     catchup: tuple[int, int, int] | None = None
+    drafts: list[int] = field(default_factory=list)  # this speculation round's draft tokens
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_rate: float = 1.0   # running acceptance (EMA over rounds), optimistic at the start
+    spec_pause: int = 0      # plain decode steps left before speculating again
+    spec_backoff: int = 8    # the next pause after a poor round; doubles while drafts keep failing
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property
@@ -128,6 +134,8 @@ class ScheduledStep:
     new: list[Request]
     drop: list[str]
     catchups: list[tuple[Request, int, int, int]] = field(default_factory=list)  # req, segment, start, end
+    drafts: list[tuple[Request, int, int]] = field(default_factory=list)   # req, token, position
+    verifies: list[tuple[Request, list[int], int]] = field(default_factory=list)  # req, tokens, start
 
 
 @dataclass(slots=True)
@@ -144,6 +152,9 @@ class SchedulerStats:
     cache_queries: list[int] = field(default_factory=list)
     cache_hits: list[int] = field(default_factory=list)
     evictions: list[int] = field(default_factory=list)
+    spec_rounds: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
 
 class StepScheduler:
@@ -181,6 +192,9 @@ class StepScheduler:
             params.validate()
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+        d = params.spec_draft_tier
+        if d is not None and (cfg.served_tiers is not None or not 0 <= d < tier):
+            raise InvalidRequest(f"draft tier {d} must be a lower tier of the same nested model than {tier}")
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
         if len(prompt_ids) >= cfg.max_model_len:
@@ -362,6 +376,7 @@ class StepScheduler:
         self.running.remove(req)
         self._release(req)
         req.num_computed_tokens = 0
+        req.drafts = []
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.stats.preemptions += 1
@@ -402,11 +417,26 @@ class StepScheduler:
                 p.reclaim_expired(self.cfg.cache_ttl_s)
         allowed = self._allowed_tiers()
         rows: list[tuple[Request, int]] = []
+        draft_rows: list[tuple[Request, int, int]] = []
+        verify_rows: list[tuple[Request, list[int], int]] = []
         preempted = False
         for req in sorted(self.running, key=lambda r: r.arrival):
             if budget == 0:
                 break
             if req.status is not Status.RUNNING or (allowed is not None and req.tier not in allowed):
+                continue
+            spec = self._speculation(req, budget)
+            if spec is not None:
+                kind, g = spec
+                if kind == "draft":
+                    pos = req.num_computed_tokens + len(req.drafts)
+                    x = req.drafts[-1] if req.drafts else req.token_slice(pos, pos + 1)[0]
+                    draft_rows.append((req, x, pos))
+                    budget -= 1
+                else:
+                    a = req.num_computed_tokens
+                    verify_rows.append((req, req.token_slice(a, a + 1) + req.drafts[:g - 1], a))
+                    budget -= g
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self._allocate(req, n):
@@ -444,16 +474,19 @@ class StepScheduler:
         for r in new:
             r.announced = True
         drop, self._drop = self._drop, []
-        self._count_switch(frozenset(r.tier for r, _ in rows))
+        self._count_switch(frozenset(r.tier for r, _ in rows) | {r.tier for r, _, _ in verify_rows}
+                           | {r.params.spec_draft_tier for r, _, _ in draft_rows})
         for s, p in enumerate(self.pools):
             self.stats.peak_kv_blocks[s] = max(self.stats.peak_kv_blocks[s], p.num_used)
         if rows:
             self.stats.steps += 1
             self.stats.forward_tokens += sum(n for _, n in rows)
-        return ScheduledStep(rows, new, drop, catchups)
+        return ScheduledStep(rows, new, drop, catchups, draft_rows, verify_rows)
 
-    def update(self, step: ScheduledStep, tokens: dict[str, int]) -> list[RequestOutput]:
-        """Advance the step's rows and append each sampled token; finished requests free blocks."""
+    def update(self, step: ScheduledStep, tokens: dict[str, int],
+               verified: dict[str, list[int]] | None = None) -> list[RequestOutput]:
+        """Advance the step's rows and append each sampled token; finished requests free blocks.
+        Draft rows add to their request's round; verification rows commit what the target accepts."""
         for req, n in step.rows:
             if req.status is Status.RUNNING:
                 start, p = req.num_computed_tokens, len(req.prompt_ids)
@@ -461,23 +494,86 @@ class StepScheduler:
                     self.stats.prefill_computed[s] += max(0, min(start + n, p) - start)
                 req.num_computed_tokens += n
                 self._register_full_blocks(req)
+        for req, _, _ in step.drafts:
+            if req.status is Status.RUNNING and req.request_id in tokens:
+                req.drafts.append(tokens[req.request_id])
+        new: dict[str, list[int]] = {req.request_id: [tokens[req.request_id]] for req, _ in step.rows
+                                     if req.request_id in tokens}
+        for req, _, _ in step.verifies:
+            if req.status is Status.RUNNING and verified and req.request_id in verified:
+                committed = self._accept(req, verified[req.request_id])
+                req.num_computed_tokens += len(committed)
+                self._register_full_blocks(req)
+                new[req.request_id] = committed
         outs = []
-        for req, _ in step.rows:
-            tok = tokens.get(req.request_id)
-            if tok is None or req.status is not Status.RUNNING:
+        for req in [r for r, _ in step.rows] + [r for r, _, _ in step.verifies]:
+            toks = new.get(req.request_id)
+            if not toks or req.status is not Status.RUNNING:
                 continue
-            req.output_ids.append(tok)
-            reason = finish_reason(tok, len(req.output_ids), req.num_tokens, req.params.max_tokens,
-                                   req.stop_ids, self.cfg.max_model_len)
+            emitted, reason = [], None
+            for tok in toks:
+                req.output_ids.append(tok)
+                emitted.append(tok)
+                reason = finish_reason(tok, len(req.output_ids), req.num_tokens, req.params.max_tokens,
+                                       req.stop_ids, self.cfg.max_model_len)
+                if reason:
+                    break
             if reason:
                 self.running.remove(req)
                 self._release(req)
                 req.status, req.finish_reason = Status.FINISHED, reason
                 self.requests.pop(req.request_id, None)
                 self._drop.append(req.request_id)
-            outs.append(RequestOutput(req.request_id, [tok], reason is not None, reason,
+            outs.append(RequestOutput(req.request_id, emitted, reason is not None, reason,
                                       len(req.prompt_ids), len(req.output_ids), req.tier))
         return outs
+
+    # ---- self-speculative decoding ----------------------------------------------------------
+    def _gamma(self, req: Request) -> int:
+        """Drafts per round: the request's gamma while drafts are mostly accepted, fewer otherwise."""
+        left = min(req.params.max_tokens - len(req.output_ids), self.cfg.max_model_len - req.num_tokens)
+        g = req.params.spec_gamma if req.spec_rate >= 0.6 else max(2, req.params.spec_gamma // 2)
+        return min(g, left)
+
+    def _speculation(self, req: Request, budget: int) -> tuple[str, int] | None:
+        """("draft" | "verify", gamma) when a decoding request speculates this step; None for a
+        plain row (prefill, no speculation, too few tokens left, or no blocks for the round)."""
+        if req.params.spec_draft_tier is None or req.num_computed_tokens != req.num_tokens - 1:
+            return None
+        if req.spec_pause > 0 and not req.drafts:
+            req.spec_pause -= 1  # this step decodes plainly
+            return None
+        g = self._gamma(req)
+        if g < 2:
+            return None
+        if not req.drafts and not self._allocate(req, g):  # the round's positions, every segment
+            return None
+        if len(req.drafts) < g:
+            return ("draft", g) if budget >= 1 else None
+        return ("verify", g) if budget >= g else None
+
+    def _accept(self, req: Request, targets: list[int]) -> list[int]:
+        """Greedy verification: keep the drafts the target agrees with, then the target's own token
+        at the first disagreement. Returns the committed tokens (as many as positions now valid)."""
+        g = len(targets)
+        k = 0
+        while k < g and req.drafts[k] == targets[k]:
+            k += 1
+        req.spec_proposed += g
+        req.spec_accepted += k
+        self.stats.spec_proposed += g
+        self.stats.spec_accepted += k
+        self.stats.spec_rounds += 1
+        committed = req.drafts[:k] + ([targets[k]] if k < g else [])
+        req.drafts = []
+        # Adaptive drafting: when the drafter keeps missing, decode plainly for a while (longer each
+        # time), so a poor drafter costs a bounded share of the steps instead of slowing every token.
+        req.spec_rate = 0.5 * req.spec_rate + 0.5 * k / g
+        if req.spec_rate < 0.3:
+            req.spec_pause, req.spec_backoff = req.spec_backoff, min(req.spec_backoff * 2, 512)
+        else:
+            req.spec_backoff = 8
+        return committed
 
     def kv_usage(self) -> tuple[list[int], list[int]]:
         return [p.num_used for p in self.pools], [p.num_blocks for p in self.pools]

@@ -18,6 +18,7 @@ class RowInput:
     block_tables: list[list[int]]  # one per segment 0..tier
     sample: bool                  # the row's last token is its newest: sample the next
     enter: int = 0                # first segment computed (> 0: cross-tier catch-up from stored hidden)
+    sample_all: bool = False      # logits at every position (speculative verification)
 
 
 @dataclass(slots=True)
@@ -77,7 +78,7 @@ def build_step(rows: list[RowInput], num_segments: int, block_size: int,
     general = any(r.enter for r in rows)  # otherwise the active rows of a segment are a prefix
     segments = []
     exit_idx: list[torch.Tensor | None] = []
-    exit_rows: list[int] = []
+    exit_items: list[tuple[int, int]] = []  # (row, position within the row) per logit, exit order
     for s in range(num_segments):
         active = [i for i, r in enumerate(rows) if r.enter <= s <= r.tier]
         slots: list[int] = []
@@ -103,16 +104,20 @@ def build_step(rows: list[RowInput], num_segments: int, block_size: int,
             enter_slots=enter_slots, slot_mapping=ltensor(slots), block_tables=bt.to(device),
             q_start_loc=ltensor(qs), ctx_lens=ltensor([ctx[i] for i in active]),
             q_lens_host=[q_lens[i] for i in active], ctx_lens_host=[ctx[i] for i in active]))
-        leaving = [i for i in active if rows[i].tier == s and rows[i].sample]
-        exit_rows.extend(leaving)
-        # The exit reads the row's last token: its index among the segment's active tokens, or (in
-        # the general layout) in the whole batch.
-        where = {i: qs[k + 1] - 1 for k, i in enumerate(active)}
-        exit_idx.append(ltensor([starts[i + 1] - 1 if general else where[i] for i in leaving])
-                        if leaving else None)
-    sampled = sorted(exit_rows)  # row order
-    where = {row: k for k, row in enumerate(exit_rows)}
+        leaving = [i for i in active if rows[i].tier == s and (rows[i].sample or rows[i].sample_all)]
+        # The exit reads the row's last token (every token for sample_all): its index among the
+        # segment's active tokens, or (in the general layout) in the whole batch.
+        base = {i: (starts[i] if general else qs[k]) for k, i in enumerate(active)}
+        idx: list[int] = []
+        for i in leaving:
+            js = range(q_lens[i]) if rows[i].sample_all else [q_lens[i] - 1]
+            exit_items.extend((i, j) for j in js)
+            idx.extend(base[i] + j for j in js)
+        exit_idx.append(ltensor(idx) if leaving else None)
+    sampled_items = sorted(exit_items)  # row order, then position
+    where = {item: k for k, item in enumerate(exit_items)}
     return StepTensors(
         input_ids=ltensor(ids), positions=ltensor(pos), segments=segments, exit_token_index=exit_idx,
-        exit_to_row_order=ltensor([where[r] for r in sampled]), sampled_rows=sampled,
+        exit_to_row_order=ltensor([where[it] for it in sampled_items]),
+        sampled_rows=[i for i, _ in sampled_items],
         general=general)

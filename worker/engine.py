@@ -72,7 +72,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.runner.drop(sched.drop)
-        if not sched.rows:
+        if not (sched.rows or sched.drafts or sched.verifies):
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("engine stalled: a waiting request fits in no pool")
             return []
@@ -83,8 +83,15 @@ class Engine:
         # Cross-tier catch-up rows: cached positions whose upper segments are computed this step.
         rows += [(r.request_id, RowInput(r.tier, r.token_slice(a, b), a, r.block_tables, False, enter=seg))
                  for r, seg, a, b in sched.catchups]
+        # Self-speculation: draft rows run the lower tier's segments, verification rows the segments
+        # above it from the hidden state the drafts stored at its exit.
+        rows += [(r.request_id, RowInput(r.params.spec_draft_tier, [x], pos, r.block_tables, True))
+                 for r, x, pos in sched.drafts]
+        rows += [(r.request_id, RowInput(r.tier, toks, a, r.block_tables, False,
+                                         enter=r.params.spec_draft_tier + 1, sample_all=True))
+                 for r, toks, a in sched.verifies]
         out = self.runner.execute(rows)
-        outs = self.scheduler.update(sched, out.tokens)
+        outs = self.scheduler.update(sched, out.tokens, out.verified)
         if out.logits is not None:
             for o in outs:
                 o.logits = out.logits[o.request_id]

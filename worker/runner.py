@@ -6,7 +6,7 @@ which rows to compute, and which requests to forget.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ class StepOutput:
     tokens: dict[str, int]
     logits: dict[str, torch.Tensor] | None
     num_tokens: int
+    verified: dict[str, list[int]] = field(default_factory=dict)  # request -> target token per position
 
 
 class ModelRunner:
@@ -53,9 +54,19 @@ class ModelRunner:
         rows = [rows[i] for i in order]
         batch = build_step([r for _, r in rows], self.model.num_segments, self.block_size, self.device)
         logits = self.model.forward_step(batch, self.kv)
-        rids = [rows[i][0] for i in batch.sampled_rows]
+        tokens: dict[str, int] = {}
+        verified: dict[str, list[int]] = {}
+        keep: dict[str, torch.Tensor] = {}
+        plain = [k for k, i in enumerate(batch.sampled_rows) if not rows[i][1].sample_all]
+        for k, i in enumerate(batch.sampled_rows):  # verification rows: the target's greedy choices
+            if rows[i][1].sample_all:
+                verified.setdefault(rows[i][0], []).append(int(torch.argmax(logits[k])))
+        rids = [rows[batch.sampled_rows[k]][0] for k in plain]
         states = [self.sampling[rid] for rid in rids]
-        toks = sample(logits, [s[0] for s in states], [s[1] for s in states])
-        return StepOutput(dict(zip(rids, toks)),
-                          {rid: logits[k].clone() for k, rid in enumerate(rids)} if self.keep_logits else None,
-                          int(batch.input_ids.shape[0]))
+        sub = logits.index_select(0, torch.tensor(plain, dtype=torch.long, device=logits.device))
+        toks = sample(sub, [st[0] for st in states], [st[1] for st in states])
+        tokens.update(zip(rids, toks))
+        if self.keep_logits:
+            keep = {rid: sub[k].clone() for k, rid in enumerate(rids)}
+        return StepOutput(tokens, keep if self.keep_logits else None, int(batch.input_ids.shape[0]),
+                          verified)

@@ -15,6 +15,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # Self-speculative decoding: draft with this lower tier, verify `spec_gamma` tokens at a time.
+    spec_draft_tier: int | None = None
+    spec_gamma: int = 4
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -25,6 +28,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.spec_draft_tier is not None:
+            if self.temperature != 0.0:
+                raise ValueError("speculative decoding serves greedy requests only (temperature 0) for now")
+            if self.spec_gamma < 1:
+                raise ValueError(f"spec_gamma must be >= 1, got {self.spec_gamma}")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,93 @@
+"""`mfs bench spec`: the top tier with and without self-speculation (a lower tier drafts, the top
+tier verifies only its upper segments) on a fixed prompt set, at 1 and N concurrent requests."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from worker.engine import Engine
+from worker.sampling import SamplingParams
+
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Summarize in two sentences: The city council met on Tuesday to discuss the new bus routes. "
+    "Residents asked for more frequent service in the evening, and the council agreed to study it.",
+    "Write a Python function that returns the sum of the squares of a list of numbers.",
+    "Explain what a hash table is to a beginner.",
+    "List three tips for writing clear emails.",
+    "Translate to French: Good morning, how are you today?",
+    "Write a short poem about the sea.",
+    "What are the main differences between a list and a tuple in Python?",
+]
+
+
+def _run(model, prompts, tier, params) -> dict:
+    eng = Engine(model, num_blocks=1024, enable_prefix_caching=False)
+    t0 = time.perf_counter()
+    outs = eng.generate(prompts, [tier] * len(prompts), params)
+    dt = time.perf_counter() - t0
+    st = eng.stats
+    return {"tokens": sum(map(len, outs)), "seconds": dt, "tokens_per_s": sum(map(len, outs)) / dt,
+            "rounds": st.spec_rounds, "proposed": st.spec_proposed, "accepted": st.spec_accepted,
+            "acceptance": st.spec_accepted / st.spec_proposed if st.spec_proposed else None,
+            "accepted_per_verification": st.spec_accepted / st.spec_rounds if st.spec_rounds else None,
+            "outputs": outs}
+
+
+def add_parser(sub) -> None:
+    from mfs.commands import add_model_args  # noqa: PLC0415
+    p = sub.add_parser("spec", help="top tier with vs without self-speculative decoding")
+    add_model_args(p)
+    p.add_argument("--json", required=True)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from mfs.commands import encode_prompt, load_from_args  # noqa: PLC0415
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    fam = load_from_args(args)
+    model, top = fam.model, len(fam.model.tiers) - 1
+    ids = [encode_prompt(fam.tokenizer, p, chat=True) for p in PROMPTS]
+    result = {"benchmark": "spec", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "model": args.model, "precipitated": fam.manifest.precipitated, "gamma": args.gamma,
+              "max_tokens": args.max_tokens, "runs": []}
+    for conc in (int(c) for c in args.concurrency.split(",")):
+        batches = [ids[i:i + conc] for i in range(0, len(ids), conc)][: max(1, 8 // conc) if conc > 1 else 4]
+        base = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        for draft in range(top):
+            sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, spec_draft_tier=draft,
+                                spec_gamma=args.gamma)
+            plain_tps, spec_tps, acc, per = [], [], [], []
+            for _ in range(args.repeats):
+                for b in batches:
+                    a = _run(model, b, top, base)
+                    s = _run(model, b, top, sp)
+                    assert s["outputs"] == a["outputs"], "speculation changed a greedy output"
+                    plain_tps.append(a["tokens_per_s"])
+                    spec_tps.append(s["tokens_per_s"])
+                    acc.append(s["acceptance"])
+                    per.append(s["accepted_per_verification"])
+            row = {"concurrency": conc, "draft_tier": model.tiers[draft].name,
+                   "plain_tokens_per_s": statistics.median(plain_tps),
+                   "spec_tokens_per_s": statistics.median(spec_tps),
+                   "speedup": statistics.median(s / p for s, p in zip(spec_tps, plain_tps)),
+                   "acceptance": statistics.mean(acc), "accepted_per_verification": statistics.mean(per)}
+            result["runs"].append(row)
+            print(f"concurrency {conc}, draft {row['draft_tier']:>7}: plain {row['plain_tokens_per_s']:6.1f} "
+                  f"tok/s, speculative {row['spec_tokens_per_s']:6.1f} tok/s, speedup {row['speedup']:.2f}, "
+                  f"acceptance {row['acceptance']:.2f}, accepted/verification "
+                  f"{row['accepted_per_verification']:.2f}", flush=True)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
