@@ -18,6 +18,13 @@ def llama_family(llama_dir):
 
 
 @pytest.fixture(scope="session")
+def frontend():
+    """The default family's names and tokenizer (no weights): what a gateway loads."""
+    from mfs.family import load_frontend
+    return load_frontend("default")
+
+
+@pytest.fixture(scope="session")
 def default_family():
     from mfs.family import load_family
     return load_family("default")

@@ -153,10 +153,13 @@ def register_worker(r: redis.Redis, worker: str = "w0", max_len: int = MAX_LEN) 
     r.sadd(P.WORKERS_SET, worker)
 
 
-@pytest.fixture(scope="session")
-def frontend():
-    from mfs.family import load_frontend
-    return load_frontend("default")
+@pytest.fixture(scope="module")
+def rds_worker(redis_url):  # noqa: F811
+    """A client of this module's Redis with a live worker registered."""
+    r = redis.Redis.from_url(redis_url)
+    register_worker(r)
+    yield r
+    r.close()
 
 
 @pytest.fixture(scope="session")

@@ -22,21 +22,12 @@ from gateway.openai_api import Limits
 from gateway.ratelimit import RateLimiter, duration
 from mfs import protocol as P
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture (this module's own server)
-from tests.test_gateway import CHAT, PARIS, FakeBackend, ServerThread, _err, register_worker
+from tests.test_gateway import rds_worker, CHAT, PARIS, FakeBackend, ServerThread, _err, register_worker
 
 
 @pytest.fixture(scope="module")
-def frontend():
-    from mfs.family import load_frontend
-    return load_frontend("default")
-
-
-@pytest.fixture(scope="module")
-def rds(redis_url):  # noqa: F811
-    r = redis.Redis.from_url(redis_url)
-    register_worker(r)
-    yield r
-    r.close()
+def rds(rds_worker):
+    return rds_worker
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from gateway.app import GatewayConfig
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture (this module's own server)
-from tests.test_gateway import FakeBackend, ServerThread, register_worker
+from tests.test_gateway import rds_worker, FakeBackend, ServerThread, register_worker
 
 KEY = "sk-fuzz"
 MODELS = ["smollm2-135m-small", "smollm2-135m-medium", "smollm2-135m-large", "smollm2-135m", "auto"]
@@ -94,11 +94,8 @@ def gw(redis_url, rds):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def rds(redis_url):  # noqa: F811
-    r = redis.Redis.from_url(redis_url)
-    register_worker(r)
-    yield r
-    r.close()
+def rds(rds_worker):
+    return rds_worker
 
 
 def check_error(err) -> None:
