@@ -118,6 +118,9 @@ def run_tiers(args) -> int:
     for r in rows:
         print(f"{r['tier']:<8} {r['model_id']:<28} {r['layers']:>6} {r['params']:>12,} "
               f"{r['kv_bytes_per_token']:>11,}  {r['note']}")
+    if fam.manifest.notes:
+        import textwrap  # noqa: PLC0415
+        print("\n" + textwrap.fill(fam.manifest.notes, 100))
     return 0
 
 
