@@ -1,0 +1,263 @@
+"""Training and held-out text that exists offline, and the step-seeded batch order.
+
+Sources (``--data``, comma-separated, mixed with equal weight per source):
+
+* ``self``: the base model's own greedy answers (top tier, chat template) to :data:`SELF_PROMPTS`, a
+  broad built-in prompt set. Generated once with :class:`worker.engine.Engine`, cached as JSONL.
+* ``stdlib``: ``pydoc`` plain-text documentation of :data:`STDLIB_TRAIN` modules.
+* ``packages``: README/METADATA/licence text of installed distributions.
+* a ``.txt``/``.md`` file, a ``.jsonl`` file (a ``text`` field, or ``prompt`` + ``answer``), or a
+  directory of those.
+
+The held-out text is the pydoc of :data:`STDLIB_HELDOUT`, modules no training source uses, plus the
+base model's answers to :data:`HELDOUT_PROMPTS` (disjoint from :data:`SELF_PROMPTS` and from the
+evaluation questions). :func:`check_disjoint` asserts it.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import pydoc
+import warnings
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+STDLIB_TRAIN = [
+    "abc", "argparse", "array", "ast", "asyncio", "base64", "binascii", "bz2", "cmath", "codecs",
+    "collections", "colorsys", "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime",
+    "decimal", "difflib", "dis", "email", "enum", "filecmp", "fnmatch", "ftplib", "functools", "getopt",
+    "gettext", "glob", "gzip", "hashlib", "hmac", "html", "http.client", "imaplib", "inspect", "io",
+    "ipaddress", "itertools", "json", "keyword", "locale", "logging", "lzma", "mailbox", "math",
+    "mimetypes", "numbers", "operator", "optparse", "os", "pathlib", "pickle", "pkgutil", "platform",
+    "plistlib", "pprint", "queue", "quopri", "random", "re", "reprlib", "sched", "secrets", "selectors",
+    "shelve", "shlex", "shutil", "signal", "smtplib", "socket", "sqlite3", "ssl", "stat", "statistics",
+    "string", "struct", "subprocess", "sys", "tarfile", "tempfile", "threading", "time", "timeit",
+    "token", "tokenize", "trace", "traceback", "types", "typing", "unicodedata", "unittest", "urllib.parse",
+    "urllib.request", "uuid", "warnings", "wave", "weakref", "xml.dom", "zipfile", "zlib",
+]
+# Never used for training by any built-in source.
+STDLIB_HELDOUT = ["textwrap", "fractions", "heapq", "bisect", "calendar", "graphlib"]
+
+_TOPICS = [
+    "photosynthesis", "black holes", "the water cycle", "volcanoes", "the French Revolution",
+    "machine learning", "the immune system", "climate change", "the stock market", "democracy",
+    "the Roman Empire", "electricity", "gravity", "DNA", "the internet", "vaccines", "earthquakes",
+    "the moon", "bees", "coffee", "chess", "the Renaissance", "recycling", "inflation", "music theory",
+    "the human heart", "rainbows", "solar panels", "the printing press", "ocean tides",
+    "antibiotics", "cloud computing", "the Olympic Games", "dinosaurs", "sleep", "meditation",
+    "the Great Wall of China", "electric cars", "sound waves", "friendship",
+]
+_TEMPLATES = [
+    "Explain {t} in simple terms.", "What is {t}?", "Give me three interesting facts about {t}.",
+    "Write a short paragraph about {t}.", "Why is {t} important?",
+]
+_TASKS = [
+    "Write a haiku about autumn.", "Write a short poem about the sea.", "Tell me a short joke.",
+    "Give me three tips for studying effectively.", "How do I make a cup of tea?",
+    "Suggest a name for a pet cat.", "What should I pack for a beach holiday?",
+    "Write a polite email declining a meeting invitation.", "How can I improve my handwriting?",
+    "Give me a simple recipe for pancakes.", "What are the benefits of regular exercise?",
+    "How do I start learning to play the guitar?", "Summarize the story of Cinderella.",
+    "Write a Python function that returns the square of a number.",
+    "Write a Python function that reverses a string.", "What is a list comprehension in Python?",
+    "Explain what a for loop does.", "What is the difference between a list and a tuple in Python?",
+    "How do I read a file in Python?", "What is 12 times 7?", "What is 15 plus 27?",
+    "Is 17 a prime number?", "Convert 5 kilometers to meters.", "What is the boiling point of water?",
+    "How many days are in a leap year?", "Who wrote Romeo and Juliet?", "What is the largest planet?",
+    "What language is spoken in Brazil?", "What is the chemical symbol for gold?",
+    "How many continents are there?", "Translate 'good morning' into Spanish.",
+    "What is the opposite of 'ancient'?", "Give me a synonym for 'happy'.",
+    "Describe a sunset in two sentences.", "How do airplanes stay in the air?",
+    "What causes the seasons?", "How do plants grow?", "What is a healthy breakfast?",
+    "How can I save money each month?", "What is the tallest mountain in the world?",
+]
+SELF_PROMPTS = [tp.format(t=t) for t in _TOPICS for tp in _TEMPLATES] + _TASKS
+
+HELDOUT_PROMPTS = [
+    "Explain how a refrigerator works.", "What is a glacier?", "Write a short poem about the forest.",
+    "Give me two tips for a job interview.", "How do magnets work?", "What is a noun?",
+    "Describe the planet Mars.", "Why do leaves change color in autumn?",
+]
+# Questions `mfs eval` asks every tier (greedy, chat template). Not in any training set.
+EVAL_QUESTIONS = [
+    "What is the capital of France?", "What is 2 plus 2?", "Name a primary color.",
+    "Who painted the Mona Lisa?", "What do bees make?", "Write one sentence about dogs.",
+]
+
+
+def check_disjoint() -> None:
+    assert not set(STDLIB_TRAIN) & set(STDLIB_HELDOUT)
+    assert not set(SELF_PROMPTS) & (set(HELDOUT_PROMPTS) | set(EVAL_QUESTIONS))
+    assert not set(HELDOUT_PROMPTS) & set(EVAL_QUESTIONS)
+
+
+# ---- text sources ----------------------------------------------------------------------------
+def pydoc_text(module: str) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mod = importlib.import_module(module)
+        return pydoc.render_doc(mod, renderer=pydoc.plaintext)
+
+
+def stdlib_texts(modules: list[str]) -> list[str]:
+    out = []
+    for m in modules:
+        try:
+            out.append(pydoc_text(m))
+        except Exception:  # noqa: BLE001 - a module missing on this Python is simply skipped
+            continue
+    return out
+
+
+def package_texts(limit_chars: int = 4_000_000) -> list[str]:
+    """README-like long descriptions and licences of installed distributions (English prose)."""
+    out, total = [], 0
+    for dist in sorted(metadata.distributions(), key=lambda d: d.metadata["Name"] or ""):
+        for f in dist.files or []:
+            name = f.name.upper()
+            if name in ("METADATA", "LICENSE", "LICENSE.TXT", "LICENSE.MD", "README.MD", "README.RST"):
+                try:
+                    txt = f.read_text()
+                except (OSError, UnicodeDecodeError):
+                    continue
+                if txt and len(txt) > 500:
+                    out.append(txt)
+                    total += len(txt)
+        if total > limit_chars:
+            break
+    return out
+
+
+def file_texts(path: Path) -> list[str]:
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    out = []
+    for p in files:
+        if p.suffix == ".jsonl":
+            for line in p.read_text().splitlines():
+                if line.strip():
+                    out.append(json.loads(line))
+        elif p.suffix in (".txt", ".md", ".rst", ""):
+            out.append(p.read_text(errors="replace"))
+    return out
+
+
+# ---- self-distillation data -------------------------------------------------------------------
+def chat_ids(tokenizer, prompt: str, answer: str | None = None) -> list[int]:
+    msgs = [{"role": "user", "content": prompt}]
+    if answer is None:
+        return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    msgs.append({"role": "assistant", "content": answer})
+    return list(tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=False))
+
+
+def generate_answers(model, tokenizer, prompts: list[str], max_tokens: int = 160,
+                     batch: int = 32, tier: int | None = None) -> list[tuple[str, bool]]:
+    """Greedy (answer, finished) of one tier (default: the top) through the serving engine."""
+    from worker.engine import Engine  # noqa: PLC0415
+    from worker.sampling import SamplingParams  # noqa: PLC0415
+    tier = model.num_segments - 1 if tier is None else tier
+    eng = Engine(model, num_blocks=batch * (max_tokens + 256) // 16 + 16,
+                 max_num_batched_tokens=2048, max_num_seqs=batch)
+    out = []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        ids = [chat_ids(tokenizer, p) for p in chunk]
+        gen = eng.generate(ids, [tier] * len(ids), SamplingParams(max_tokens=max_tokens))
+        out += [(tokenizer.decode(g, skip_special_tokens=True).strip(), len(g) < max_tokens)
+                for g in gen]
+    return out
+
+
+def self_records(model, tokenizer, prompts: list[str], cache: Path | None, max_tokens: int = 160,
+                 log=print) -> list[dict]:
+    if cache is not None and cache.exists():
+        recs = [json.loads(x) for x in cache.read_text().splitlines() if x.strip()]
+        if [r["prompt"] for r in recs] == prompts:
+            return recs
+    log(f"generating the base model's answers to {len(prompts)} prompts (greedy, {max_tokens} tokens)")
+    answers = generate_answers(model, tokenizer, prompts, max_tokens)
+    recs = [{"prompt": p, "answer": a, "finished": f} for p, (a, f) in zip(prompts, answers)]
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return recs
+
+
+# ---- token streams and batches -----------------------------------------------------------------
+def encode_docs(tokenizer, docs: list, eos: int) -> torch.Tensor:
+    """Texts or chat records -> one long token stream, documents separated by EOS."""
+    ids: list[int] = []
+    for d in docs:
+        if isinstance(d, dict) and "prompt" in d:
+            if d.get("finished", True):
+                ids += chat_ids(tokenizer, d["prompt"], d["answer"])
+            else:  # cut at max_tokens: no end-of-turn, or the model would learn to stop mid-sentence
+                ids += chat_ids(tokenizer, d["prompt"]) + tokenizer.encode(d["answer"],
+                                                                          add_special_tokens=False)
+        else:
+            text = d["text"] if isinstance(d, dict) else d
+            ids += tokenizer.encode(text, add_special_tokens=False)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@dataclass(slots=True)
+class Source:
+    name: str
+    stream: torch.Tensor  # [N] token ids
+
+
+class BatchSampler:
+    """Batch ``k`` of step ``s`` is a pure function of (seed, s, k): resuming replays the same order."""
+
+    def __init__(self, sources: list[Source], seq_len: int, seed: int):
+        self.sources = [s for s in sources if s.stream.numel() > seq_len + 1]
+        if not self.sources:
+            raise ValueError(f"no data source has more than {seq_len + 1} tokens")
+        self.seq_len, self.seed = seq_len, seed
+
+    def batch(self, step: int, micro: int, batch_size: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009 + micro)
+        rows = []
+        for _ in range(batch_size):
+            src = self.sources[int(torch.randint(len(self.sources), (1,), generator=g))]
+            start = int(torch.randint(src.stream.numel() - self.seq_len, (1,), generator=g))
+            rows.append(src.stream[start:start + self.seq_len])
+        return torch.stack(rows)
+
+    @property
+    def num_tokens(self) -> dict[str, int]:
+        return {s.name: int(s.stream.numel()) for s in self.sources}
+
+
+def heldout_docs(model=None, tokenizer=None, cache: Path | None = None) -> list:
+    """The held-out evaluation text: pydoc of STDLIB_HELDOUT (+ chat answers when a model is given)."""
+    docs: list = stdlib_texts(STDLIB_HELDOUT)
+    if model is not None:
+        docs += self_records(model, tokenizer, HELDOUT_PROMPTS, cache)
+    return docs
+
+
+def read_sources(spec: str, model, tokenizer, cache_dir: Path, self_max_tokens: int = 160,
+                 log=print) -> list[tuple[str, list]]:
+    """``--data`` -> [(name, documents)]."""
+    check_disjoint()
+    out = []
+    for part in [p.strip() for p in spec.split(",") if p.strip()]:
+        if part == "self":
+            out.append(("self", self_records(model, tokenizer, SELF_PROMPTS, cache_dir / "self.jsonl",
+                                             self_max_tokens, log)))
+        elif part == "stdlib":
+            out.append(("stdlib", stdlib_texts(STDLIB_TRAIN)))
+        elif part == "packages":
+            out.append(("packages", package_texts()))
+        else:
+            p = Path(part).expanduser()
+            if not p.exists():
+                raise FileNotFoundError(f"--data {part!r}: not 'self', 'stdlib', 'packages' or a path")
+            out.append((p.name, file_texts(p)))
+    return out

@@ -1,0 +1,235 @@
+"""``mfs eval``: how good each tier of a nested model is, next to the original model's top tier.
+
+Per tier: perplexity on the held-out text (:func:`mfs.data.heldout_docs`: pydoc of modules no
+training source uses, and the original model's answers to held-out prompts), greedy top-1 agreement
+with the same model's top tier and with the original top tier, and greedy answers (chat template) to
+:data:`mfs.data.EVAL_QUESTIONS`. The *original* is the base weights cut the same way with no
+precipitated weights applied: its top tier is the unmodified model. Writes JSON, prints a table,
+optionally plots a PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mfs import data as D
+from mfs.family import build_model, manifest_for, resolve_base
+from worker.loader import load_base
+from worker.model import NestedModel
+
+
+@dataclass(slots=True)
+class TierResult:
+    name: str
+    layers: int
+    ppl: dict[str, float] = field(default_factory=dict)       # source -> perplexity; "all" too
+    agree_top: float = 0.0       # greedy top-1 agreement with this model's top tier
+    agree_original: float = 0.0  # ... with the original model's top tier
+    answers: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class HeldoutStats:
+    nll: list[float]        # summed NLL per tier
+    count: int
+    argmax: list[torch.Tensor]
+
+
+@torch.no_grad()
+def heldout_pass(model: NestedModel, windows: torch.Tensor, batch: int = 4) -> HeldoutStats:
+    """windows [N, S] -> summed NLL per tier and every tier's greedy next token (positions 0..S-2)."""
+    nt = model.num_segments
+    nll = [0.0] * nt
+    arg: list[list[torch.Tensor]] = [[] for _ in range(nt)]
+    for i in range(0, windows.shape[0], batch):
+        ids = windows[i:i + batch]
+        for t, h in enumerate(model.exit_hidden(ids)):
+            logits = model.logits(h[:, :-1]).float()
+            nll[t] += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                            ids[:, 1:].reshape(-1), reduction="sum"))
+            arg[t].append(logits.argmax(-1).reshape(-1))
+    count = windows.shape[0] * (windows.shape[1] - 1)
+    return HeldoutStats(nll, count, [torch.cat(a) for a in arg])
+
+
+def make_windows(stream: torch.Tensor, seq_len: int, max_tokens: int) -> torch.Tensor:
+    n = min(stream.numel(), max_tokens) // seq_len
+    if n == 0:
+        raise ValueError(f"held-out text has fewer than {seq_len} tokens")
+    return stream[: n * seq_len].view(n, seq_len)
+
+
+def answer_all(model: NestedModel, tok, questions: list[str], max_tokens: int,
+               tiers: list[int] | None = None) -> list[list[str]]:
+    """Greedy answers [tier][question], every tier in one group batch through the engine."""
+    from worker.engine import Engine  # noqa: PLC0415
+    from worker.sampling import SamplingParams  # noqa: PLC0415
+    tiers = list(range(model.num_segments)) if tiers is None else tiers
+    prompts = [D.chat_ids(tok, q) for q in questions]
+    eng = Engine(model, num_blocks=len(prompts) * len(tiers) * ((max_tokens + 128) // 16 + 2),
+                 max_num_seqs=len(prompts) * len(tiers), max_num_batched_tokens=4096)
+    gen = eng.generate([p for _ in tiers for p in prompts], [t for t in tiers for _ in prompts],
+                       SamplingParams(max_tokens=max_tokens))
+    out = []
+    for k in range(len(tiers)):
+        out.append([tok.decode(g, skip_special_tokens=True).strip()
+                    for g in gen[k * len(prompts):(k + 1) * len(prompts)]])
+    return out
+
+
+def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max_tokens: int = 24,
+             log=print) -> dict:
+    t_start = time.perf_counter()
+    manifest, mdir = manifest_for(model_arg)
+    base = load_base(resolve_base(manifest.base, mdir))
+    tok = base.tokenizer
+    has_weights = bool(manifest.weights) and mdir is not None
+    original = None
+    if has_weights:
+        # build_model adopts the loader's tensors and apply_weights merges in place: the original
+        # needs its own copy of the weights, or it would silently become the precipitated model
+        orig_base = replace(base, state_dict={k: v.clone() for k, v in base.state_dict.items()})
+        original = build_model(orig_base, manifest.tiers[-1:]).eval()
+    model = build_model(base, manifest.tiers)
+    if has_weights:
+        from mfs.checkpoint import apply_weights  # noqa: PLC0415
+        apply_weights(model, mdir / manifest.weights["file"], manifest.weights["kind"])
+    model.eval()
+    original = original if original is not None else model
+    del base
+    D.check_disjoint()
+
+    # held-out text: pydoc of held-out modules + the original's answers to held-out prompts
+    eos = model.cfg.eos_token_ids[0]
+    srcs = {"pydoc": D.encode_docs(tok, D.stdlib_texts(D.STDLIB_HELDOUT), eos)}
+    chat = D.self_records(original, tok, D.HELDOUT_PROMPTS, None, 160, log)
+    srcs["chat"] = D.encode_docs(tok, chat, eos)
+    per_src = {}
+    for name, stream in srcs.items():
+        budget = heldout_tokens if name == "pydoc" else heldout_tokens // 4
+        w = make_windows(stream, seq_len if stream.numel() >= seq_len else stream.numel(), budget)
+        per_src[name] = (w, heldout_pass(model, w),
+                         heldout_pass(original, w) if original is not model else None)
+        log(f"held-out {name}: {w.numel()} tokens")
+
+    nt = model.num_segments
+    results = [TierResult(t.name, t.layers) for t in model.tiers]
+    orig = TierResult("original", original.tiers[-1].layers)
+    for t in range(nt):
+        nll_all, cnt_all, agree_top, agree_orig = 0.0, 0, 0, 0
+        for name, (w, st, ost) in per_src.items():
+            results[t].ppl[name] = math.exp(st.nll[t] / st.count)
+            nll_all += st.nll[t]
+            cnt_all += st.count
+            agree_top += int((st.argmax[t] == st.argmax[-1]).sum())
+            o_arg = (ost or st).argmax[-1]
+            agree_orig += int((st.argmax[t] == o_arg).sum())
+        results[t].ppl["all"] = math.exp(nll_all / cnt_all)
+        results[t].agree_top = agree_top / cnt_all
+        results[t].agree_original = agree_orig / cnt_all
+    nll_o, cnt_o = 0.0, 0
+    for name, (w, st, ost) in per_src.items():
+        s = ost or st
+        orig.ppl[name] = math.exp(s.nll[-1] / s.count)
+        nll_o += s.nll[-1]
+        cnt_o += s.count
+    orig.ppl["all"] = math.exp(nll_o / cnt_o)
+    orig.agree_top = orig.agree_original = 1.0
+
+    answers = answer_all(model, tok, D.EVAL_QUESTIONS, max_tokens)
+    for t in range(nt):
+        results[t].answers = answers[t]
+    orig.answers = answer_all(original, tok, D.EVAL_QUESTIONS, max_tokens,
+                              [original.num_segments - 1])[0] if original is not model else answers[-1]
+    top = results[-1].ppl["all"]
+    return {
+        "model": model_arg, "family": manifest.family, "precipitated": manifest.precipitated,
+        "weights": manifest.weights, "seq_len": seq_len,
+        "heldout": {name: {"tokens": int(w.numel()),
+                           "what": ("pydoc of " + ", ".join(D.STDLIB_HELDOUT)) if name == "pydoc" else
+                           "the original model's greedy answers to held-out prompts: "
+                           + " | ".join(D.HELDOUT_PROMPTS)}
+                    for name, (w, _, _) in per_src.items()},
+        "questions": D.EVAL_QUESTIONS, "max_tokens": max_tokens,
+        "tiers": [asdict(r) for r in results], "original": asdict(orig),
+        "ratios": {"ppl_vs_top": [r.ppl["all"] / top for r in results],
+                   "top_vs_original": top / orig.ppl["all"]},
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
+
+
+def format_table(res: dict) -> str:
+    srcs = list(res["heldout"])
+    head = ["tier", "layers"] + [f"ppl {s}" for s in srcs] + ["ppl all", "agree top", "agree orig",
+                                                              res["questions"][0]]
+    rows = []
+    for r in res["tiers"] + [res["original"]]:
+        rows.append([r["name"], str(r["layers"])] + [f"{r['ppl'][s]:.4g}" for s in srcs] +
+                    [f"{r['ppl']['all']:.4g}", f"{r['agree_top']:.3f}", f"{r['agree_original']:.3f}",
+                     r["answers"][0][:60].replace("\n", " ").replace("|", "/")])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: str | Path) -> None:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    tiers = res["tiers"]
+    names = [f"{t['name']}\n({t['layers']} layers)" for t in tiers] + ["original\n(top)"]
+    ppl = [t["ppl"]["all"] for t in tiers] + [res["original"]["ppl"]["all"]]
+    agree = [t["agree_original"] for t in tiers] + [1.0]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    a1.bar(names, ppl, color=["C0"] * len(tiers) + ["C7"])
+    a1.set_yscale("log")
+    a1.set_ylabel("held-out perplexity (log)")
+    a1.set_title(f"{res['model']}: perplexity per tier")
+    for i, v in enumerate(ppl):
+        a1.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
+    a2.bar(names, agree, color=["C1"] * len(tiers) + ["C7"])
+    a2.set_ylim(0, 1.05)
+    a2.set_ylabel("greedy top-1 agreement with the original top tier")
+    a2.set_title("agreement")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    torch.set_num_threads(args.threads)
+    res = evaluate(args.model, args.seq_len, args.heldout_tokens, args.max_tokens)
+    print(format_table(res))
+    print(f"top / original perplexity: {res['ratios']['top_vs_original']:.3f}; "
+          f"tiers / top: {', '.join(f'{x:.3g}' for x in res['ratios']['ppl_vs_top'])}")
+    for i, q in enumerate(res["questions"]):
+        print(f"\nQ: {q}")
+        for r in res["tiers"] + [res["original"]]:
+            print(f"  {r['name']:>8}: {r['answers'][i][:100]!r}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    if args.plot:
+        plot(res, args.plot)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="per-tier perplexity, agreement and answers of a nested model",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="default", help="nested checkpoint dir, default, default-raw, ...")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="write a PNG plot here")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--heldout-tokens", type=int, default=8192, help="pydoc tokens (chat: a quarter)")
+    p.add_argument("--max-tokens", type=int, default=24, help="answer length")
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=run)
