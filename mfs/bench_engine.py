@@ -8,7 +8,6 @@ alternating per repeat, and the medians over repeats are reported.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import random
@@ -112,7 +111,6 @@ def run_independent(copies, work, args) -> dict:
 
 def run_top_vs_generate(fam, work, args) -> dict:
     """The top tier alone (engine) against HF generate, batch of `concurrency`, same prompts."""
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
     top = len(fam.model.tiers) - 1
     n, new = args.concurrency, args.generate_tokens
     prompts = [it.prompt for it in work[:n]]
@@ -140,7 +138,6 @@ def run_top_vs_generate(fam, work, args) -> dict:
 def _hf_reference(fam):
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
     from worker.loader import _gguf_cache_dir, split_source  # noqa: PLC0415
-    from mfs.family import resolve_base  # noqa: PLC0415
     folder, gguf = split_source(fam.base.source)
     if gguf and (_gguf_cache_dir(folder, gguf) / ".complete").exists():
         folder, gguf = _gguf_cache_dir(folder, gguf), None

@@ -11,6 +11,7 @@ Two forwards share the weights:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,10 @@ from torch import nn
 from kernels import TORCH_OPS, KernelOps
 from kernels.rotary import build_cos_sin_cache
 from worker.config import ModelConfig
+
+if TYPE_CHECKING:
+    from worker.batch import StepTensors
+    from worker.kv_tensors import SegmentedKVCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +186,6 @@ class NestedModel(nn.Module):
         """Runs one step of the group batch; returns logits [n_sampled_rows, V] in row order."""
         if batch.general:
             return self._forward_indexed(batch, kv)
-        cfg, ops = self.cfg, self.ops
         h = self.embed_tokens(batch.input_ids)
         residual = None
         exits: list[torch.Tensor] = []
@@ -192,17 +196,12 @@ class NestedModel(nn.Module):
             if h.shape[0] != seg.num_tokens:  # rows of lower tiers have left at earlier exits
                 h, residual = h[:seg.num_tokens], residual[:seg.num_tokens]
             h, residual = self._segment(s, h, residual, batch.positions[:seg.num_tokens], seg, kv)
-            idx = batch.exit_token_index[s]
-            if idx is not None:
-                e, _ = ops.fused_add_rms_norm(h.index_select(0, idx), residual.index_select(0, idx),
-                                              self.exit_norms[s], cfg.rms_eps)
-                exits.append(e)
+            self._exit(s, h, residual, batch.exit_token_index[s], exits)
         return self._logits(exits, batch)
 
     def _forward_indexed(self, batch: "StepTensors", kv: "SegmentedKVCache") -> torch.Tensor:
         """The general layout: some rows enter past segment 0 (cross-tier catch-up), so each segment
         gathers its active tokens from the whole batch and scatters them back."""
-        cfg, ops = self.cfg, self.ops
         H = self.embed_tokens(batch.input_ids)
         R = torch.zeros_like(H)
         exits: list[torch.Tensor] = []
@@ -220,11 +219,7 @@ class NestedModel(nn.Module):
                                         batch.positions.index_select(0, idx), seg, kv)
             H.index_copy_(0, idx, h)
             R.index_copy_(0, idx, residual)
-            eidx = batch.exit_token_index[s]
-            if eidx is not None:
-                e, _ = ops.fused_add_rms_norm(H.index_select(0, eidx), R.index_select(0, eidx),
-                                              self.exit_norms[s], cfg.rms_eps)
-                exits.append(e)
+            self._exit(s, H, R, batch.exit_token_index[s], exits)
         return self._logits(exits, batch)
 
     def _segment(self, s: int, h: torch.Tensor, residual: torch.Tensor | None, pos: torch.Tensor,
@@ -255,6 +250,14 @@ class NestedModel(nn.Module):
             hid = kv.hid[s]
             hid.view(-1, hid.shape[-1]).index_copy_(0, seg.slot_mapping, (h + residual).to(hid.dtype))
         return h, residual
+
+    def _exit(self, s: int, h: torch.Tensor, residual: torch.Tensor, idx: torch.Tensor | None,
+              exits: list[torch.Tensor]) -> None:
+        """Rows of tier s that sample leave here: their tokens through exit s's norm."""
+        if idx is not None:
+            e, _ = self.ops.fused_add_rms_norm(h.index_select(0, idx), residual.index_select(0, idx),
+                                               self.exit_norms[s], self.cfg.rms_eps)
+            exits.append(e)
 
     def _logits(self, exits: list[torch.Tensor], batch: "StepTensors") -> torch.Tensor:
         if not exits:
