@@ -45,3 +45,16 @@ def _spread_norms(model) -> None:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+
+
+def tiny_mistral(path: Path, *, layers: int = 6, seed: int = 0, window: int | None = 64) -> Path:
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(seed)
+    cfg = MistralConfig(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
+                        sliding_window=window, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = MistralForCausalLM(cfg)
+    _spread_norms(model)
+    model.save_pretrained(path)
+    return path

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mfs.family import load_family
-from tests.factories import tiny_llama, tiny_qwen2
+from tests.factories import tiny_llama, tiny_mistral, tiny_qwen2
 from worker.engine import Engine
 from worker.sampling import SamplingParams
 
@@ -55,7 +55,8 @@ def hf_step_logits(hf, tokens):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa-untied", "llama-mha-tied-llama3rope", "qwen2-bias-tied"])
+@pytest.mark.parametrize("arch", ["llama-gqa-untied", "llama-mha-tied-llama3rope", "qwen2-bias-tied",
+                                  "mistral-mqa-window"])
 def test_every_tier_matches_transformers(tmp_path, arch):
     if arch == "llama-gqa-untied":
         path = tiny_llama(tmp_path / arch, kv_heads=2, tie=False)
@@ -63,6 +64,8 @@ def test_every_tier_matches_transformers(tmp_path, arch):
         path = tiny_llama(tmp_path / arch, kv_heads=4, tie=True, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64})
+    elif arch == "mistral-mqa-window":
+        path = tiny_mistral(tmp_path / arch)  # prompt + 32 steps stay inside the 64-token window
     else:
         path = tiny_qwen2(tmp_path / arch)
     fam = load_family(str(path), tiers="2,4,6", dtype="float32")
@@ -93,3 +96,10 @@ def test_training_forward_matches_serving_forward(llama_family):
         eng.add_request("r", PROMPT, tier.index, SamplingParams(max_tokens=1))
         (out,) = eng.step()
         torch.testing.assert_close(out.logits, dense[tier.index], rtol=1e-9, atol=1e-9)
+
+
+def test_a_sliding_window_caps_the_context(tmp_path):
+    fam = load_family(str(tiny_mistral(tmp_path / "m", window=48)), tiers="3,6")
+    assert fam.model.max_positions == 48
+    eng = Engine(fam.model, block_size=4, num_blocks=64)
+    assert eng.scheduler.cfg.max_model_len == 48

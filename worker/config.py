@@ -39,6 +39,14 @@ class ModelConfig:
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         inv_freq, scaling = _rope_inv_freq(hf_config, head_dim)
+        # A sliding attention window is not implemented: serve at most one window of context, where
+        # full attention and the window agree exactly.
+        window = getattr(hf_config, "sliding_window", None)
+        if mt == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+            window = None
+        max_pos = hf_config.max_position_embeddings
+        if window:
+            max_pos = min(max_pos, int(window))
         eos = hf_config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         return cls(
@@ -51,7 +59,7 @@ class ModelConfig:
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             rms_eps=hf_config.rms_norm_eps,
-            max_position=hf_config.max_position_embeddings,
+            max_position=max_pos,
             tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=("model.layers.0.self_attn.q_proj.bias" in keys) or mt == "qwen2",
             o_bias="model.layers.0.self_attn.o_proj.bias" in keys,
