@@ -303,12 +303,14 @@ class StepScheduler:
         probe = Request("", list(prompt_ids), tier, SamplingParams(), frozenset(), -1)
         return self._hashes(probe, (len(prompt_ids) - 1) // self.cfg.block_size)
 
-    def _cached_prefix(self, req: Request, budget: int) -> list[list[int]] | None:
+    def _cached_prefix(self, req: Request, budget: int, alone: bool = False) -> list[list[int]] | None:
         """The cached blocks a request can start from, per segment, short of its last token (whose
         logits it samples from). Positions cached in *every* segment it uses are reused outright.
         Cross-tier: when the lower segments 0..D hold a longer prefix (the session ran at a lower
         tier before), that longer prefix is reused there too and the segments above D are computed
-        for the difference from the hidden state stored at exit D (``req.catchup``)."""
+        for the difference from the hidden state stored at exit D (``req.catchup``). A catch-up longer
+        than the step's token budget is only planned in a step of its own (`alone`): it then runs
+        with nothing else waiting on it."""
         req.catchup = None
         if not self.cfg.enable_prefix_caching:
             return None
@@ -320,7 +322,7 @@ class StepScheduler:
         bs = self.cfg.block_size
         if (self.cfg.served_tiers is None and d < len(low) - 1 and low[0] > top
                 and all(len(h) == top for h in hits[d + 1:])
-                and (low[0] - top) * bs < budget):
+                and ((low[0] - top) * bs < budget or alone)):
             req.catchup = (d + 1, top * bs, low[0] * bs)
             return [h[:low[0]] if s <= d else h[:top] for s, h in enumerate(hits)]
         return [h[:top] for h in hits]
@@ -452,9 +454,11 @@ class StepScheduler:
         catchups: list[tuple[Request, int, int, int]] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting.popleft()
-            hit = self._cached_prefix(req, budget)
+            alone = not rows and not draft_rows and not verify_rows
+            hit = self._cached_prefix(req, budget, alone)
             extra = req.catchup[2] - req.catchup[1] if req.catchup else 0
-            n = min(req.num_tokens - (len(hit[0]) * self.cfg.block_size if hit else 0), budget - extra)
+            n = min(req.num_tokens - (len(hit[0]) * self.cfg.block_size if hit else 0),
+                    max(1, budget - extra))
             if (allowed is not None and req.tier not in allowed) or not self._within_quota(req, n):
                 skipped.append(req)
                 continue

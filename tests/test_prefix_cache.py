@@ -186,3 +186,16 @@ def test_shared_prefixes_under_pressure_with_preemption_still_equal_cold_runs(ll
     for rid, p, t, n in work:
         assert got[rid] == cold(llama_family, p, t, n), rid
     assert all(p.num_used == 0 for p in eng.pools)
+
+
+def test_a_history_longer_than_the_step_budget_catches_up_in_a_step_of_its_own(llama_family):
+    eng = make_engine(llama_family, max_num_batched_tokens=8)
+    turn1 = list(range(50, 71))  # 21 tokens: more than one step's budget
+    a1 = eng.generate([turn1], [0], greedy(4))[0]
+    turn2 = turn1 + a1 + [7, 8, 9]
+    before = snapshot(eng)
+    out = eng.generate([turn2], [2], greedy(5))[0]
+    d = deltas(eng, before)
+    assert out == cold(llama_family, turn2, 2, 5)
+    assert d["prefill_reused"] == [24, 0, 0]  # 6 full blocks of turn 1 + its answer
+    assert d["prefill_computed"] == [len(turn2) - 24, len(turn2), len(turn2)]
