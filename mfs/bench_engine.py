@@ -137,10 +137,8 @@ def run_top_vs_generate(fam, work, args) -> dict:
 
 def _hf_reference(fam):
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
-    from worker.loader import _gguf_cache_dir, split_source  # noqa: PLC0415
-    folder, gguf = split_source(fam.base.source)
-    if gguf and (_gguf_cache_dir(folder, gguf) / ".complete").exists():
-        folder, gguf = _gguf_cache_dir(folder, gguf), None
+    from worker.loader import resolve_cached  # noqa: PLC0415
+    folder, gguf = resolve_cached(fam.base.source)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                               **({"gguf_file": gguf} if gguf else {})).eval()
     # Serve the same weights MFS serves (precipitated ones included): copy the top tier in.

@@ -138,15 +138,5 @@ def add_up(sub) -> None:
 
 
 def run_up(args) -> int:
-    try:
-        from mfs.launch import up  # noqa: PLC0415
-    except ModuleNotFoundError:
-        # The service is not built yet: show the family answering instead.
-        print("mfs up: the HTTP service is not part of this build yet; running a CLI demo.", flush=True)
-        args.tier, args.max_tokens, args.temperature, args.top_p, args.top_k = None, 40, 0.0, 1.0, 0
-        args.seed, args.chat = None, True
-        fam_prompt = "What is the capital of France?"
-        print(f"> {fam_prompt}")
-        args.prompt = fam_prompt
-        return run_generate(args)
+    from mfs.launch import up  # noqa: PLC0415
     return up(args)

@@ -195,11 +195,9 @@ class Frontend:
 
 
 def load_frontend(model: str = "default", tiers: str | None = None) -> Frontend:
-    from worker.loader import _gguf_cache_dir, load_tokenizer, split_source  # noqa: PLC0415
+    from worker.loader import load_tokenizer, resolve_cached  # noqa: PLC0415
     manifest, mdir = manifest_for(model, tiers)
     if tiers and mdir is not None:
         manifest.tiers = parse_tiers(tiers, max(t.layers for t in manifest.tiers))
-    folder, gguf = split_source(resolve_base(manifest.base, mdir))
-    if gguf and (_gguf_cache_dir(folder, gguf) / ".complete").exists():
-        folder, gguf = _gguf_cache_dir(folder, gguf), None
+    folder, gguf = resolve_cached(resolve_base(manifest.base, mdir))
     return Frontend(manifest, load_tokenizer(folder, gguf))

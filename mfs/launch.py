@@ -58,7 +58,8 @@ class EmbeddedRedis:
             [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
              "--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--daemonize", "no",
              "--logfile", str(self.dir / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)  # a terminal's Ctrl-C reaches `mfs up`, which stops Redis last
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -238,6 +239,8 @@ def up(args) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        # A second Ctrl-C must not cut the clean-up short and leave workers running.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("mfs up: stopping", flush=True)
         svc.stop()
     return 0

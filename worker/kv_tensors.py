@@ -32,5 +32,3 @@ class SegmentedKVCache:
         hid = self.hid[s][0].numel() * self.hid[s].element_size() if s < len(self.hid) else 0
         return 2 * t[:, 0].numel() * t.element_size() + hid
 
-    def total_bytes(self) -> int:
-        return sum(self.bytes_per_block(s) * n for s, n in enumerate(self.num_blocks))

@@ -56,17 +56,24 @@ def _gguf_cache_dir(folder: Path, gguf: str) -> Path:
     return cache_root() / "gguf" / key[:16]
 
 
+def resolve_cached(path: str | os.PathLike) -> tuple[Path, str | None]:
+    """(directory, gguf file or None) to load from: a GGUF's dequantized cache once it is complete."""
+    folder, gguf = split_source(path)
+    if gguf:
+        cached = _gguf_cache_dir(folder, gguf)
+        if (cached / ".complete").exists():
+            return cached, None
+    return folder, gguf
+
+
 def load_base(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
               with_tokenizer: bool = True) -> BaseWeights:
     """Dequantizing a GGUF takes seconds; the result is cached once as a HF directory under
     $MFS_CACHE (default ~/.cache/mfs) and later loads read that instead."""
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
-    folder, gguf = split_source(path)
-    original = str(folder / (gguf or ""))
-    if gguf:
-        cached = _gguf_cache_dir(folder, gguf)
-        if (cached / ".complete").exists():
-            folder, gguf = cached, None
+    src_folder, src_gguf = split_source(path)
+    original = str(src_folder / (src_gguf or ""))
+    folder, gguf = resolve_cached(path)
     kw = {"gguf_file": gguf} if gguf else {}
     hf_config = AutoConfig.from_pretrained(folder, **kw)
     log.info("loading base weights", source=original, arch=hf_config.model_type,
