@@ -29,6 +29,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--max-inflight", type=int, default=256, help="in-flight requests before 429")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
     p.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline (s)")
+    p.add_argument("--stall-timeout", type=float, default=15.0,
+                   help="after a Redis outage or restart, fail (503, retryable) a request in flight that "
+                        "gets no token event within this many seconds of Redis being back")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="cap for chat requests without max_tokens (default: the rest of the context)")
     p.add_argument("--complexity-config", default=None,
@@ -56,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                     max_stop_chars=a.max_stop_chars, max_tokens_cap=a.max_tokens_cap)
     cfg = GatewayConfig(model=a.model, tiers=a.tiers, host=a.host, port=a.port, redis_url=a.redis_url,
                         max_inflight=a.max_inflight, max_body_bytes=a.max_body_bytes,
-                        request_timeout_s=a.request_timeout, default_max_tokens=a.default_max_tokens,
+                        request_timeout_s=a.request_timeout, stall_timeout_s=a.stall_timeout,
+                        default_max_tokens=a.default_max_tokens,
                         complexity=ComplexityConfig.load(a.complexity_config), api_keys=env_keys,
                         api_keys_file=a.api_keys_file, rpm=a.rpm, tpm=a.tpm,
                         max_prompt_tokens=a.max_prompt_tokens, limits=limits)

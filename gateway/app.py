@@ -2,8 +2,10 @@
 
 The cleanup context opens the Redis client, starts the token-event reader and the heartbeat
 (``SET mfs:gateway:{id}`` with a short TTL every second), and on shutdown stops both and closes the
-client. One error middleware answers every failure in OpenAI's error JSON; inside it the auth
-middleware (``gateway.auth``) checks API keys and rate limits.
+client. Both ride over Redis outages with backoff (see ``gateway.backend``); a request arriving while
+Redis is unreachable gets 503 ``backend_unavailable`` with ``Retry-After``, and ``/health`` answers 503
+until Redis is back. One error middleware answers every failure in OpenAI's error JSON; inside it the
+auth middleware (``gateway.auth``) checks API keys and rate limits.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 import structlog
 from aiohttp import web
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError
 
 from gateway.auth import KeyStore, auth_middleware, on_prepare
@@ -42,6 +46,8 @@ class GatewayConfig:
     max_inflight: int = 256                  # requests in flight before this gateway answers 429
     max_body_bytes: int = 4 << 20            # larger bodies get 413
     request_timeout_s: float = 600.0         # the gateway's own deadline per request (then Cancel, 504)
+    stall_timeout_s: float = 15.0            # after a Redis outage/restart: a request with no event this
+                                             # long after Redis is back fails (503, retryable; Cancel)
     default_max_tokens: int | None = None    # chat without max_tokens: the rest of the context, capped here
     api_keys: list[str] = field(default_factory=list)  # none and no file: the gateway is open
     api_keys_file: str | None = None         # one key per line, '#' comments; re-read when it changes
@@ -92,8 +98,13 @@ async def error_middleware(request: web.Request, handler):
 
 async def redis_ctx(app: web.Application):
     cfg, svc = app[CONFIG], app[SERVICE]
-    client = aioredis.Redis.from_url(cfg.redis_url, health_check_interval=30)
-    backend = Backend(client, cfg.gateway_id, block_ms=cfg.reader_block_ms)
+    # A client from a URL retries nothing by default: after a Redis restart every pooled connection is
+    # dead, and each would fail one command (a user's request among them). Two quick retries on a
+    # connection error reconnect instead; while Redis is down they fail within a few hundredths of a s.
+    client = aioredis.Redis.from_url(cfg.redis_url, health_check_interval=30, socket_connect_timeout=2,
+                                     retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), 2))
+    backend = Backend(client, cfg.gateway_id, block_ms=cfg.reader_block_ms,
+                      stall_timeout_s=cfg.stall_timeout_s, metrics=svc.metrics)
     svc.backend = backend
     svc.limiter = RateLimiter(client, rpm=cfg.rpm, tpm=cfg.tpm)
     tasks = [asyncio.create_task(backend.run_reader(), name="mfs-gateway-reader"),

@@ -64,6 +64,18 @@ class Metrics:
                                         "listed as holding their prefix (cumulative)", registry=r)
         self.affinity_yielded = Gauge("mfs_scheduler_affinity_yielded", "...of which placed on a less "
                                       "loaded worker instead (cumulative)", registry=r)
+        # Resilience (issue 7): Redis outages as this gateway saw them, and requests failed with a
+        # retryable 503 because their token stream broke (reason "gap": tokens lost, seq skipped;
+        # "redis": no event within --stall-timeout after a Redis outage or restart).
+        self.redis_up = Gauge("mfs_redis_up", "1 while this gateway reaches Redis, 0 during an outage",
+                              registry=r)
+        self.redis_outages = Counter("mfs_redis_outages", "Redis outages (connection lost) and restarts "
+                                     "this gateway saw", registry=r)
+        self.interrupted = Counter("mfs_requests_interrupted", "Requests failed with a retryable 503 "
+                                   "because their token stream broke, by reason (gap | redis)", ["reason"],
+                                   registry=r)
+        for reason in ("gap", "redis"):
+            self.interrupted.labels(reason)  # present (at 0) before the first one
         self.cached_tokens = Counter("mfs_cached_prompt_tokens", "Prompt tokens reported as cached "
                                      "(usage.prompt_tokens_details.cached_tokens)", ["model"], registry=r)
 

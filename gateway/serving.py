@@ -6,7 +6,12 @@ prompt + max_tokens charged to the caller's token rate limit).
 :class:`Generation` submits the job and turns the token events that come back into text pieces:
 duplicate events dropped by ``seq``, incremental detokenization, stop strings cut in the text (the
 request is then cancelled), and a Cancel sent whenever the gateway stops listening early (client gone,
-deadline).
+deadline, broken stream).
+
+A broken token stream fails the request with a retryable 503 rather than text with a hole or a client
+left hanging: a ``seq`` past the next expected one means tokens were lost (``stream_interrupted``), and
+a request that lived through a Redis outage or restart with no event within ``--stall-timeout`` after
+it (``Backend.stalled``) is given up (``redis_interrupted``).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import structlog
+from redis.exceptions import RedisError
 
 from gateway import complexity
 from gateway.auth import admit
@@ -214,6 +220,7 @@ class Generation:
         self.cached_tokens = 0
         self.finish_reason: str | None = None
         self.done = False                 # the backend has finished (or been told to stop) the request
+        self.submitted = False            # the Submit reached Redis (else there is nothing to cancel)
         self.cancel_reason = "abort"
         self.queue: asyncio.Queue[P.TokenEvent] | None = None
         self.t0 = time.perf_counter()
@@ -237,7 +244,13 @@ class Generation:
                        top_p=p.top_p, top_k=p.top_k, seed=p.seed, stop_token_ids=sorted(self.stop_ids),
                        ignore_eos=p.ignore_eos, arrival=time.time(),
                        session_id=self.request.headers.get("X-Session-ID") or p.session_id)
-        self.queue = await self.svc.backend.submit(sub)
+        try:
+            self.queue = await self.svc.backend.submit(sub)  # registers nothing when it fails
+        except (RedisError, OSError) as e:
+            self.log.warning("submit.failed", error=str(e))
+            raise APIError(503, "The gateway cannot reach its Redis right now; retry shortly.",
+                           code="backend_unavailable", headers={"Retry-After": "2"}) from None
+        self.submitted = True
         self.svc.metrics.routing.labels(self.model, j.routed).inc()
 
     async def _next_event(self) -> P.TokenEvent:
@@ -251,10 +264,22 @@ class Generation:
                 self.cancel_reason = "deadline"
                 raise APIError(504, f"The request did not finish within {self.svc.request_timeout_s:g} s.",
                                code="timeout")
+            if self.queue.empty() and self.svc.backend.stalled(self.job.request_id):
+                raise self._interrupted(
+                    "redis", "redis_interrupted",
+                    "The service lost its Redis (it restarted or was unreachable) and no more tokens "
+                    f"came for this request within {self.svc.backend.stall_timeout_s:g} s; retry it.", "2")
             try:
                 return await asyncio.wait_for(self.queue.get(), min(self.svc.poll_s, left))
             except TimeoutError:
                 continue
+
+    def _interrupted(self, reason: str, code: str, message: str, retry_after: str) -> APIError:
+        """A broken token stream: counted, logged, and cancelled (``close`` sends the Cancel)."""
+        self.cancel_reason = code
+        self.svc.metrics.interrupted.labels(reason).inc()
+        self.log.warning("request.interrupted", reason=reason, next_seq=self.next_seq)
+        return APIError(503, message, code=code, headers={"Retry-After": retry_after})
 
     async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
         while not self.done:
@@ -263,9 +288,12 @@ class Generation:
                 self.done, self.finish_reason = True, "error"
                 status = ev.status or (400 if ev.error_code == "context_length_exceeded" else 500)
                 raise APIError(status, ev.error or "The backend failed this request.", code=ev.error_code)
-            ids = ev.token_ids[max(0, self.next_seq - ev.seq):]
-            if ev.seq > self.next_seq:
+            if ev.seq > self.next_seq:  # tokens next_seq..seq-1 were lost: the text would have a hole
                 self.log.warning("tokens.gap", expected=self.next_seq, got=ev.seq)
+                raise self._interrupted("gap", "stream_interrupted",
+                                        f"Tokens of this request were lost in transit (expected token "
+                                        f"{self.next_seq}, got {ev.seq}); retry the request.", "1")
+            ids = ev.token_ids[max(0, self.next_seq - ev.seq):]
             self.next_seq = max(self.next_seq, ev.seq + len(ev.token_ids))
             if 0 <= ev.tier < len(self.svc.tier_ids):
                 self.tier = ev.tier
@@ -294,7 +322,7 @@ class Generation:
 
     async def close(self) -> None:
         be = self.svc.backend
-        if self.done:
+        if self.done or not self.submitted:
             be.release(self.job.request_id)
         else:
             self.finish_reason = self.cancel_reason
