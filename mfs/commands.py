@@ -134,6 +134,8 @@ def add_up(sub) -> None:
     p.add_argument("--layout", default="nested", choices=["nested", "independent"],
                    help="independent: each tier a standalone copy on its own worker (the baseline)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores - 1)")
+    p.add_argument("--schedulers", type=int, default=2,
+                   help="scheduler processes: one leads, the others stand by to take over (1: no standby)")
     p.set_defaults(func=run_up)
 
 

@@ -98,7 +98,8 @@ class Service:
                  layout: str = "nested", host: str = "127.0.0.1", port: int | None = None,
                  redis_url: str | None = None, worker_args: list[str] | None = None,
                  scheduler_args: list[str] | None = None, gateway_args: list[str] | None = None,
-                 log_dir: str | None = None, dtype: str | None = None, gateway: bool = True):
+                 log_dir: str | None = None, dtype: str | None = None, gateway: bool = True,
+                 schedulers: int = 1):
         self.model, self.tiers, self.workers, self.layout = model, tiers, workers, layout
         self.host, self.port = host, port or free_port()
         self.redis_url = redis_url or os.environ.get("REDIS_URL")
@@ -108,6 +109,7 @@ class Service:
         self.gateway_args = gateway_args or []
         self.dtype = dtype
         self.with_gateway = gateway
+        self.schedulers = schedulers  # one leads; the others stand by to take over
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="mfs-logs-"))
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -143,7 +145,8 @@ class Service:
             self.redis = EmbeddedRedis(data_dir=str(self.log_dir / "redis")).start()
             self.redis_url = self.redis.url
         r = ["--redis-url", self.redis_url]
-        self._spawn("scheduler", "scheduler", r + self.scheduler_args)
+        for i in range(self.schedulers):
+            self._spawn("scheduler" if i == 0 else f"scheduler-{i + 1}", "scheduler", r + self.scheduler_args)
         for wid, extra in self.worker_plan():
             self._spawn(f"worker-{wid}", "worker", r + self._model_args() + ["--worker-id", wid] + extra
                         + self.worker_args)
@@ -196,7 +199,8 @@ class Service:
         raise TimeoutError(f"{n} workers did not register within {timeout:.0f}s (logs: {self.log_dir})")
 
     def stop(self) -> None:
-        order = ["gateway"] + [n for n in self.procs if n.startswith("worker")] + ["scheduler"]
+        order = (["gateway"] + [n for n in self.procs if n.startswith("worker")]
+                 + [n for n in self.procs if n.startswith("scheduler")])
         for name in order:
             p = self.procs.get(name)
             if p is not None:
@@ -216,7 +220,8 @@ class Service:
 def up(args) -> int:
     worker_args = ["--threads", str(args.threads)] if args.threads else []
     svc = Service(args.model, tiers=args.tiers, workers=args.workers, layout=args.layout,
-                  host=args.host, port=args.port, worker_args=worker_args, dtype=args.dtype)
+                  host=args.host, port=args.port, worker_args=worker_args, dtype=args.dtype,
+                  schedulers=args.schedulers)
     print(f"mfs up: starting {args.layout} layout of {args.model!r} with {args.workers} worker(s); "
           f"logs in {svc.log_dir}", flush=True)
     stop = {"now": False}

@@ -20,9 +20,20 @@ name                              type        what
 ``mfs:kv:sessions:{worker}``      set + TTL   KV directory: sessions last placed on a worker
 ``mfs:ratelimit:{key-id}``        hash + TTL  a gateway API key's rate-limit buckets (``r``, ``t``, ``ts``);
                                               ``key-id`` is a hash prefix, never the key
+``mfs:scheduler:leader``          string+TTL  the leading scheduler's consumer name (a lease, renewed)
+``mfs:scheduler:epoch``           counter     leadership generation; plans carry it, workers refuse older
+``mfs:progress:{request}``        string+TTL  output tokens of an in-flight request (int32 LE), for a
+                                              new leader to resume it; deleted when it ends
 ================================  ==========  =========================================================
 
 Every stream entry has two fields: ``t`` (the record type) and ``d`` (the msgpack body).
+
+Delivery: a ``submit`` entry stays pending in the ``scheduler`` group until its request ends (finished,
+failed, cancelled, or its gateway gone), so a scheduler that takes over claims (``XAUTOCLAIM``) exactly the
+requests in flight and resumes each from ``mfs:progress:{request}``. Streams are bounded: the leader
+trims ``mfs:req`` and ``mfs:done`` below what is still pending or unread (``XTRIM MINID``), a worker its
+plan stream below what it has executed, a gateway its own output stream below what it has read, and every
+XADD carries ``MAXLEN ~`` as a backstop.
 """
 from __future__ import annotations
 
@@ -36,9 +47,12 @@ SCHEDULER_GROUP = "scheduler"
 WORKER_GROUP = "worker"
 WORKERS_SET = "mfs:workers"
 STATS_KEY = "mfs:stats"
-STREAM_MAXLEN = 100_000  # approximate trim (MAXLEN ~) on every XADD
+STREAM_MAXLEN = 100_000  # approximate trim (MAXLEN ~) on every XADD: a backstop, see "Delivery"
 HEARTBEAT_S = 1.0
 WORKER_TTL_S = 5
+LEADER_KEY = "mfs:scheduler:leader"
+EPOCH_KEY = "mfs:scheduler:epoch"
+PROGRESS_TTL_S = 24 * 3600
 
 
 def plan_stream(worker: str) -> str:
@@ -75,6 +89,10 @@ def kv_sessions_key(worker: str) -> str:
 
 def ratelimit_key(key_id: str) -> str:
     return f"mfs:ratelimit:{key_id}"
+
+
+def progress_key(request_id: str) -> str:
+    return f"mfs:progress:{request_id}"
 
 
 class Record:
@@ -173,6 +191,7 @@ class StepPlan(Record):
     rows: list[dict] = field(default_factory=list)   # PlanRow as dicts
     drop: list[str] = field(default_factory=list)    # requests the worker may forget
     worker_started: str = ""  # the worker life it was made for: block tables of another life are stale
+    epoch: int = 0            # the leading scheduler's generation: a newer one resets the worker's requests
 
 
 @dataclass(slots=True)
@@ -183,6 +202,7 @@ class StepResult(Record):
     tokens: dict = field(default_factory=dict)  # request_id -> sampled token id
     forward_s: float = 0.0
     num_tokens: int = 0
+    epoch: int = 0  # the plan's epoch: a result for an older leader's plan is ignored
 
 
 RECORDS = {r.TYPE: r for r in (Submit, Cancel, TokenEvent, StepPlan, StepResult)}

@@ -3,7 +3,17 @@
 It consumes ``mfs:req`` (submit / cancel) and ``mfs:done`` (step results) through its consumer group,
 keeps one StepScheduler per live worker (queues, block accounting, prefix cache, tier-mix limits),
 places each new request on a worker that serves its tier, and keeps every worker busy with exactly one
-step plan in flight. Entries are acknowledged after they are handled.
+step plan in flight.
+
+Several scheduler processes may run; one leads. Leadership is a lease in Redis (``mfs:scheduler:leader``,
+renewed every half second) and each new leader takes the next epoch (``mfs:scheduler:epoch``), which its
+plans carry: a worker forgets the requests of an older epoch and refuses its plans. A ``submit`` stays
+pending in the consumer group until its request ends, and the leader appends every request's output
+tokens to ``mfs:progress:{request}``; so a standby that takes over claims the pending submits
+(``XAUTOCLAIM``) and resumes each request from its prompt plus the tokens already produced, its token
+events continuing at the next sequence number (the gateway drops duplicates). Losing the connection to
+Redis is handled the same way: the leader steps down and takes over again with a new epoch, since plans
+and results may have been lost with the last second of Redis's writes.
 
 Placement is cache-aware: the worker the KV block directory (kvstore/) lists with the longest reusable
 prefix of the prompt (its blocks, or its session's chains) wins, unless its load exceeds the least
@@ -15,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -24,7 +35,7 @@ import structlog
 
 from kvstore.directory import BlockDirectory, common_blocks
 from mfs import protocol as P
-from scheduler.core import InvalidRequest, ScheduledStep, SchedulerConfig, StepScheduler
+from scheduler.core import InvalidRequest, ScheduledStep, SchedulerConfig, StepScheduler, finish_reason
 from worker.sampling import SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -55,11 +66,55 @@ class Limits:
     affinity_rel: float = 1.5         # ...requests above the least loaded AND more than this times as many
 
 
+# Take the lease and the next epoch (above every epoch a worker has seen: Redis may have lost the counter).
+_ACQUIRE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local e = redis.call('INCR', KEYS[2])
+  local floor = tonumber(ARGV[3])
+  if e <= floor then e = floor + 1; redis.call('SET', KEYS[2], e) end
+  return e
+end
+return 0
+"""
+# Extend the lease; if it lapsed and nobody took over since (the epoch is still ours), take it back.
+_RENEW = """
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]); return 1 end
+if (not v) and redis.call('GET', KEYS[2]) == ARGV[3] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]); return 1
+end
+return 0
+"""
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+def pack_tokens(tokens: list[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}i", *tokens)
+
+
+def unpack_tokens(raw: bytes | None) -> list[int]:
+    if not raw:
+        return []
+    return list(struct.unpack(f"<{len(raw) // 4}i", raw[:len(raw) // 4 * 4]))
+
+
 class SchedulerService:
-    def __init__(self, redis_url: str, limits: Limits, consumer: str | None = None):
+    def __init__(self, redis_url: str, limits: Limits, consumer: str | None = None, lease_s: float = 3.0):
         self.r = redis.Redis.from_url(redis_url)
         self.limits = limits
         self.consumer = consumer or f"sched-{os.getpid()}"
+        self.lease_ms = int(lease_s * 1000)
+        self.leader = False
+        self.epoch = 0
+        self.takeovers = 0
+        self._last_renew = 0.0
+        self._last_gc = 0.0
+        self._acquire = self.r.register_script(_ACQUIRE)
+        self._renew = self.r.register_script(_RENEW)
+        self._release_lease = self.r.register_script(_RELEASE)
+        self.gateways_seen: set[str] = set()  # gateways whose heartbeat was seen (their loss cancels)
+        self.gateways_gone: dict[str, float] = {}  # -> when: a step in flight may still write its stream
+        self.gateway_cancels = 0
         self.workers: dict[str, WorkerState] = {}
         self.placement: dict[str, str] = {}  # request id -> worker id
         self._last_refresh = 0.0
@@ -78,7 +133,8 @@ class SchedulerService:
     def setup(self) -> None:
         for stream in (P.REQ_STREAM, P.DONE_STREAM):
             try:
-                self.r.xgroup_create(stream, P.SCHEDULER_GROUP, id="$", mkstream=True)
+                # from the start: submits that arrived before any scheduler did are served too
+                self.r.xgroup_create(stream, P.SCHEDULER_GROUP, id="0", mkstream=True)
             except redis.ResponseError as e:
                 if "BUSYGROUP" not in str(e):
                     raise
@@ -90,6 +146,8 @@ class SchedulerService:
             info = self.r.hgetall(P.worker_key(wid))
             if not info:
                 self.r.srem(P.WORKERS_SET, wid)
+                continue
+            if b"started" not in info:  # a heartbeat after a Redis restart; the full hash follows
                 continue
             started = info[b"started"].decode()
             w = self.workers.get(wid)
@@ -134,7 +192,8 @@ class SchedulerService:
         for rid, req in list(w.core.requests.items()):
             self.placement.pop(rid, None)
             if not self.replan(req):
-                self.fail(rid, req.meta.get("gateway_id", ""), f"{why}; please retry", "worker_lost", 503)
+                self.fail(rid, req.meta.get("gateway_id", ""), f"{why}; please retry", "worker_lost", 503,
+                          req.meta.get("entry"))
 
     def replan(self, req) -> bool:
         """Moves a lost worker's request to a live one: it is prefilled again from its prompt plus the
@@ -158,13 +217,33 @@ class SchedulerService:
         return True
 
     # ---- messages ----------------------------------------------------------------------------
-    def fail(self, rid: str, gateway: str, message: str, code: str, status: int) -> None:
+    def end(self, rid: str, entry: str | bytes | None, pipe=None) -> None:
+        """A request is over (finished, failed, cancelled): its submit is acknowledged, its progress goes."""
+        p = pipe if pipe is not None else self.r.pipeline(transaction=False)
+        if entry is not None:
+            p.xack(P.REQ_STREAM, P.SCHEDULER_GROUP, entry)
+        p.delete(P.progress_key(rid))
+        if pipe is None:
+            p.execute()
+
+    def end_entry(self, entry) -> None:
+        if entry is not None:
+            self.r.xack(P.REQ_STREAM, P.SCHEDULER_GROUP, entry)
+
+    def fail(self, rid: str, gateway: str, message: str, code: str, status: int, entry=None) -> None:
+        self.end(rid, entry)
         if not gateway:
             return
         ev = P.TokenEvent(rid, 0, [], True, "error", error=message, error_code=code, status=status)
         self.r.xadd(P.out_stream(gateway), ev.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
 
-    def on_submit(self, s: P.Submit) -> None:
+    def on_submit(self, s: P.Submit, entry: str | bytes | None = None, done: list[int] | None = None) -> None:
+        """Places a new request; or, with ``done`` (tokens it already produced under a former leader),
+        resumes it from its prompt plus those tokens."""
+        if s.request_id in self.placement:  # the same submit twice (a client retried an XADD that landed)
+            log.warning("duplicate submit ignored", request_id=s.request_id)
+            self.end_entry(entry)
+            return
         cands = [w for w in self.workers.values() if s.tier in w.tiers]
         if not cands:  # a worker may have registered since the last refresh
             self.refresh_workers()
@@ -172,11 +251,21 @@ class SchedulerService:
         if not cands:
             known = {t for w in self.workers.values() for t in range(w.core.cfg.num_tiers)}
             if self.workers and s.tier not in known:
-                self.fail(s.request_id, s.gateway_id, f"unknown tier {s.tier}", "model_not_found", 404)
+                self.fail(s.request_id, s.gateway_id, f"unknown tier {s.tier}", "model_not_found", 404, entry)
             else:
                 self.fail(s.request_id, s.gateway_id, "no live worker serves this tier yet; retry shortly",
-                          "no_worker", 503)
+                          "no_worker", 503, entry)
             return
+        seq_offset = 0
+        if done:
+            cfg = cands[0].core.cfg
+            stop = set(s.stop_token_ids) | (set() if s.ignore_eos else set(cfg.eos_token_ids))
+            if finish_reason(done[-1], len(done), len(s.prompt_ids) + len(done), s.max_tokens, stop,
+                             cfg.max_model_len):
+                self.end(s.request_id, entry)  # it ended; only the acknowledgement was missing
+                return
+            s = dataclasses.replace(s, prompt_ids=s.prompt_ids + done, max_tokens=s.max_tokens - len(done))
+            seq_offset = len(done)
         w = self.place(s, cands)
         params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                                 top_k=s.top_k, seed=s.seed, stop_token_ids=tuple(s.stop_token_ids),
@@ -184,9 +273,9 @@ class SchedulerService:
         try:
             w.core.add_request(s.request_id, s.prompt_ids, s.tier, params,
                                meta={"gateway_id": s.gateway_id, "arrival": s.arrival,
-                                     "session_id": s.session_id})
+                                     "session_id": s.session_id, "entry": entry, "seq_offset": seq_offset})
         except InvalidRequest as e:
-            self.fail(s.request_id, s.gateway_id, str(e), e.code, e.status)
+            self.fail(s.request_id, s.gateway_id, str(e), e.code, e.status, entry)
             return
         self.placement[s.request_id] = w.worker_id
 
@@ -233,25 +322,35 @@ class SchedulerService:
 
     def on_cancel(self, c: P.Cancel) -> None:
         wid = self.placement.pop(c.request_id, None)
-        if wid in self.workers and self.workers[wid].core.abort_request(c.request_id):
+        w = self.workers.get(wid)
+        req = w.core.requests.get(c.request_id) if w is not None else None
+        if req is not None and w.core.abort_request(c.request_id):
+            self.end(c.request_id, req.meta.get("entry"))
             log.info("request cancelled", request_id=c.request_id, reason=c.reason, worker=wid)
 
     def on_result(self, res: P.StepResult) -> None:
         w = self.workers.get(res.worker)
-        if w is None or w.inflight is None or res.step_id != w.step_id:
-            return  # a result for a plan from before a restart
+        if w is None or w.inflight is None or res.step_id != w.step_id or res.epoch != self.epoch:
+            return  # a result for a plan from before a restart, or from a former leader's plan
         self.step_count += 1
         self.step_roundtrip_s += time.monotonic() - w.sent_at
         self.step_forward_s += res.forward_s
         reqs = {r.request_id: r for r, _ in w.inflight.rows}
+        pipe = self.r.pipeline(transaction=False)
         for o in w.core.update(w.inflight, res.tokens):
+            req = reqs[o.request_id]
             if o.finished:
                 self.placement.pop(o.request_id, None)
-                req = reqs[o.request_id]
+                self.end(o.request_id, req.meta.get("entry"), pipe)
                 if req.meta.get("session_id") and w.core.cfg.enable_prefix_caching:
                     full = req.num_computed_tokens // w.core.cfg.block_size
                     self.directory.touch_session(req.meta["session_id"], w.worker_id, w.started, req.tier,
                                                  [c[:full] for c in req.block_hashes])
+            elif o.new_token_ids:  # what a new leader would resume it from
+                key = P.progress_key(o.request_id)
+                pipe.append(key, pack_tokens(o.new_token_ids))
+                pipe.expire(key, P.PROGRESS_TTL_S)
+        pipe.execute()
         w.inflight = None
 
     def dispatch(self) -> None:
@@ -278,7 +377,7 @@ class SchedulerService:
                 + [{"request_id": r.request_id, "tier": r.tier, "token_ids": r.token_slice(a, b),
                     "start_pos": a, "block_tables": r.block_tables, "sample": False,
                     "num_output": len(r.output_ids), "enter": seg} for r, seg, a, b in sched.catchups],
-                drop=sched.drop, worker_started=w.started)
+                drop=sched.drop, worker_started=w.started, epoch=self.epoch)
             self.r.xadd(P.plan_stream(w.worker_id), plan.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
             w.inflight, w.sent_at = sched, time.monotonic()
 
@@ -314,8 +413,146 @@ class SchedulerService:
                  "workers": len(self.workers), "updated": time.time(), "steps": self.step_count,
                  "step_roundtrip_s": self.step_roundtrip_s, "step_forward_s": self.step_forward_s,
                  **cache, "directory_blocks": held, "affinity_preferred": self.affinity_preferred,
-                 "affinity_yielded": self.affinity_yielded}
+                 "affinity_yielded": self.affinity_yielded, "leader": self.consumer, "epoch": self.epoch,
+                 "takeovers": self.takeovers, "gateway_cancels": self.gateway_cancels}
         self.r.hset(P.STATS_KEY, "scheduler", msgpack.packb(stats))
+
+    # ---- leadership ----------------------------------------------------------------------------
+    def try_lead(self) -> bool:
+        floor = 0
+        for wid in self.r.smembers(P.WORKERS_SET):
+            e = self.r.hget(P.worker_key(wid.decode()), "epoch")
+            floor = max(floor, int(e or 0))
+        epoch = int(self._acquire(keys=[P.LEADER_KEY, P.EPOCH_KEY], args=[self.consumer, self.lease_ms, floor]))
+        if not epoch:
+            return False
+        self.leader, self.epoch = True, epoch
+        self._last_renew = time.monotonic()
+        self.takeover()
+        return True
+
+    def renew(self) -> bool:
+        """Keeps the lease; False (and the state dropped) when another scheduler has taken over."""
+        if time.monotonic() - self._last_renew < 0.5:
+            return True
+        if self._renew(keys=[P.LEADER_KEY, P.EPOCH_KEY], args=[self.consumer, self.lease_ms, self.epoch]):
+            self._last_renew = time.monotonic()
+            return True
+        self.step_down("another scheduler took over")
+        return False
+
+    def step_down(self, why: str) -> None:
+        log.warning("no longer leading", consumer=self.consumer, epoch=self.epoch, reason=why,
+                    requests=len(self.placement))
+        try:
+            self._release_lease(keys=[P.LEADER_KEY], args=[self.consumer])
+        except redis.RedisError:
+            pass
+        self.leader = False
+        self.workers.clear()
+        self.placement.clear()
+
+    def _claim(self, stream: str):
+        """Every entry pending in the group (whoever read it), now this consumer's."""
+        start = "0-0"
+        while True:
+            res = self.r.xautoclaim(stream, P.SCHEDULER_GROUP, self.consumer, 0, start_id=start, count=500)
+            start, entries = res[0], res[1]
+            yield from entries
+            if start in (b"0-0", "0-0"):
+                return
+
+    def takeover(self) -> None:
+        """Rebuilds the state from Redis: the live workers, and every request whose submit is pending."""
+        self.setup()
+        self.workers.clear()
+        self.placement.clear()
+        self.refresh_workers()
+        self._last_refresh = time.monotonic()
+        stale = 0
+        for entry_id, _ in self._claim(P.DONE_STREAM):  # results of a former leader's plans
+            self.r.xack(P.DONE_STREAM, P.SCHEDULER_GROUP, entry_id)
+            stale += 1
+        subs, cancels = [], []
+        for entry_id, fields in self._claim(P.REQ_STREAM):
+            try:
+                rec = P.decode(fields) if fields else None
+            except (ValueError, TypeError, KeyError):
+                rec = None
+            if isinstance(rec, P.Submit):
+                subs.append((entry_id, rec))
+            elif isinstance(rec, P.Cancel):
+                cancels.append((entry_id, rec))
+            else:  # trimmed away or unreadable
+                self.r.xack(P.REQ_STREAM, P.SCHEDULER_GROUP, entry_id)
+        pipe = self.r.pipeline(transaction=False)
+        for _, sub in subs:
+            pipe.get(P.progress_key(sub.request_id))
+        progress = pipe.execute() if subs else []
+        for (entry_id, sub), raw in zip(subs, progress):
+            self.on_submit(sub, entry_id, unpack_tokens(raw))
+        for entry_id, c in cancels:
+            self.on_cancel(c)
+            self.r.xack(P.REQ_STREAM, P.SCHEDULER_GROUP, entry_id)
+        for stream in (P.REQ_STREAM, P.DONE_STREAM):  # former leaders' consumers hold nothing now
+            for c in self.r.xinfo_consumers(stream, P.SCHEDULER_GROUP):
+                name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+                if name != self.consumer and not c["pending"]:
+                    self.r.xgroup_delconsumer(stream, P.SCHEDULER_GROUP, name)
+        self.takeovers += 1
+        log.info("leading", consumer=self.consumer, epoch=self.epoch, workers=sorted(self.workers),
+                 resumed=len(self.placement), submits_pending=len(subs), stale_results=stale)
+
+    # ---- housekeeping --------------------------------------------------------------------------
+    def reap_gateways(self) -> None:
+        """Requests of a gateway whose heartbeat stopped (it died or restarted under a new id) are
+        cancelled: their KV is freed and their submits acknowledged; its output stream is deleted."""
+        by_gw: dict[str, list[tuple[WorkerState, str]]] = {}
+        for w in self.workers.values():
+            for rid, req in w.core.requests.items():
+                gw = req.meta.get("gateway_id")
+                if gw:
+                    by_gw.setdefault(gw, []).append((w, rid))
+        now = time.monotonic()
+        for gw, t in list(self.gateways_gone.items()):
+            self.r.delete(P.out_stream(gw))
+            if now - t > 30:
+                del self.gateways_gone[gw]
+        ids = sorted(set(by_gw) | self.gateways_seen)
+        pipe = self.r.pipeline(transaction=False)
+        for gw in ids:
+            pipe.exists(P.gateway_key(gw))
+        for gw, alive in zip(ids, pipe.execute() if ids else []):
+            if alive:
+                self.gateways_seen.add(gw)
+                continue
+            if gw not in self.gateways_seen:
+                continue  # never seen alive: a client of the streams that keeps no heartbeat
+            self.gateways_seen.discard(gw)
+            gone = by_gw.get(gw, [])
+            for w, rid in gone:
+                req = w.core.requests.get(rid)
+                if req is not None and w.core.abort_request(rid):
+                    self.placement.pop(rid, None)
+                    self.end(rid, req.meta.get("entry"))
+            self.gateway_cancels += len(gone)
+            self.r.delete(P.out_stream(gw))
+            self.gateways_gone[gw] = now
+            log.warning("gateway gone: its requests cancelled", gateway=gw, cancelled=len(gone))
+
+    def trim_streams(self) -> None:
+        """``mfs:req`` keeps what is pending (requests in flight) or unread; ``mfs:done`` what is unread."""
+        for stream in (P.REQ_STREAM, P.DONE_STREAM):
+            groups = {g["name"].decode() if isinstance(g["name"], bytes) else g["name"]: g
+                      for g in self.r.xinfo_groups(stream)}
+            g = groups.get(P.SCHEDULER_GROUP)
+            if g is None:
+                continue
+            minid = g["last-delivered-id"]
+            pend = self.r.xpending(stream, P.SCHEDULER_GROUP)
+            if pend["pending"]:
+                minid = pend["min"]
+            self.r.xtrim(stream, minid=minid, approximate=False)
 
     # ---- the loop ----------------------------------------------------------------------------
     def run_once(self) -> None:
@@ -330,32 +567,63 @@ class SchedulerService:
         for stream, entries in resp or []:
             stream = stream.decode() if isinstance(stream, bytes) else stream
             for entry_id, fields in entries:
+                pending = False  # a placed submit stays pending until its request ends
                 try:
                     rec = P.decode(fields)
                     if isinstance(rec, P.Submit):
-                        self.on_submit(rec)
+                        self.on_submit(rec, entry_id)
+                        pending = True
                     elif isinstance(rec, P.Cancel):
                         self.on_cancel(rec)
                     elif isinstance(rec, P.StepResult):
                         self.on_result(rec)
                 except (ValueError, TypeError, KeyError) as e:
                     log.error("bad stream entry dropped", stream=stream, entry=entry_id, error=str(e))
-                self.r.xack(stream, P.SCHEDULER_GROUP, entry_id)
+                if not pending:
+                    self.r.xack(stream, P.SCHEDULER_GROUP, entry_id)
         self.dispatch()
         self.flush_directory()
         if now - self._last_stats > 0.5:
             self.write_stats()
             self._last_stats = now
+        if now - self._last_gc > 2.0:
+            self.reap_gateways()
+            self.trim_streams()
+            self._last_gc = now
 
-    def run(self) -> None:
-        self.setup()
+    def run(self, standby_poll_s: float = 0.5) -> None:
+        backoff, down_since = 0.1, None
         log.info("scheduler started", consumer=self.consumer, limits=str(self.limits))
         while self.running:
             try:
-                self.run_once()
-            except redis.ConnectionError as e:
-                log.warning("redis unavailable; retrying", error=str(e))
-                time.sleep(0.5)
+                if down_since is not None:
+                    self.r.ping()
+                    log.info("redis reachable again", down_s=round(time.monotonic() - down_since, 1))
+                    down_since = None
+                    if self.leader:  # plans and results may be lost with Redis's last writes: start over
+                        self.step_down("the connection to Redis was lost")
+                if not self.leader:
+                    self.setup()
+                    if not self.try_lead():
+                        time.sleep(standby_poll_s)
+                        continue
+                if self.renew():
+                    self.run_once()
+                backoff = 0.1
+            except redis.ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                log.warning("consumer group lost (Redis restarted without it); starting over")
+                if self.leader:
+                    self.step_down("the consumer group was lost")
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.warning("redis unavailable; retrying with backoff", error=str(e))
+                time.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+        if self.leader:
+            self.step_down("stopping")
 
 
 def parse_quota(spec: str | None) -> dict[int, float]:
@@ -387,13 +655,15 @@ def main(argv: list[str] | None = None) -> int:
                         "above the least loaded one...")
     p.add_argument("--affinity-rel-threshold", type=float, default=1.5,
                    help="...and more than this times as many")
+    p.add_argument("--lease-s", type=float, default=3.0,
+                   help="leadership lease: a standby takes over this long after the leader stops renewing")
     args = p.parse_args(argv)
     configure(json_lines=True)
     svc = SchedulerService(args.redis_url, Limits(
         args.max_num_batched_tokens, args.max_num_seqs, args.max_tiers_per_step, args.path_switches_per_s,
         parse_quota(args.kv_quota), prefix_caching=not args.no_prefix_caching, cache_ttl_s=args.cache_ttl_s,
         directory_ttl_s=args.directory_ttl_s, affinity_abs=args.affinity_abs_threshold,
-        affinity_rel=args.affinity_rel_threshold))
+        affinity_rel=args.affinity_rel_threshold), lease_s=args.lease_s)
     try:
         svc.run()
     except KeyboardInterrupt:

@@ -64,37 +64,55 @@ class WorkerService:
         self.started = f"{time.time():.6f}-{os.getpid()}"
         self.stop = threading.Event()
         self.steps = 0
+        self.epoch = 0  # the newest scheduler generation seen in a plan
 
     # ---- registration ------------------------------------------------------------------------
-    def register(self) -> None:
-        stream = P.plan_stream(self.id)
-        self.r.delete(stream)  # plans for a previous life of this id refer to blocks it no longer has
-        self.r.xgroup_create(stream, P.WORKER_GROUP, id="0", mkstream=True)
+    def info(self) -> dict:
         cfg = self.model.cfg
-        info = {"tiers": msgpack.packb(self.tiers), "num_tiers": self.num_tiers,
+        return {"tiers": msgpack.packb(self.tiers), "num_tiers": self.num_tiers,
                 "num_blocks": msgpack.packb(self.num_blocks), "block_size": self.block_size,
                 "max_model_len": self.max_model_len, "vocab_size": cfg.vocab_size,
                 "eos": msgpack.packb(list(cfg.eos_token_ids)), "started": self.started,
-                "device": str(self.runner.device), "kernels": self.model.ops.name, "pid": os.getpid()}
-        p = self.r.pipeline()
-        p.hset(P.worker_key(self.id), mapping=info)
-        p.expire(P.worker_key(self.id), P.WORKER_TTL_S)
-        p.sadd(P.WORKERS_SET, self.id)
-        p.execute()
+                "device": str(self.runner.device), "kernels": self.model.ops.name, "pid": os.getpid(),
+                "epoch": self.epoch, "heartbeat": time.time()}
+
+    def register(self) -> None:
+        stream = P.plan_stream(self.id)
+        self.r.delete(stream)  # plans for a previous life of this id refer to blocks it no longer has
+        self._ensure_group()
+        self._announce(self.r)
         log.info("worker registered", worker=self.id, tiers=self.tiers, blocks=self.num_blocks,
                  kernels=self.model.ops.name)
 
+    def _ensure_group(self) -> None:
+        try:
+            self.r.xgroup_create(P.plan_stream(self.id), P.WORKER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def _announce(self, client: redis.Redis) -> None:
+        """The whole registration every time: after a Redis restart that lost it, the next heartbeat
+        brings it back complete."""
+        p = client.pipeline()
+        p.hset(P.worker_key(self.id), mapping=self.info())
+        p.expire(P.worker_key(self.id), P.WORKER_TTL_S)
+        p.sadd(P.WORKERS_SET, self.id)
+        p.execute()
+
     def _heartbeat(self) -> None:
         hb = redis.Redis(connection_pool=self.r.connection_pool)
+        down_since = None
         while not self.stop.wait(P.HEARTBEAT_S):
             try:
-                p = hb.pipeline()
-                p.hset(P.worker_key(self.id), "heartbeat", time.time())
-                p.expire(P.worker_key(self.id), P.WORKER_TTL_S)
-                p.sadd(P.WORKERS_SET, self.id)
-                p.execute()
+                self._announce(hb)
+                if down_since is not None:
+                    log.info("redis reachable again", worker=self.id, down_s=round(time.monotonic() - down_since, 1))
+                    down_since = None
             except redis.RedisError as e:
-                log.warning("heartbeat failed", worker=self.id, error=str(e))
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.warning("heartbeat failed", worker=self.id, error=str(e))
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -102,22 +120,47 @@ class WorkerService:
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         stream = P.plan_stream(self.id)
         consumer = f"{self.id}-{os.getpid()}"
+        backoff, last_id, trimmed = 0.1, None, time.monotonic()
         while not self.stop.is_set():
             try:
                 resp = self.r.xreadgroup(P.WORKER_GROUP, consumer, {stream: ">"}, count=8, block=1000)
+                for _, entries in resp or []:
+                    for entry_id, fields in entries:
+                        try:
+                            self.execute(P.decode(fields))
+                        except (ValueError, TypeError, KeyError) as e:
+                            log.error("bad plan dropped", worker=self.id, entry=entry_id, error=str(e))
+                        self.r.xack(stream, P.WORKER_GROUP, entry_id)
+                        last_id = entry_id
+                if last_id is not None and time.monotonic() - trimmed > 5.0:
+                    self.r.xtrim(stream, minid=last_id, approximate=True)  # executed plans can go
+                    trimmed = time.monotonic()
+                backoff = 0.1
+            except redis.ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                log.warning("plan stream lost (Redis restarted without it); recreating", worker=self.id)
+                self._ensure_group()
             except redis.RedisError as e:
-                log.warning("plan read failed; retrying", worker=self.id, error=str(e))
-                time.sleep(0.5)
-                continue
-            for _, entries in resp or []:
-                for entry_id, fields in entries:
-                    self.execute(P.decode(fields))
-                    self.r.xack(stream, P.WORKER_GROUP, entry_id)
+                log.warning("plan read failed; retrying", worker=self.id, error=str(e), retry_in_s=backoff)
+                time.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
 
     def execute(self, plan: P.StepPlan) -> None:
         if plan.worker_started and plan.worker_started != self.started:
             log.warning("plan for a previous life dropped", worker=self.id, step=plan.step_id)
             return  # its block tables may point at cached KV this life never computed
+        if plan.epoch < self.epoch:
+            log.warning("plan from a former scheduler leader dropped", worker=self.id, epoch=plan.epoch,
+                        current=self.epoch)
+            return
+        if plan.epoch > self.epoch:
+            if self.live:  # the new leader re-plans them from what it knows; forget this life's copies
+                log.info("new scheduler leader: requests reset", worker=self.id, epoch=plan.epoch,
+                         dropped=len(self.live))
+            self.runner.drop(list(self.live))
+            self.live.clear()
+            self.epoch = plan.epoch
         t0 = time.perf_counter()
         self.runner.drop(plan.drop)
         for rid in plan.drop:
@@ -150,7 +193,7 @@ class WorkerService:
             if reason:
                 self.live.pop(rid, None)
                 self.runner.drop([rid])
-        res = P.StepResult(self.id, plan.step_id, out.tokens, dt, out.num_tokens)
+        res = P.StepResult(self.id, plan.step_id, out.tokens, dt, out.num_tokens, plan.epoch)
         pipe.xadd(P.DONE_STREAM, res.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
         pipe.execute()
         self.steps += 1
