@@ -14,6 +14,16 @@ Prefix caching: every full computed block is registered in its segment's pool un
 (scheduler/blocks.py) and outlives its request (delayed reclamation). An admitted request starts from
 the longest prefix of its tokens that is cached in *every* segment it uses (a position's KV must exist
 in all of them before the forward may skip it), always leaving its last token to compute.
+
+Self-speculative decoding: a lower tier drafts `gamma` tokens one row at a time, then one row of the
+target tier verifies them all, entering above the draft tier from its stored hidden states. The runner
+accepts or rejects the drafts (it holds the logits and the draft distributions) and hands back the
+committed tokens; :meth:`StepScheduler.update` commits them.
+
+Confidence cascade: a cascade request starts at its (low) tier. When the runner reports it escalated
+(its recent confidence fell below its threshold, and no token was sampled), the request moves one tier
+up: the new segment's KV for its history is computed from the hidden state stored at the old tier's
+exit (a catch-up row, chunked under the step budget), then decoding goes on at the higher tier.
 """
 from __future__ import annotations
 
@@ -78,6 +88,8 @@ class Request:
     # Cross-tier reuse at admission: (first segment, start, end) of cached positions whose lower
     # segments' KV exists but whose upper segments must still be computed (from the stored hidden
     # state at that boundary). Scheduled once, in the request's first step.
+    # A running request that escalated (cascade) holds its pending catch-up here too, scheduled in
+    # chunks before its next row.
     catchup: tuple[int, int, int] | None = None
     drafts: list[int] = field(default_factory=list)  # this speculation round's draft tokens
     spec_proposed: int = 0
@@ -85,6 +97,8 @@ class Request:
     spec_rate: float = 1.0   # running acceptance (EMA over rounds), optimistic at the start
     spec_pause: int = 0      # plain decode steps left before speculating again
     spec_backoff: int = 8    # the next pause after a poor round; doubles while drafts keep failing
+    tiers: list[int] = field(default_factory=list)         # tiers that served it, in order
+    escalated_at: list[int] = field(default_factory=list)  # output index of each tier change
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property
@@ -108,6 +122,8 @@ class RequestOutput:
     num_output_tokens: int
     tier: int = 0
     logits: object = None
+    tiers: list[int] = field(default_factory=list)         # cascade: every tier that served it
+    escalated_at: list[int] = field(default_factory=list)  # output index where each escalation happened
 
 
 @dataclass(slots=True)
@@ -155,6 +171,7 @@ class SchedulerStats:
     spec_rounds: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    escalations: dict[str, int] = field(default_factory=dict)  # "from->to" tier pair -> count
 
 
 class StepScheduler:
@@ -195,6 +212,9 @@ class StepScheduler:
         d = params.spec_draft_tier
         if d is not None and (cfg.served_tiers is not None or not 0 <= d < tier):
             raise InvalidRequest(f"draft tier {d} must be a lower tier of the same nested model than {tier}")
+        cascade = params.cascade_threshold is not None
+        if cascade and cfg.served_tiers is not None:
+            raise InvalidRequest("a cascade needs the nested model (this worker serves standalone tiers)")
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
         if len(prompt_ids) >= cfg.max_model_len:
@@ -204,7 +224,7 @@ class StepScheduler:
         if cfg.vocab_size and (min(prompt_ids) < 0 or max(prompt_ids) >= cfg.vocab_size):
             raise InvalidRequest(f"token ids must be in [0, {cfg.vocab_size})")
         need = self.blocks_needed(min(len(prompt_ids) + params.max_tokens, cfg.max_model_len))
-        segs = range(tier + 1) if cfg.served_tiers is None else range(1)
+        segs = range(cfg.num_tiers if cascade else tier + 1) if cfg.served_tiers is None else range(1)
         small = min(self.pools[s].num_blocks for s in segs)
         if need > small:
             raise InvalidRequest(f"the request needs {need} KV blocks but the pool holds {small}",
@@ -219,7 +239,7 @@ class StepScheduler:
         if not params.ignore_eos:
             stop.update(self.cfg.eos_token_ids)
         req = Request(request_id, list(prompt_ids), tier, params, frozenset(stop),
-                      next(self._arrivals), meta or {})
+                      next(self._arrivals), meta or {}, tiers=[tier])
         self.requests[request_id] = req
         self.waiting.append(req)
         return req
@@ -288,8 +308,8 @@ class StepScheduler:
         """Chained hashes of the request's first `num_blocks` full blocks, per segment (memoized:
         a request's tokens only ever grow)."""
         bs = self.cfg.block_size
-        if not req.block_hashes:
-            req.block_hashes = [[] for _ in range(self._segments(req))]
+        while len(req.block_hashes) < self._segments(req):  # (a cascade adds segments)
+            req.block_hashes.append([])
         for s, chain in enumerate(req.block_hashes):
             key = self._segment_key(req, s)
             while len(chain) < num_blocks:
@@ -379,6 +399,7 @@ class StepScheduler:
         self._release(req)
         req.num_computed_tokens = 0
         req.drafts = []
+        req.catchup = None
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.stats.preemptions += 1
@@ -421,12 +442,25 @@ class StepScheduler:
         rows: list[tuple[Request, int]] = []
         draft_rows: list[tuple[Request, int, int]] = []
         verify_rows: list[tuple[Request, list[int], int]] = []
+        catchups: list[tuple[Request, int, int, int]] = []
         preempted = False
         for req in sorted(self.running, key=lambda r: r.arrival):
             if budget == 0:
                 break
             if req.status is not Status.RUNNING or (allowed is not None and req.tier not in allowed):
                 continue
+            if req.catchup is not None:  # escalated (cascade): the new segment's history first
+                while not self._allocate(req, 1):
+                    victim = max(self.running, key=lambda r: r.arrival)
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        break
+                if req.status is not Status.RUNNING:
+                    continue
+                budget -= self._plan_catchup(req, budget, catchups)
+                if req.catchup is not None or budget == 0:
+                    continue  # its next row waits for the rest of the catch-up
             spec = self._speculation(req, budget)
             if spec is not None:
                 kind, g = spec
@@ -451,10 +485,9 @@ class StepScheduler:
                 rows.append((req, n))
                 budget -= n
         skipped: list[Request] = []
-        catchups: list[tuple[Request, int, int, int]] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting.popleft()
-            alone = not rows and not draft_rows and not verify_rows
+            alone = not rows and not draft_rows and not verify_rows and not catchups
             hit = self._cached_prefix(req, budget, alone)
             extra = req.catchup[2] - req.catchup[1] if req.catchup else 0
             n = min(req.num_tokens - (len(hit[0]) * self.cfg.block_size if hit else 0),
@@ -479,7 +512,8 @@ class StepScheduler:
             r.announced = True
         drop, self._drop = self._drop, []
         self._count_switch(frozenset(r.tier for r, _ in rows) | {r.tier for r, _, _ in verify_rows}
-                           | {r.params.spec_draft_tier for r, _, _ in draft_rows})
+                           | {r.params.spec_draft_tier for r, _, _ in draft_rows}
+                           | {r.tier for r, *_ in catchups})
         for s, p in enumerate(self.pools):
             self.stats.peak_kv_blocks[s] = max(self.stats.peak_kv_blocks[s], p.num_used)
         if rows:
@@ -488,24 +522,32 @@ class StepScheduler:
         return ScheduledStep(rows, new, drop, catchups, draft_rows, verify_rows)
 
     def update(self, step: ScheduledStep, tokens: dict[str, int],
-               verified: dict[str, list[int]] | None = None) -> list[RequestOutput]:
+               verified: dict[str, list[int]] | None = None, accepted: dict[str, int] | None = None,
+               escalate: list[str] | None = None, drafts: dict[str, int] | None = None
+               ) -> list[RequestOutput]:
         """Advance the step's rows and append each sampled token; finished requests free blocks.
-        Draft rows add to their request's round; verification rows commit what the target accepts."""
+        Draft rows add their token (`drafts`; read from `tokens` when not given) to their request's
+        round; verification rows commit the tokens the runner committed (`verified`, with `accepted`
+        drafts among them). An escalated request (`escalate`) got no token: its last position is
+        recomputed at the next tier up after its catch-up."""
+        drafted = tokens if drafts is None else drafts
+        esc = set(escalate or ())
         for req, n in step.rows:
             if req.status is Status.RUNNING:
                 start, p = req.num_computed_tokens, len(req.prompt_ids)
                 for s in range(self._segments(req)):
                     self.stats.prefill_computed[s] += max(0, min(start + n, p) - start)
-                req.num_computed_tokens += n
+                req.num_computed_tokens += n - (req.request_id in esc)
                 self._register_full_blocks(req)
         for req, _, _ in step.drafts:
-            if req.status is Status.RUNNING and req.request_id in tokens:
-                req.drafts.append(tokens[req.request_id])
+            if req.status is Status.RUNNING and req.request_id in drafted:
+                req.drafts.append(drafted[req.request_id])
         new: dict[str, list[int]] = {req.request_id: [tokens[req.request_id]] for req, _ in step.rows
                                      if req.request_id in tokens}
-        for req, _, _ in step.verifies:
+        for req, toks, _ in step.verifies:
             if req.status is Status.RUNNING and verified and req.request_id in verified:
-                committed = self._accept(req, verified[req.request_id])
+                committed = self._accept(req, verified[req.request_id], len(toks),
+                                         (accepted or {}).get(req.request_id))
                 req.num_computed_tokens += len(committed)
                 self._register_full_blocks(req)
                 new[req.request_id] = committed
@@ -529,8 +571,42 @@ class StepScheduler:
                 self.requests.pop(req.request_id, None)
                 self._drop.append(req.request_id)
             outs.append(RequestOutput(req.request_id, emitted, reason is not None, reason,
-                                      len(req.prompt_ids), len(req.output_ids), req.tier))
+                                      len(req.prompt_ids), len(req.output_ids), req.tier,
+                                      tiers=list(req.tiers), escalated_at=list(req.escalated_at)))
+        for req, _ in step.rows:
+            if req.request_id in esc and req.status is Status.RUNNING:
+                self._escalate(req)
         return outs
+
+    # ---- the confidence cascade -------------------------------------------------------------
+    def _escalate(self, req: Request) -> None:
+        """Moves a running request one tier up. Its computed positions get the new segment's KV from
+        a catch-up (planned by :meth:`schedule`, which also allocates the new segment's blocks)."""
+        old = req.tier
+        if self.cfg.served_tiers is not None or old + 1 >= self.cfg.num_tiers:
+            return
+        req.tier = old + 1
+        req.block_tables.append([])
+        req.num_cached_blocks = 0  # re-registers every segment's full blocks once the catch-up ran
+        n = req.num_computed_tokens
+        req.catchup = (req.tier, 0, n) if n else None
+        req.tiers.append(req.tier)
+        req.escalated_at.append(len(req.output_ids))
+        key = f"{old}->{req.tier}"
+        self.stats.escalations[key] = self.stats.escalations.get(key, 0) + 1
+        log.debug("escalated", request_id=req.request_id, tier=req.tier, at=len(req.output_ids))
+
+    def _plan_catchup(self, req: Request, budget: int, catchups: list) -> int:
+        """Plans (a chunk of) a running request's pending catch-up under the budget; returns the
+        tokens it takes. Chunks run in order, each attending to the ones before it."""
+        seg, a, b = req.catchup
+        c = min(b - a, budget)
+        catchups.append((req, seg, a, a + c))
+        p = len(req.prompt_ids)
+        for s in range(seg, self._segments(req)):
+            self.stats.prefill_computed[s] += max(0, min(a + c, p) - min(a, p))
+        req.catchup = (seg, a + c, b) if a + c < b else None
+        return c
 
     # ---- self-speculative decoding ----------------------------------------------------------
     def _gamma(self, req: Request) -> int:
@@ -556,19 +632,20 @@ class StepScheduler:
             return ("draft", g) if budget >= 1 else None
         return ("verify", g) if budget >= g else None
 
-    def _accept(self, req: Request, targets: list[int]) -> list[int]:
-        """Greedy verification: keep the drafts the target agrees with, then the target's own token
-        at the first disagreement. Returns the committed tokens (as many as positions now valid)."""
-        g = len(targets)
-        k = 0
-        while k < g and req.drafts[k] == targets[k]:
-            k += 1
+    def _accept(self, req: Request, committed: list[int], g: int, k: int | None = None) -> list[int]:
+        """Takes a verification's outcome from the runner: `committed` (the accepted drafts, then the
+        target's replacement at the first rejection; as many tokens as positions now valid) of a
+        round of `g` drafts, `k` of them accepted (derived from the drafts when not given)."""
+        committed = list(committed)[:g]
+        if k is None:
+            k = 0
+            while k < len(committed) and k < len(req.drafts) and committed[k] == req.drafts[k]:
+                k += 1
         req.spec_proposed += g
         req.spec_accepted += k
         self.stats.spec_proposed += g
         self.stats.spec_accepted += k
         self.stats.spec_rounds += 1
-        committed = req.drafts[:k] + ([targets[k]] if k < g else [])
         req.drafts = []
         # Adaptive drafting: when the drafter keeps missing, decode plainly for a while (longer each
         # time), so a poor drafter costs a bounded share of the steps instead of slowing every token.

@@ -5,7 +5,7 @@ prefix of the batch and the rows leaving at exit ``s`` are its tail.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,9 @@ class RowInput:
     sample: bool                  # the row's last token is its newest: sample the next
     enter: int = 0                # first segment computed (> 0: cross-tier catch-up from stored hidden)
     sample_all: bool = False      # logits at every position (speculative verification)
+    draft: bool = False           # a speculation draft row: the runner keeps the draft distribution
+    drafts: list[int] = field(default_factory=list)  # verification: the round's draft tokens, one
+    #                               per position of token_ids ([last committed] + drafts[:-1])
 
 
 @dataclass(slots=True)

@@ -72,7 +72,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.runner.drop(sched.drop)
-        if not (sched.rows or sched.drafts or sched.verifies):
+        if not (sched.rows or sched.drafts or sched.verifies or sched.catchups):
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("engine stalled: a waiting request fits in no pool")
             return []
@@ -80,21 +80,25 @@ class Engine:
                                         r.num_computed_tokens, r.block_tables,
                                         r.num_computed_tokens + n == r.num_tokens))
                 for r, n in sched.rows]
-        # Cross-tier catch-up rows: cached positions whose upper segments are computed this step.
+        # Cross-tier catch-up rows: cached positions (or, after a cascade escalation, the history)
+        # whose upper segments are computed this step.
         rows += [(r.request_id, RowInput(r.tier, r.token_slice(a, b), a, r.block_tables, False, enter=seg))
                  for r, seg, a, b in sched.catchups]
         # Self-speculation: draft rows run the lower tier's segments, verification rows the segments
-        # above it from the hidden state the drafts stored at its exit.
-        rows += [(r.request_id, RowInput(r.params.spec_draft_tier, [x], pos, r.block_tables, True))
+        # above it from the hidden state the drafts stored at its exit, carrying the round's drafts.
+        rows += [(r.request_id, RowInput(r.params.spec_draft_tier, [x], pos, r.block_tables, True,
+                                         draft=True))
                  for r, x, pos in sched.drafts]
         rows += [(r.request_id, RowInput(r.tier, toks, a, r.block_tables, False,
-                                         enter=r.params.spec_draft_tier + 1, sample_all=True))
+                                         enter=r.params.spec_draft_tier + 1, sample_all=True,
+                                         drafts=r.drafts[:len(toks)]))
                  for r, toks, a in sched.verifies]
         out = self.runner.execute(rows)
-        outs = self.scheduler.update(sched, out.tokens, out.verified)
+        outs = self.scheduler.update(sched, out.tokens, out.verified, out.accepted, out.escalate,
+                                     out.drafts)
         if out.logits is not None:
             for o in outs:
-                o.logits = out.logits[o.request_id]
+                o.logits = out.logits.get(o.request_id)
         for o in outs:
             if o.finished:
                 self.runner.drop([o.request_id])

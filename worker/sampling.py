@@ -1,4 +1,5 @@
-"""Per-request sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator."""
+"""Per-request sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator;
+the acceptance rule of speculative decoding and the confidence the cascade watches."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,6 +19,10 @@ class SamplingParams:
     # Self-speculative decoding: draft with this lower tier, verify `spec_gamma` tokens at a time.
     spec_draft_tier: int | None = None
     spec_gamma: int = 4
+    # Confidence cascade: start at the request's tier and move up one tier whenever the mean max
+    # softmax probability of the last `cascade_window` sampled tokens falls below the threshold.
+    cascade_threshold: float | None = None
+    cascade_window: int = 4
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -28,11 +33,15 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.spec_draft_tier is not None:
-            if self.temperature != 0.0:
-                raise ValueError("speculative decoding serves greedy requests only (temperature 0) for now")
-            if self.spec_gamma < 1:
-                raise ValueError(f"spec_gamma must be >= 1, got {self.spec_gamma}")
+        if self.spec_draft_tier is not None and self.spec_gamma < 1:
+            raise ValueError(f"spec_gamma must be >= 1, got {self.spec_gamma}")
+        if self.cascade_threshold is not None:
+            if self.spec_draft_tier is not None:
+                raise ValueError("a request either cascades or speculates, not both")
+            if not 0.0 <= self.cascade_threshold <= 1.0:
+                raise ValueError(f"cascade_threshold must be in [0, 1], got {self.cascade_threshold}")
+            if not isinstance(self.cascade_window, int) or self.cascade_window < 1:
+                raise ValueError(f"cascade_window must be a positive integer, got {self.cascade_window!r}")
 
     @property
     def greedy(self) -> bool:
@@ -63,12 +72,52 @@ def probs_for(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(x, -1)
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a [V] distribution."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int]:
     """logits [N, V] -> one token per row."""
     out = torch.argmax(logits, dim=-1).tolist()
     for i, p in enumerate(params):
         if not p.greedy:
-            probs = probs_for(logits[i].cpu(), p)
-            out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+            out[i] = draw(probs_for(logits[i].cpu(), p), generators[i])
     return out
+
+
+def confidences(logits: torch.Tensor) -> list[float]:
+    """logits [N, V] -> each row's max softmax probability (temperature 1, no top-k/p)."""
+    return torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()
+
+
+def accept_greedy(drafts: list[int], targets: list[int]) -> tuple[list[int], int]:
+    """Greedy verification: keep the drafts the target's argmax agrees with, then the target's own
+    token at the first disagreement. Returns (committed tokens, drafts accepted)."""
+    k = 0
+    while k < len(drafts) and drafts[k] == targets[k]:
+        k += 1
+    return drafts[:k] + targets[k:k + 1], k
+
+
+def accept_sampled(p: torch.Tensor, q: list[torch.Tensor | None], drafts: list[int],
+                   generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023). p [g, V]: the
+    target's distributions at the round's positions; q[i] [V]: the distribution draft i was drawn
+    from. Draft i is accepted with probability min(1, p_i(x)/q_i(x)); at the first rejection the
+    replacement comes from normalize(max(0, p_i - q_i)) and the round stops. Every committed token is
+    then distributed exactly as plain sampling from p would make it. A position whose q is unknown is
+    sampled from p outright (still exact; its draft is simply not used).
+    Returns (committed tokens, drafts accepted): all g drafts, or k accepted plus the replacement."""
+    for i, x in enumerate(drafts):
+        pi, qi = p[i], q[i]
+        if qi is None:
+            return drafts[:i] + [draw(pi, generator)], i
+        px, qx = float(pi[x]), float(qi[x])
+        if qx > 0.0 and (px >= qx or float(torch.rand((), generator=generator)) * qx < px):
+            continue
+        residual = torch.clamp(pi - qi, min=0.0)
+        mass = float(residual.sum())
+        return drafts[:i] + [draw(residual / mass if mass > 1e-12 else pi, generator)], i
+    return list(drafts), len(drafts)
