@@ -36,6 +36,17 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                    help="cap for chat requests without max_tokens (default: the rest of the context)")
     p.add_argument("--complexity-config", default=None,
                    help="JSON file or inline JSON object overriding the complexity scorer's settings")
+    m = p.add_argument_group("multi-level sampling", "server defaults; a request's \"mfs\" body field "
+                             "overrides them (see gateway/README.md)")
+    m.add_argument("--spec-draft-tier", default=None,
+                   help="self-speculative decoding: draft with this tier (name, model id or index) and verify "
+                        "with the request's tier, when the draft is below it (default: off)")
+    m.add_argument("--spec-gamma", type=int, default=4, help="draft tokens per verification round (1..16)")
+    m.add_argument("--cascade-threshold", type=float, default=None,
+                   help="confidence cascade for requests naming the family id: escalate one tier up when "
+                        "the mean top-token probability of the last --cascade-window tokens falls below "
+                        "this (0 < P < 1; default: off)")
+    m.add_argument("--cascade-window", type=int, default=4, help="tokens the cascade averages over (1..64)")
     g = p.add_argument_group("access", "API keys also come from MFS_API_KEYS (comma-separated); with "
                              "no key at all the gateway is open")
     g.add_argument("--api-keys-file", default=None,
@@ -63,7 +74,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                         default_max_tokens=a.default_max_tokens,
                         complexity=ComplexityConfig.load(a.complexity_config), api_keys=env_keys,
                         api_keys_file=a.api_keys_file, rpm=a.rpm, tpm=a.tpm,
-                        max_prompt_tokens=a.max_prompt_tokens, limits=limits)
+                        max_prompt_tokens=a.max_prompt_tokens, limits=limits,
+                        spec_draft_tier=a.spec_draft_tier, spec_gamma=a.spec_gamma,
+                        cascade_threshold=a.cascade_threshold, cascade_window=a.cascade_window)
     if a.gateway_id:
         cfg.gateway_id = a.gateway_id
     return cfg

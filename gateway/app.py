@@ -56,6 +56,11 @@ class GatewayConfig:
     max_prompt_tokens: int = 0               # 0: only the context bounds the prompt
     limits: Limits = field(default_factory=Limits)  # bounds on one request body
     complexity: ComplexityConfig = field(default_factory=ComplexityConfig)
+    # Multi-level sampling defaults (a request's "mfs" body field overrides them; see README)
+    spec_draft_tier: str | int | None = None  # self-speculation draft tier (name, model id, index); None: off
+    spec_gamma: int = 4                      # draft tokens per verification round (1..16)
+    cascade_threshold: float | None = None   # confidence cascade for family-id requests (0 < P < 1); None: off
+    cascade_window: int = 4                  # tokens the cascade's confidence is averaged over (1..64)
     reader_block_ms: int = 1000
     frontend: object | None = None           # a loaded mfs.family.Frontend (tests share one)
 
@@ -141,7 +146,9 @@ def init_app(config: GatewayConfig | None = None) -> web.Application:
     app[SERVICE] = Service(frontend, Metrics(), complexity_cfg=cfg.complexity, gateway_id=cfg.gateway_id,
                            max_inflight=cfg.max_inflight, request_timeout_s=cfg.request_timeout_s,
                            default_max_tokens=cfg.default_max_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
-                           max_tokens_cap=cfg.limits.max_tokens_cap)
+                           max_tokens_cap=cfg.limits.max_tokens_cap, spec_draft_tier=cfg.spec_draft_tier,
+                           spec_gamma=cfg.spec_gamma, cascade_threshold=cfg.cascade_threshold,
+                           cascade_window=cfg.cascade_window)
     app.cleanup_ctx.append(redis_ctx)
     app.on_response_prepare.append(on_prepare)
     setup_routes(app)

@@ -6,7 +6,10 @@ gateway shows the whole system.
 """
 from __future__ import annotations
 
+import re
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -78,6 +81,16 @@ class Metrics:
             self.interrupted.labels(reason)  # present (at 0) before the first one
         self.cached_tokens = Counter("mfs_cached_prompt_tokens", "Prompt tokens reported as cached "
                                      "(usage.prompt_tokens_details.cached_tokens)", ["model"], registry=r)
+        # Multi-level sampling (issue 6). This gateway's requests submitted with self-speculation (per
+        # draft/target tier name) or with a confidence cascade (per starting tier)...
+        self.spec_requests = Counter("mfs_spec_requests", "Requests this gateway submitted with "
+                                     "self-speculative decoding, by draft and target tier",
+                                     ["draft", "target"], registry=r)
+        self.cascade_requests = Counter("mfs_cascade_requests", "Requests this gateway submitted with a "
+                                        "confidence cascade, by starting tier", ["start"], registry=r)
+        # ...and the scheduler's cumulative per-pair counters from mfs:stats (see MultiLevelCollector).
+        self.multilevel = MultiLevelCollector()
+        r.register(self.multilevel)
 
     def observe_request(self, model: str, finish: str, prompt_tokens: int, completion_tokens: int,
                         ttft: float | None, tpot: float | None, e2e: float, cached_tokens: int = 0) -> None:
@@ -110,8 +123,10 @@ class Metrics:
                     gauge.labels(str(worker), str(s)).set(_num(v))
         for gauge, key in ((self.path_switches, "path_switches"), (self.escalations, "escalations"),
                            (self.preemptions, "preemptions")):
-            gauge.set(_num(stats.get(key, 0)))
+            v = stats.get(key, 0)
+            gauge.set(sum(_num(x) for x in v.values()) if isinstance(v, dict) else _num(v))
         self._refresh_reuse(stats)
+        self.multilevel.update(stats, tier_names)
 
     def _refresh_reuse(self, stats: dict) -> None:
         per_seg = {}
@@ -134,6 +149,75 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+_PAIR = re.compile(r"^\s*(\d{1,4})\s*-?>\s*(\d{1,4})\s*$")
+
+
+def tier_pair(key, tier_names: list[str]) -> tuple[str, str] | None:
+    """``"0>2"`` (also ``"0->2"``) -> (tier name, tier name); None for a key of another shape."""
+    m = _PAIR.match(key) if isinstance(key, str) else None
+    if m is None:
+        return None
+    return tuple(tier_names[i] if i < len(tier_names) else str(i) for i in map(int, m.groups()))
+
+
+class MultiLevelCollector:
+    """Speculation and cascade series from the scheduler's ``mfs:stats`` gauges, per tier pair.
+
+    Reads ``spec: {"<draft>><target>": {rounds, proposed, accepted, committed}}`` and
+    ``escalations_by_pair: {"<from>><to>": n}`` (or ``escalations`` when that is a per-pair dict), as of
+    the last scrape's refresh. The counters are cumulative as the scheduler reports them (a scheduler
+    restart resets them, which Prometheus reads as a counter reset). Missing keys: no series.
+    """
+
+    def __init__(self) -> None:
+        self.spec: dict[tuple[str, str], dict[str, float]] = {}
+        self.escalations: dict[tuple[str, str], float] = {}
+
+    def update(self, stats: dict, tier_names: list[str]) -> None:
+        spec, esc = {}, {}
+        for k, v in _items(stats.get("spec")):
+            pair = tier_pair(k, tier_names)
+            if pair is not None and isinstance(v, dict):
+                spec[pair] = {f: _num(v.get(f, 0)) for f in ("rounds", "proposed", "accepted", "committed")}
+        by_pair = stats.get("escalations_by_pair")
+        if not isinstance(by_pair, dict) and isinstance(stats.get("escalations"), dict):
+            by_pair = stats["escalations"]
+        for k, v in _items(by_pair):
+            pair = tier_pair(k, tier_names)
+            if pair is not None:
+                esc[pair] = _num(v)
+        self.spec, self.escalations = spec, esc
+
+    def describe(self):
+        return []  # collected fresh each scrape; nothing to check for name clashes
+
+    def collect(self):
+        lbl = ["draft", "target"]
+        rounds = CounterMetricFamily("mfs_spec_rounds", "Self-speculation rounds (draft gamma tokens, "
+                                     "verify once), per draft/target tier", labels=lbl)
+        proposed = CounterMetricFamily("mfs_spec_draft_tokens", "Draft tokens proposed", labels=lbl)
+        accepted = CounterMetricFamily("mfs_spec_accepted_tokens", "Draft tokens accepted by the target "
+                                       "tier", labels=lbl)
+        rate = GaugeMetricFamily("mfs_spec_acceptance_rate", "Accepted / proposed draft tokens "
+                                 "(absent before the first proposal)", labels=lbl)
+        per_verify = GaugeMetricFamily("mfs_spec_tokens_per_verification", "Tokens committed per "
+                                       "verification round (absent before the first round)", labels=lbl)
+        for (d, t), v in sorted(self.spec.items()):
+            rounds.add_metric([d, t], v["rounds"])
+            proposed.add_metric([d, t], v["proposed"])
+            accepted.add_metric([d, t], v["accepted"])
+            if v["proposed"] > 0:
+                rate.add_metric([d, t], v["accepted"] / v["proposed"])
+            if v["rounds"] > 0:
+                per_verify.add_metric([d, t], v["committed"] / v["rounds"])
+        esc = CounterMetricFamily("mfs_cascade_escalations", "Requests escalated one tier up by the "
+                                  "confidence cascade (or any escalation), per tier pair",
+                                  labels=["from", "to"])
+        for (a, b), v in sorted(self.escalations.items()):
+            esc.add_metric([a, b], v)
+        return [rounds, proposed, accepted, rate, per_verify, esc]
 
 
 def _items(v):

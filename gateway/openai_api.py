@@ -68,6 +68,32 @@ DEFAULT_LIMITS = Limits()
 
 
 # ---- typed requests ---------------------------------------------------------------------------
+MAX_SPEC_GAMMA = 16      # draft tokens per verification round
+MAX_CASCADE_WINDOW = 64  # tokens the cascade's confidence is averaged over
+
+
+@dataclass(slots=True, frozen=True)
+class Speculative:
+    """``mfs.speculative`` as the request asked it (validated for type and range, not yet for tiers)."""
+    draft: str | int | None = None   # tier name, model id or index; None: the server's --spec-draft-tier
+    gamma: int | None = None         # None: the server's --spec-gamma
+
+
+@dataclass(slots=True, frozen=True)
+class Cascade:
+    """``mfs.cascade`` as the request asked it."""
+    threshold: float | None = None   # None: the server's --cascade-threshold
+    window: int | None = None        # None: the server's --cascade-window
+
+
+@dataclass(slots=True, frozen=True)
+class MultiLevel:
+    """The ``mfs`` body extension. Each field: None (the server default applies), False (off, whatever
+    the server default), or what the request asked for."""
+    speculative: Speculative | bool | None = None
+    cascade: Cascade | bool | None = None
+
+
 @dataclass(slots=True)
 class GenParams:
     max_tokens: int | None = None     # None: the rest of the context (chat) / 16 (completions)
@@ -81,6 +107,7 @@ class GenParams:
     stream: bool = False
     include_usage: bool = False
     session_id: str | None = None
+    multilevel: MultiLevel = field(default_factory=MultiLevel)
 
 
 @dataclass(slots=True)
@@ -110,18 +137,25 @@ def _model(body: dict) -> str:
     return model
 
 
-def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None,
+         param: str | None = None) -> int | None:
     v = body.get(name)
     if v is None:
         return None
+    param = param or name
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise invalid(f"'{name}' must be an integer, got {v!r}.", name)
+        raise invalid(f"'{param}' must be an integer, got {_short(v)}.", param)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         bounds = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise invalid(f"'{name}' must be {bounds}, got {v}.", name)
+        raise invalid(f"'{param}' must be {bounds}, got {v}.", param)
     return v
+
+
+def _short(v, n: int = 80) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[:n] + "..."
 
 
 def _float(body: dict, name: str, default: float, lo: float, hi: float) -> float:
@@ -202,6 +236,68 @@ def _session(body: dict, lim: Limits) -> str | None:
     return v
 
 
+def _only(obj: dict, allowed: tuple[str, ...], where: str) -> None:
+    extra = sorted(k for k in obj if k not in allowed)
+    if extra:
+        raise invalid(f"'{where}' has an unknown field {_short(extra[0], 40)}; it takes "
+                      f"{', '.join(allowed)}.", where)
+
+
+def _speculative(v) -> Speculative | bool | None:
+    name = "mfs.speculative"
+    if v is None or v is False:
+        return v
+    if v is True:
+        return Speculative()
+    if not isinstance(v, dict):
+        raise invalid(f"'{name}' must be an object {{\"draft\": <tier>, \"gamma\": <int>}} or false, "
+                      f"got {_short(v)}.", name)
+    _only(v, ("draft", "gamma"), name)
+    draft = v.get("draft")
+    if isinstance(draft, float) and draft.is_integer():
+        draft = int(draft)
+    if draft is not None and (isinstance(draft, bool) or not isinstance(draft, (str, int)) or draft == ""):
+        raise invalid(f"'{name}.draft' must be a tier name, a model id or a tier index, got "
+                      f"{_short(draft)}.", f"{name}.draft")
+    gamma = _int(v, "gamma", lo=1, hi=MAX_SPEC_GAMMA, param=f"{name}.gamma")
+    return Speculative(draft, gamma)
+
+
+def _cascade(v) -> Cascade | bool | None:
+    name = "mfs.cascade"
+    if v is None or v is False:
+        return v
+    if v is True:
+        return Cascade()
+    if not isinstance(v, dict):
+        raise invalid(f"'{name}' must be an object {{\"threshold\": <0..1>, \"window\": <int>}} or false, "
+                      f"got {_short(v)}.", name)
+    _only(v, ("threshold", "window"), name)
+    t = v.get("threshold")
+    if t is not None:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 < t < 1:
+            raise invalid(f"'{name}.threshold' must be a number strictly between 0 and 1, got {_short(t)}.",
+                          f"{name}.threshold")
+        t = float(t)
+    window = _int(v, "window", lo=1, hi=MAX_CASCADE_WINDOW, param=f"{name}.window")
+    return Cascade(t, window)
+
+
+def parse_multilevel(body: dict) -> MultiLevel:
+    """The ``mfs`` extension field: ``{"speculative": {...} | false, "cascade": {...} | false}``."""
+    v = body.get("mfs")
+    if v is None:
+        return MultiLevel()
+    if not isinstance(v, dict):
+        raise invalid(f"'mfs' must be an object, got {_short(v)}.", "mfs")
+    _only(v, ("speculative", "cascade"), "mfs")
+    ml = MultiLevel(_speculative(v.get("speculative")), _cascade(v.get("cascade")))
+    if isinstance(ml.speculative, Speculative) and isinstance(ml.cascade, Cascade):
+        raise invalid("A request may ask for self-speculative decoding or for a confidence cascade, not both "
+                      "('mfs.speculative' and 'mfs.cascade').", "mfs")
+    return ml
+
+
 def parse_params(body: dict, lim: Limits = DEFAULT_LIMITS) -> GenParams:
     _unsupported(body)
     max_tokens = _max_tokens(body, lim)
@@ -223,7 +319,7 @@ def parse_params(body: dict, lim: Limits = DEFAULT_LIMITS) -> GenParams:
                      top_p=_float(body, "top_p", 1.0, 0.0, 1.0),
                      top_k=max(0, top_k or 0), seed=seed, stop=_stop(body, lim), stop_token_ids=stop_ids,
                      ignore_eos=_bool(body, "ignore_eos"), stream=stream, include_usage=include_usage,
-                     session_id=_session(body, lim))
+                     session_id=_session(body, lim), multilevel=parse_multilevel(body))
 
 
 def _content(msg: dict, i: int) -> str:
@@ -291,12 +387,27 @@ def parse_completion(body, lim: Limits = DEFAULT_LIMITS) -> CompletionRequest:
 
 
 # ---- responses --------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          draft: tuple[str | None, int, int] | None = None) -> dict:
+    """``draft``: (draft model id, proposed, accepted) of a speculated request; with proposed > 0 it
+    adds OpenAI's predicted-output fields (``completion_tokens_details.accepted_prediction_tokens`` /
+    ``rejected_prediction_tokens``) and ``mfs_draft``."""
     u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
          "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens:
         u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if draft is not None and draft[1] > 0:
+        model, proposed, accepted = draft
+        accepted = max(0, min(accepted, proposed))
+        u["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": proposed - accepted}
+        u["mfs_draft"] = {"draft_model": model, "proposed": proposed, "accepted": accepted}
     return u
+
+
+def served(tier_ids: list[str]) -> dict:
+    """The ``mfs`` response extension: the tiers that produced the tokens, in order."""
+    return {"tiers": list(tier_ids), "escalations": max(0, len(tier_ids) - 1)}
 
 
 def chat_response(rid: str, model: str, created: int, text: str, finish: str, use: dict) -> dict:

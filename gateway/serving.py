@@ -30,7 +30,8 @@ from gateway.auth import admit
 from gateway.backend import Backend, max_context
 from gateway.detok import IncrementalDetokenizer
 from gateway.metrics import Metrics
-from gateway.openai_api import (APIError, ChatRequest, CompletionRequest, GenParams, context_overflow,
+from gateway.openai_api import (MAX_CASCADE_WINDOW, MAX_SPEC_GAMMA, APIError, Cascade, ChatRequest,
+                                CompletionRequest, GenParams, MultiLevel, Speculative, context_overflow,
                                 invalid, model_not_found)
 from gateway.ratelimit import RateLimiter
 from mfs import protocol as P
@@ -55,6 +56,10 @@ class Job:
     routed: str                # "named" | "auto"
     score: float | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    spec_draft: int | None = None          # self-speculation: the draft tier (below `tier`), or off
+    spec_gamma: int = 4
+    cascade_threshold: float | None = None  # confidence cascade from `tier` up, or off
+    cascade_window: int = 4
 
 
 class StopMatcher:
@@ -84,7 +89,8 @@ class Service:
     def __init__(self, frontend, metrics: Metrics, *, complexity_cfg: complexity.ComplexityConfig,
                  gateway_id: str, max_inflight: int = 256, request_timeout_s: float = 600.0,
                  default_max_tokens: int | None = None, max_prompt_tokens: int = 0,
-                 max_tokens_cap: int = 0, poll_s: float = 0.25):
+                 max_tokens_cap: int = 0, poll_s: float = 0.25, spec_draft_tier: str | int | None = None,
+                 spec_gamma: int = 4, cascade_threshold: float | None = None, cascade_window: int = 4):
         self.frontend = frontend
         self.tok = frontend.tokenizer
         self.metrics = metrics
@@ -104,6 +110,26 @@ class Service:
         self.tier_names = [t.name for t in frontend.tiers]
         self.eos_ids = _eos_ids(self.tok)
         self.vocab_size = len(self.tok)
+        self._set_multilevel_defaults(spec_draft_tier, spec_gamma, cascade_threshold, cascade_window)
+
+    def _set_multilevel_defaults(self, draft, gamma, threshold, window) -> None:
+        """Server defaults (--spec-*, --cascade-*); a bad one stops the gateway at start-up."""
+        self.spec_draft_tier = None
+        if draft not in (None, ""):
+            try:
+                self.spec_draft_tier = self.resolve_tier(draft, "spec_draft_tier")
+            except APIError as e:
+                raise ValueError(f"--spec-draft-tier: {e.message}") from None
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= MAX_SPEC_GAMMA:
+            raise ValueError(f"--spec-gamma must be an integer between 1 and {MAX_SPEC_GAMMA}, got {gamma!r}")
+        if threshold is not None and not (isinstance(threshold, (int, float)) and 0 < threshold < 1):
+            raise ValueError(f"--cascade-threshold must be strictly between 0 and 1, got {threshold!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_CASCADE_WINDOW:
+            raise ValueError(f"--cascade-window must be an integer between 1 and {MAX_CASCADE_WINDOW}, "
+                             f"got {window!r}")
+        self.spec_gamma = gamma
+        self.cascade_threshold = None if threshold is None else float(threshold)
+        self.cascade_window = window
 
     @property
     def model_ids(self) -> list[str]:
@@ -116,6 +142,71 @@ class Service:
         if model in self.tier_ids:
             return self.tier_ids.index(model)
         raise model_not_found(model, self.model_ids + [AUTO])
+
+    def resolve_tier(self, ref: str | int, param: str) -> int:
+        """A tier named by its name (``small``), its model id or its index (int or digits)."""
+        n = len(self.tier_ids)
+        if isinstance(ref, str):
+            if ref in self.tier_names:
+                return self.tier_names.index(ref)
+            if ref in self.tier_ids:
+                return self.tier_ids.index(ref)
+            if ref.isascii() and ref.isdigit() and len(ref) < 6:
+                ref = int(ref)
+        if isinstance(ref, int) and not isinstance(ref, bool) and 0 <= ref < n:
+            return ref
+        shown = repr(ref) if len(repr(ref)) <= 80 else repr(ref)[:80] + "..."
+        raise invalid(f"{shown} names no tier of this family: use a tier name ({', '.join(self.tier_names)}), "
+                      f"a model id ({', '.join(self.tier_ids)}) or an index (0..{n - 1}).", param)
+
+    def multilevel(self, ml: MultiLevel, tier: int, family: bool) -> dict:
+        """Resolves the ``mfs`` extension against the server defaults and the request's final tier.
+
+        * A cascade applies only to family-id requests (it starts at the scored tier); asked for on a
+          tier model id it is a 400. Routed to the top tier it has nowhere to go and is dropped.
+        * Speculation applies only with a draft tier strictly below the request's tier: a default draft
+          that is not is dropped silently, a draft the request named is a 400.
+        * Both at once: asking for both is a 400 (parsing); otherwise an explicit choice beats a server
+          default, and between two defaults the cascade wins (family requests).
+        """
+        spec, casc = ml.speculative, ml.cascade
+        top = len(self.tier_ids) - 1
+        threshold, window = None, self.cascade_window
+        if isinstance(casc, Cascade):
+            if not family:
+                raise invalid("A confidence cascade applies only to the family model id "
+                              f"('{self.frontend.family_id}' or '{AUTO}'), where the server picks the starting "
+                              f"tier; this request names the tier model '{self.tier_ids[tier]}'.", "mfs.cascade")
+            threshold = casc.threshold if casc.threshold is not None else self.cascade_threshold
+            if threshold is None:
+                raise invalid("'mfs.cascade.threshold' is required: this server has no default "
+                              "(--cascade-threshold).", "mfs.cascade.threshold")
+            window = casc.window or self.cascade_window
+        elif casc is None and family and not isinstance(spec, Speculative):
+            threshold = self.cascade_threshold
+        if tier >= top:
+            threshold = None  # nothing above it to escalate to
+        draft, gamma = None, self.spec_gamma
+        if threshold is None and spec is not False:
+            if isinstance(spec, Speculative):
+                gamma = spec.gamma or self.spec_gamma
+                if spec.draft is not None:
+                    draft = self.resolve_tier(spec.draft, "mfs.speculative.draft")
+                    if draft >= tier:
+                        raise invalid(f"The draft tier '{self.tier_names[draft]}' is not below this request's "
+                                      f"tier '{self.tier_names[tier]}': speculation drafts with a smaller tier "
+                                      "and verifies with the request's.", "mfs.speculative.draft")
+                elif self.spec_draft_tier is None:
+                    raise invalid("'mfs.speculative.draft' is required: this server has no default draft "
+                                  "tier (--spec-draft-tier).", "mfs.speculative.draft")
+                else:
+                    draft = self.spec_draft_tier
+            else:
+                draft = self.spec_draft_tier
+            if draft is not None and draft >= tier:
+                draft = None  # the server default is not below this request's tier: no speculation
+        return {"spec_draft": draft, "spec_gamma": gamma, "cascade_threshold": threshold,
+                "cascade_window": window}
 
     # ---- preparing --------------------------------------------------------------------------
     @asynccontextmanager
@@ -165,6 +256,7 @@ class Service:
             raise invalid(f"The prompt has {len(ids)} tokens; this server takes at most "
                           f"{self.max_prompt_tokens}.", param, code="prompt_too_long")
         p = req.params
+        ml = self.multilevel(p.multilevel, tier, routed == "auto")
         max_len = max_context(workers)
         asked = p.max_tokens
         if max_len is not None and (len(ids) >= max_len or len(ids) + (asked or 0) > max_len):
@@ -174,7 +266,7 @@ class Service:
             room = (max_len - len(ids)) if max_len is not None else None
             asked = min(x for x in (default, room, self.max_tokens_cap or None, 1 << 20) if x is not None)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return Job(f"{prefix}-{uuid.uuid4().hex}", kind, tier, ids, asked, p, routed, score)
+        return Job(f"{prefix}-{uuid.uuid4().hex}", kind, tier, ids, asked, p, routed, score, **ml)
 
     def _chat_ids(self, messages: list[dict]) -> list[int]:
         try:
@@ -214,7 +306,10 @@ class Generation:
         self.detok = IncrementalDetokenizer(svc.tok)
         self.stopper = StopMatcher(job.params.stop)
         self.stop_ids = set(job.params.stop_token_ids) | (set() if job.params.ignore_eos else set(svc.eos_ids))
-        self.tier = job.tier
+        self.tier = job.tier              # the tier of the last token: the response's `model`
+        self.tiers: list[int] = []        # distinct tiers that produced tokens, in order of first appearance
+        self.draft_proposed = 0           # self-speculation (cumulative, from the token events)
+        self.draft_accepted = 0
         self.next_seq = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -237,13 +332,28 @@ class Generation:
     def prompt_tokens(self) -> int:
         return len(self.job.prompt_ids)
 
+    @property
+    def served_by(self) -> list[str]:
+        """Model ids of the tiers that served the request, in order (the requested one if no token)."""
+        return [self.svc.tier_ids[t] for t in (self.tiers or [self.tier])]
+
+    @property
+    def draft(self) -> tuple[str | None, int, int] | None:
+        """(draft model id, proposed, accepted) once the request has speculated."""
+        if self.draft_proposed <= 0:
+            return None
+        d = self.job.spec_draft
+        return (self.svc.tier_ids[d] if d is not None else None), self.draft_proposed, self.draft_accepted
+
     async def start(self) -> None:
         j, p = self.job, self.job.params
         sub = P.Submit(request_id=j.request_id, gateway_id=self.svc.gateway_id, prompt_ids=j.prompt_ids,
                        tier=j.tier, model_id=self.model, max_tokens=j.max_tokens, temperature=p.temperature,
                        top_p=p.top_p, top_k=p.top_k, seed=p.seed, stop_token_ids=sorted(self.stop_ids),
                        ignore_eos=p.ignore_eos, arrival=time.time(),
-                       session_id=self.request.headers.get("X-Session-ID") or p.session_id)
+                       session_id=self.request.headers.get("X-Session-ID") or p.session_id,
+                       spec_draft_tier=j.spec_draft, spec_gamma=j.spec_gamma,
+                       cascade_threshold=j.cascade_threshold, cascade_window=j.cascade_window)
         try:
             self.queue = await self.svc.backend.submit(sub)  # registers nothing when it fails
         except (RedisError, OSError) as e:
@@ -251,7 +361,12 @@ class Generation:
             raise APIError(503, "The gateway cannot reach its Redis right now; retry shortly.",
                            code="backend_unavailable", headers={"Retry-After": "2"}) from None
         self.submitted = True
-        self.svc.metrics.routing.labels(self.model, j.routed).inc()
+        m, names = self.svc.metrics, self.svc.tier_names
+        m.routing.labels(self.model, j.routed).inc()
+        if j.spec_draft is not None:
+            m.spec_requests.labels(names[j.spec_draft], names[j.tier]).inc()
+        if j.cascade_threshold is not None:
+            m.cascade_requests.labels(names[j.tier]).inc()
 
     async def _next_event(self) -> P.TokenEvent:
         while True:
@@ -295,8 +410,13 @@ class Generation:
                                         f"{self.next_seq}, got {ev.seq}); retry the request.", "1")
             ids = ev.token_ids[max(0, self.next_seq - ev.seq):]
             self.next_seq = max(self.next_seq, ev.seq + len(ev.token_ids))
-            if 0 <= ev.tier < len(self.svc.tier_ids):
+            # The tier of new tokens only: a redelivered older event must not move `model` back.
+            if 0 <= ev.tier < len(self.svc.tier_ids) and (ids or (ev.finished and not self.tiers)):
                 self.tier = ev.tier
+                if ev.tier not in self.tiers:
+                    self.tiers.append(ev.tier)
+            self.draft_proposed = max(self.draft_proposed, ev.draft_proposed or 0)
+            self.draft_accepted = max(self.draft_accepted, ev.draft_accepted or 0)
             self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
             if ids:
                 now = time.perf_counter()
@@ -336,6 +456,8 @@ class Generation:
                                          ttft, tpot, e2e, cached_tokens=self.cached_tokens)
         self.log.info("request.done", kind=self.job.kind, tier=self.tier, model=self.model,
                       routed=self.job.routed, score=self.job.score, finish_reason=finish,
+                      tiers=self.tiers, spec_draft=self.job.spec_draft, draft_proposed=self.draft_proposed,
+                      draft_accepted=self.draft_accepted, cascade=self.job.cascade_threshold,
                       prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
                       cached_tokens=self.cached_tokens, ttft_s=_r(ttft), tpot_s=_r(tpot), e2e_s=_r(e2e))
 

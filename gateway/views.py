@@ -70,19 +70,28 @@ async def _serve(request: web.Request, req) -> web.StreamResponse:
         return web.json_response(_final(gen, "".join(texts), finish))
 
 
+def _usage(gen: Generation) -> dict:
+    return api.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens, gen.draft)
+
+
 def _final(gen: Generation, text: str, finish: str) -> dict:
     j = gen.job
-    use = api.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
     build = api.chat_response if j.kind == "chat" else api.completion_response
-    return build(j.request_id, gen.model, j.created, text, finish, use)
+    out = build(j.request_id, gen.model, j.created, text, finish, _usage(gen))
+    out["mfs"] = api.served(gen.served_by)
+    return out
 
 
 def _chunk(gen: Generation, text: str | None, finish: str | None, role: bool = False) -> dict:
     j, incl = gen.job, gen.job.params.include_usage
     if j.kind == "completion":
-        return api.completion_chunk(j.request_id, gen.model, j.created, text or "", finish, incl)
-    delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-    return api.chat_chunk(j.request_id, gen.model, j.created, delta, finish, incl)
+        c = api.completion_chunk(j.request_id, gen.model, j.created, text or "", finish, incl)
+    else:
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        c = api.chat_chunk(j.request_id, gen.model, j.created, delta, finish, incl)
+    if finish:
+        c["mfs"] = api.served(gen.served_by)
+    return c
 
 
 def _sse(obj) -> bytes:
@@ -108,8 +117,9 @@ async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
             text, finish = await anext(pieces)
         if gen.job.params.include_usage:
             obj = "chat.completion.chunk" if gen.job.kind == "chat" else "text_completion"
-            use = api.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
-            await resp.write(_sse(api.usage_chunk(gen.job.request_id, gen.model, gen.job.created, obj, use)))
+            chunk = api.usage_chunk(gen.job.request_id, gen.model, gen.job.created, obj, _usage(gen))
+            chunk["mfs"] = api.served(gen.served_by)
+            await resp.write(_sse(chunk))
         await resp.write(_sse(b"[DONE]"))
     except api.APIError as e:  # mid-stream: the status is sent already; say it in the stream
         request.app[SERVICE].metrics.errors.labels(str(e.status)).inc()

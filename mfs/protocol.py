@@ -126,6 +126,13 @@ class Submit(Record):
     ignore_eos: bool = False
     arrival: float = 0.0
     session_id: str | None = None
+    # Multi-level sampling (issue 6): draft with this lower tier, verify with `tier`, gamma at a time...
+    spec_draft_tier: int | None = None
+    spec_gamma: int = 4
+    # ...or a confidence cascade: start at `tier`, escalate one tier up whenever the mean max-probability
+    # of the last `cascade_window` tokens falls below `cascade_threshold`.
+    cascade_threshold: float | None = None
+    cascade_window: int = 4
 
 
 @dataclass(slots=True)
@@ -152,6 +159,8 @@ class TokenEvent(Record):
     error: str | None = None        # set with finish_reason "error"
     error_code: str | None = None   # OpenAI-style code, e.g. "context_length_exceeded"
     status: int = 0                 # HTTP status the gateway should answer an error with
+    draft_proposed: int = 0         # self-speculation so far (cumulative): draft tokens proposed...
+    draft_accepted: int = 0         # ...and accepted by the verifying tier
 
 
 @dataclass(slots=True)
@@ -169,6 +178,10 @@ class NewRequest:
     seed: int | None
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     seq_offset: int = 0     # output tokens streamed before a re-plan (after a worker was lost)
+    spec_draft_tier: int | None = None
+    spec_gamma: int = 4
+    cascade_threshold: float | None = None
+    cascade_window: int = 4
 
 
 @dataclass(slots=True)
@@ -181,6 +194,9 @@ class PlanRow:
     sample: bool
     num_output: int  # output tokens the request already has (the seq of the token sampled now)
     enter: int = 0   # first segment computed: > 0 for a cross-tier catch-up row
+    draft: bool = False       # a speculation draft row: its token is the scheduler's, never streamed
+    sample_all: bool = False  # a verification row: the worker accepts/rejects `drafts` and streams...
+    drafts: list[int] = field(default_factory=list)  # ...the committed tokens
 
 
 @dataclass(slots=True)
@@ -203,6 +219,10 @@ class StepResult(Record):
     forward_s: float = 0.0
     num_tokens: int = 0
     epoch: int = 0  # the plan's epoch: a result for an older leader's plan is ignored
+    drafts: dict = field(default_factory=dict)     # request_id -> draft token (draft rows)
+    verified: dict = field(default_factory=dict)   # request_id -> committed tokens (verification rows)
+    accepted: dict = field(default_factory=dict)   # request_id -> drafts accepted
+    escalate: list = field(default_factory=list)   # cascade requests that move one tier up (no token)
 
 
 RECORDS = {r.TYPE: r for r in (Submit, Cancel, TokenEvent, StepPlan, StepResult)}

@@ -172,6 +172,8 @@ class SchedulerStats:
     spec_proposed: int = 0
     spec_accepted: int = 0
     escalations: dict[str, int] = field(default_factory=dict)  # "from->to" tier pair -> count
+    # "draft>target" tier pair -> [rounds, drafts proposed, drafts accepted, tokens committed]
+    spec_pairs: dict[str, list[int]] = field(default_factory=dict)
 
 
 class StepScheduler:
@@ -646,6 +648,11 @@ class StepScheduler:
         self.stats.spec_proposed += g
         self.stats.spec_accepted += k
         self.stats.spec_rounds += 1
+        pair = self.stats.spec_pairs.setdefault(f"{req.params.spec_draft_tier}>{req.tier}", [0, 0, 0, 0])
+        pair[0] += 1
+        pair[1] += g
+        pair[2] += k
+        pair[3] += len(committed)
         req.drafts = []
         # Adaptive drafting: when the drafter keeps missing, decode plainly for a while (longer each
         # time), so a poor drafter costs a bounded share of the steps instead of slowing every token.

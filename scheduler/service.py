@@ -119,7 +119,6 @@ class SchedulerService:
         self.placement: dict[str, str] = {}  # request id -> worker id
         self._last_refresh = 0.0
         self._last_stats = 0.0
-        self.escalations = 0
         self.replanned = 0
         self.directory = BlockDirectory(self.r, limits.directory_ttl_s)
         self.affinity_preferred = 0   # requests with a worker listed as holding their prefix
@@ -269,7 +268,9 @@ class SchedulerService:
         w = self.place(s, cands)
         params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                                 top_k=s.top_k, seed=s.seed, stop_token_ids=tuple(s.stop_token_ids),
-                                ignore_eos=s.ignore_eos)
+                                ignore_eos=s.ignore_eos, spec_draft_tier=s.spec_draft_tier,
+                                spec_gamma=s.spec_gamma, cascade_threshold=s.cascade_threshold,
+                                cascade_window=s.cascade_window)
         try:
             w.core.add_request(s.request_id, s.prompt_ids, s.tier, params,
                                meta={"gateway_id": s.gateway_id, "arrival": s.arrival,
@@ -336,8 +337,9 @@ class SchedulerService:
         self.step_roundtrip_s += time.monotonic() - w.sent_at
         self.step_forward_s += res.forward_s
         reqs = {r.request_id: r for r, _ in w.inflight.rows}
+        reqs.update((r.request_id, r) for r, _, _ in w.inflight.verifies)
         pipe = self.r.pipeline(transaction=False)
-        for o in w.core.update(w.inflight, res.tokens):
+        for o in w.core.update(w.inflight, res.tokens, res.verified, res.accepted, res.escalate, res.drafts):
             req = reqs[o.request_id]
             if o.finished:
                 self.placement.pop(o.request_id, None)
@@ -358,7 +360,7 @@ class SchedulerService:
             if w.inflight is not None or not w.core.has_unfinished():
                 continue
             sched = w.core.schedule()
-            if not sched.rows:
+            if not (sched.rows or sched.drafts or sched.verifies or sched.catchups):
                 continue
             w.step_id += 1
             plan = P.StepPlan(
@@ -367,7 +369,10 @@ class SchedulerService:
                       "tier": r.tier, "prompt_len": len(r.prompt_ids), "max_tokens": r.params.max_tokens,
                       "stop_ids": sorted(r.stop_ids), "temperature": r.params.temperature,
                       "top_p": r.params.top_p, "top_k": r.params.top_k, "seed": r.params.seed,
-                      "cached_tokens": r.num_cached_tokens, "seq_offset": r.meta.get("seq_offset", 0)}
+                      "cached_tokens": r.num_cached_tokens, "seq_offset": r.meta.get("seq_offset", 0),
+                      "spec_draft_tier": r.params.spec_draft_tier, "spec_gamma": r.params.spec_gamma,
+                      "cascade_threshold": r.params.cascade_threshold,
+                      "cascade_window": r.params.cascade_window}
                      for r in sched.new],
                 rows=[{"request_id": r.request_id, "tier": r.tier,
                        "token_ids": r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n),
@@ -376,7 +381,16 @@ class SchedulerService:
                        "num_output": len(r.output_ids)} for r, n in sched.rows]
                 + [{"request_id": r.request_id, "tier": r.tier, "token_ids": r.token_slice(a, b),
                     "start_pos": a, "block_tables": r.block_tables, "sample": False,
-                    "num_output": len(r.output_ids), "enter": seg} for r, seg, a, b in sched.catchups],
+                    "num_output": len(r.output_ids), "enter": seg} for r, seg, a, b in sched.catchups]
+                # Self-speculation: draft rows run the draft tier's segments; verification rows the
+                # segments above it, from the hidden state the drafts stored at its exit.
+                + [{"request_id": r.request_id, "tier": r.params.spec_draft_tier, "token_ids": [x],
+                    "start_pos": pos, "block_tables": r.block_tables, "sample": True,
+                    "num_output": len(r.output_ids), "draft": True} for r, x, pos in sched.drafts]
+                + [{"request_id": r.request_id, "tier": r.tier, "token_ids": toks, "start_pos": a,
+                    "block_tables": r.block_tables, "sample": False, "num_output": len(r.output_ids),
+                    "enter": r.params.spec_draft_tier + 1, "sample_all": True,
+                    "drafts": r.drafts[:len(toks)]} for r, toks, a in sched.verifies],
                 drop=sched.drop, worker_started=w.started, epoch=self.epoch)
             self.r.xadd(P.plan_stream(w.worker_id), plan.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
             w.inflight, w.sent_at = sched, time.monotonic()
@@ -396,7 +410,18 @@ class SchedulerService:
         cache = {k: {} for k in ("prefill_computed", "prefill_reused", "cache_queries", "cache_hits",
                                  "evictions")}
         held = {}
+        spec: dict[str, dict[str, int]] = {}
+        escal: dict[str, int] = {}
         for w in self.workers.values():
+            for pair, (rounds, proposed, accepted, committed) in w.core.stats.spec_pairs.items():
+                d = spec.setdefault(pair, {"rounds": 0, "proposed": 0, "accepted": 0, "committed": 0})
+                d["rounds"] += rounds
+                d["proposed"] += proposed
+                d["accepted"] += accepted
+                d["committed"] += committed
+            for pair, n in w.core.stats.escalations.items():
+                key = pair.replace("->", ">")
+                escal[key] = escal.get(key, 0) + n
             for r in w.core.waiting:
                 waiting[r.tier] = waiting.get(r.tier, 0) + 1
             for r in w.core.running:
@@ -409,12 +434,13 @@ class SchedulerService:
                     per_seg[seg] = per_seg.get(seg, 0) + v
             held[w.worker_id] = self.directory.num_held(w.worker_id)
         stats = {"waiting": waiting, "running": running, "kv_blocks_used": used, "kv_blocks_total": total,
-                 "path_switches": sw, "escalations": self.escalations, "replanned": self.replanned, "preemptions": pre,
+                 "path_switches": sw, "replanned": self.replanned, "preemptions": pre,
                  "workers": len(self.workers), "updated": time.time(), "steps": self.step_count,
                  "step_roundtrip_s": self.step_roundtrip_s, "step_forward_s": self.step_forward_s,
                  **cache, "directory_blocks": held, "affinity_preferred": self.affinity_preferred,
                  "affinity_yielded": self.affinity_yielded, "leader": self.consumer, "epoch": self.epoch,
-                 "takeovers": self.takeovers, "gateway_cancels": self.gateway_cancels}
+                 "takeovers": self.takeovers, "gateway_cancels": self.gateway_cancels,
+                 "spec": spec, "escalations_by_pair": escal, "escalations": sum(escal.values())}
         self.r.hset(P.STATS_KEY, "scheduler", msgpack.packb(stats))
 
     # ---- leadership ----------------------------------------------------------------------------

@@ -53,13 +53,17 @@ def run(eng, rid):
 
 @pytest.fixture(scope="module")
 def case(llama_family):
+    return find_case(llama_family)
+
+
+def find_case(fam):
     """A prompt and threshold whose tier-0 confidence window first averages below the threshold at a
     known output index k (found offline with plain tier-0 greedy decoding), and whose tier-1
     continuation never does (so the cascade is exactly tier 0 then tier 1)."""
     rng = random.Random(0)
     for _ in range(40):
         prompt = [rng.randrange(3, 160) for _ in range(rng.randint(5, 11))]
-        low, confs = greedy_with_confidence(llama_family, prompt, 0, N)
+        low, confs = greedy_with_confidence(fam, prompt, 0, N)
         means = window_means(confs, WINDOW)
         # k: a new strict minimum of the window mean, past the first full window, leaving a tail
         for k in range(N - 4, WINDOW - 1, -1):
@@ -69,7 +73,7 @@ def case(llama_family):
         else:
             continue
         threshold = (means[k] + before) / 2
-        cont, cconfs = greedy_with_confidence(llama_family, prompt + low[:k], 1, N - k)
+        cont, cconfs = greedy_with_confidence(fam, prompt + low[:k], 1, N - k)
         if all(m is None or m >= threshold + 1e-9 for m in window_means(cconfs, WINDOW)):
             return dict(prompt=prompt, k=k, threshold=threshold, low=low, cont=cont)
     pytest.fail("no prompt with a clean single escalation found")

@@ -47,7 +47,7 @@ class Reader:
 
     def tokens(self, rid):
         evs = sorted(self.events.get(rid, []), key=lambda e: e.seq)
-        seqs = [e.seq for e in evs for _ in e.token_ids]
+        seqs = [e.seq + i for e in evs for i in range(len(e.token_ids))]
         toks = [t for e in evs for t in e.token_ids]
         assert seqs == list(range(len(toks))), f"{rid}: sequence numbers {seqs}"
         return toks
@@ -154,3 +154,46 @@ def test_session_escalating_to_the_top_tier_reuses_its_lower_segment_kv(nested_s
     fam = load_family(str(llama_dir), tiers="2,4,6", dtype="float64")
     cold = Engine(fam.model, block_size=4, num_blocks=64, enable_prefix_caching=False)
     assert rd.tokens("esc-2") == cold.generate([turn2], [2], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+
+
+def test_speculation_and_cascade_over_the_protocol(nested_service, llama_dir):
+    """Draft/verify rows and escalations travel the protocol: greedy self-speculation equals plain
+    decoding for every draft/target pair (mixed with plain requests), a cascade escalates exactly where
+    the offline engine does, sampled speculation completes; draft counts reach the token events and the
+    scheduler's per-pair gauges; drafts and escalated tokens are never streamed."""
+    from tests.test_cascade import WINDOW, find_case
+    fam = load_family(str(llama_dir), tiers="2,4,6", dtype="float64")
+    r = redis.Redis.from_url(nested_service.redis_url)
+    rng = random.Random(5)
+    spec = [(f"s{d}{t}-{i}", [rng.randrange(3, 160) for _ in range(rng.randint(3, 12))], d, t)
+            for i in range(2) for d, t in ((0, 1), (0, 2), (1, 2))]
+    for rid, prompt, d, t in spec:
+        submit(r, rid, prompt, t, max_tokens=24, ignore_eos=True, spec_draft_tier=d, spec_gamma=4)
+    plain = [(f"q{i}", [rng.randrange(3, 160) for _ in range(5)], i % 3) for i in range(3)]
+    for rid, prompt, t in plain:
+        submit(r, rid, prompt, t, max_tokens=24, ignore_eos=True)
+    case = find_case(fam)
+    submit(r, "cascade", case["prompt"], 0, max_tokens=16, ignore_eos=True,
+           cascade_threshold=case["threshold"], cascade_window=WINDOW)
+    submit(r, "sampled-spec", [7, 8, 9], 2, max_tokens=40, ignore_eos=True, temperature=0.9, seed=3,
+           spec_draft_tier=0)
+    rd = Reader(r)
+    every = [x[0] for x in spec + plain] + ["cascade", "sampled-spec"]
+    rd.until(lambda: all(rd.finished(rid) for rid in every))
+    eng = Engine(fam.model, block_size=4, num_blocks=64)
+    for rid, prompt, d, t in spec:
+        assert rd.tokens(rid) == eng.generate([prompt], [t], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+        last = rd.events[rid][-1]
+        assert 0 <= last.draft_accepted <= last.draft_proposed and last.draft_proposed > 0, last
+        assert {e.tier for e in rd.events[rid]} == {t}
+    for rid, prompt, t in plain:
+        assert rd.tokens(rid) == eng.generate([prompt], [t], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    k = case["k"]
+    assert rd.tokens("cascade") == case["low"][:k] + case["cont"], "cascade != tier 0 then tier 1"
+    tiers = [e.tier for e in rd.events["cascade"]]
+    assert tiers == [0] * k + [1] * (16 - k), tiers
+    assert len(rd.tokens("sampled-spec")) == 40
+    s = wait_kv_idle(r)
+    assert {"0>1", "0>2", "1>2"} <= set(s["spec"]) and s["escalations_by_pair"].get("0>1", 0) >= 1, s
+    for pair in s["spec"].values():
+        assert pair["accepted"] <= pair["proposed"] and pair["rounds"] <= pair["committed"]

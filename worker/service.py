@@ -33,6 +33,8 @@ class Live:
     stop_ids: frozenset[int]
     cached_tokens: int = 0
     seq_offset: int = 0  # tokens the client already has from a previous worker
+    draft_proposed: int = 0
+    draft_accepted: int = 0
 
 
 class WorkerService:
@@ -169,31 +171,47 @@ class WorkerService:
             nr = P.NewRequest(**n)
             self.runner.add(nr.request_id, SamplingParams(
                 max_tokens=nr.max_tokens, temperature=nr.temperature, top_p=nr.top_p, top_k=nr.top_k,
-                seed=nr.seed))
+                seed=nr.seed, spec_draft_tier=nr.spec_draft_tier, spec_gamma=nr.spec_gamma,
+                cascade_threshold=nr.cascade_threshold, cascade_window=nr.cascade_window))
             self.live[nr.request_id] = Live(nr.gateway_id, nr.tier, nr.prompt_len, nr.max_tokens,
                                             frozenset(nr.stop_ids), nr.cached_tokens, nr.seq_offset)
         rows = [P.PlanRow(**d) for d in plan.rows]
-        num_out = {r.request_id: r.num_output for r in rows}
-        out = self.runner.execute([(r.request_id, RowInput(r.tier, r.token_ids, r.start_pos,
-                                                            r.block_tables, r.sample, r.enter))
-                                   for r in rows])
+        out = self.runner.execute([(r.request_id, RowInput(
+            r.tier, r.token_ids, r.start_pos, r.block_tables, r.sample, r.enter, sample_all=r.sample_all,
+            draft=r.draft, drafts=r.drafts)) for r in rows])
         dt = time.perf_counter() - t0
+        # What a client sees: plain rows' tokens and verification rows' committed tokens; never drafts.
+        emitted = {rid: [tok] for rid, tok in out.tokens.items()}
+        emitted.update(out.verified)
+        row_of = {r.request_id: r for r in rows if not r.draft and r.enter == 0 or r.sample_all}
         pipe = self.r.pipeline(transaction=False)
-        for rid, tok in out.tokens.items():
-            live = self.live.get(rid)
-            if live is None:
+        for rid, toks in emitted.items():
+            live, row = self.live.get(rid), row_of.get(rid)
+            if live is None or row is None:
                 continue
-            n = num_out[rid] + 1
-            reason = finish_reason(tok, n, live.prompt_len + n, live.max_tokens, live.stop_ids,
-                                   self.max_model_len)
-            ev = P.TokenEvent(rid, live.seq_offset + n - 1, [tok], reason is not None, reason, live.tier,
-                              self.id, live.prompt_len - live.seq_offset,
-                              live.cached_tokens if n == 1 else 0)
+            live.tier = row.tier  # a cascade moves a request up
+            if row.sample_all:
+                live.draft_proposed += len(row.drafts)
+                live.draft_accepted += out.accepted.get(rid, 0)
+            sent, reason = [], None
+            for tok in toks:
+                sent.append(tok)
+                n = row.num_output + len(sent)
+                reason = finish_reason(tok, n, live.prompt_len + n, live.max_tokens, live.stop_ids,
+                                       self.max_model_len)
+                if reason:
+                    break
+            first = row.num_output == 0
+            ev = P.TokenEvent(rid, live.seq_offset + row.num_output, sent, reason is not None, reason,
+                              live.tier, self.id, live.prompt_len - live.seq_offset,
+                              live.cached_tokens if first else 0, draft_proposed=live.draft_proposed,
+                              draft_accepted=live.draft_accepted)
             pipe.xadd(P.out_stream(live.gateway_id), ev.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
             if reason:
                 self.live.pop(rid, None)
                 self.runner.drop([rid])
-        res = P.StepResult(self.id, plan.step_id, out.tokens, dt, out.num_tokens, plan.epoch)
+        res = P.StepResult(self.id, plan.step_id, out.tokens, dt, out.num_tokens, plan.epoch, out.drafts,
+                           out.verified, out.accepted, out.escalate)
         pipe.xadd(P.DONE_STREAM, res.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
         pipe.execute()
         self.steps += 1
