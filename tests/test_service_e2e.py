@@ -68,6 +68,33 @@ def test_top_tier_answers_paris(client):
     assert "Paris" in r.choices[0].message.content
 
 
+def test_self_speculation_and_cascade_through_the_api(service, client):
+    """The top tier with the small tier drafting answers exactly what it answers alone (greedy), and
+    usage reports the drafts; a family request with a strict cascade says which tiers served it."""
+    msg = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    plain = client.chat.completions.create(model=TIERS[2], messages=msg, max_tokens=24, temperature=0)
+    spec = client.chat.completions.create(model=TIERS[2], messages=msg, max_tokens=24, temperature=0,
+                                          extra_body={"mfs": {"speculative": {"draft": TIERS[0], "gamma": 3}}})
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    d = spec.usage.completion_tokens_details
+    assert d.accepted_prediction_tokens + d.rejected_prediction_tokens > 0
+    assert spec.usage.model_extra["mfs_draft"]["draft_model"] == TIERS[0]
+    sampled = client.chat.completions.create(model=TIERS[2], messages=msg, max_tokens=16, temperature=0.8,
+                                             seed=1, extra_body={"mfs": {"speculative": {"draft": TIERS[1]}}})
+    assert sampled.usage.completion_tokens >= 1
+    # Window 1, threshold 0.999: the lower tiers (far less sure of themselves) escalate.
+    casc = client.chat.completions.create(model="smollm2-135m", messages=msg, max_tokens=12, temperature=0,
+                                          extra_body={"mfs": {"cascade": {"threshold": 0.999, "window": 1}}})
+    tiers = casc.model_extra["mfs"]["tiers"]
+    assert tiers and set(tiers) <= set(TIERS) and casc.model == tiers[-1]
+    assert casc.model_extra["mfs"]["escalations"] == len(tiers) - 1
+    text = metrics(service)
+    assert "mfs_spec_draft_tokens_total{" in text
+    escalated = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("mfs_cascade_escalations_total{"))
+    assert escalated >= 1
+
+
 def test_32_concurrent_streams_equal_the_offline_engine(service, default_family):
     prompts = [f"Write one sentence about the number {i}." for i in range(32)]
     jobs = [(p, i % 3) for i, p in enumerate(prompts)]
