@@ -511,6 +511,13 @@ class SchedulerService:
                 cancels.append((entry_id, rec))
             else:  # trimmed away or unreadable
                 self.r.xack(P.REQ_STREAM, P.SCHEDULER_GROUP, entry_id)
+        # Workers re-register within a heartbeat after Redis comes back: wait for them (up to their
+        # TTL) rather than failing the requests in flight for want of a worker.
+        deadline = time.monotonic() + P.WORKER_TTL_S + 1
+        while subs and not self.workers and time.monotonic() < deadline:
+            time.sleep(0.25)
+            self._renew(keys=[P.LEADER_KEY, P.EPOCH_KEY], args=[self.consumer, self.lease_ms, self.epoch])
+            self.refresh_workers()
         pipe = self.r.pipeline(transaction=False)
         for _, sub in subs:
             pipe.get(P.progress_key(sub.request_id))
