@@ -52,6 +52,8 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="> 0: sampled requests (seeded), speculation by rejection sampling; outputs are "
                         "then samples of the same distribution, not equal token for token")
+    p.add_argument("--stop-confidence", default="0",
+                   help="comma list of spec_stop_confidence values to compare (0: rounds always run to gamma)")
     p.set_defaults(func=run)
 
 
@@ -70,9 +72,10 @@ def run(args) -> int:
         seed = 0 if args.temperature > 0 else None
         base = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=args.temperature,
                               seed=seed)
-        for draft in range(top):
+        for draft, stop in ((d, float(c)) for d in range(top) for c in str(args.stop_confidence).split(",")):
             sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, spec_draft_tier=draft,
-                                spec_gamma=args.gamma, temperature=args.temperature, seed=seed)
+                                spec_gamma=args.gamma, temperature=args.temperature, seed=seed,
+                                spec_stop_confidence=stop)
             plain_tps, spec_tps, acc, per = [], [], [], []
             for _ in range(args.repeats):
                 for b in batches:
@@ -84,13 +87,13 @@ def run(args) -> int:
                     spec_tps.append(s["tokens_per_s"])
                     acc.append(s["acceptance"])
                     per.append(s["accepted_per_verification"])
-            row = {"concurrency": conc, "draft_tier": model.tiers[draft].name,
+            row = {"concurrency": conc, "draft_tier": model.tiers[draft].name, "stop_confidence": stop,
                    "plain_tokens_per_s": statistics.median(plain_tps),
                    "spec_tokens_per_s": statistics.median(spec_tps),
                    "speedup": statistics.median(s / p for s, p in zip(spec_tps, plain_tps)),
                    "acceptance": statistics.mean(acc), "accepted_per_verification": statistics.mean(per)}
             result["runs"].append(row)
-            print(f"concurrency {conc}, draft {row['draft_tier']:>7}: plain {row['plain_tokens_per_s']:6.1f} "
+            print(f"concurrency {conc}, draft {row['draft_tier']:>7}, stop {stop:.2f}: plain {row['plain_tokens_per_s']:6.1f} "
                   f"tok/s, speculative {row['spec_tokens_per_s']:6.1f} tok/s, speedup {row['speedup']:.2f}, "
                   f"acceptance {row['acceptance']:.2f}, accepted/verification "
                   f"{row['accepted_per_verification']:.2f}", flush=True)

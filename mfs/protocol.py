@@ -182,6 +182,7 @@ class NewRequest:
     spec_gamma: int = 4
     cascade_threshold: float | None = None
     cascade_window: int = 4
+    spec_stop_confidence: float = 0.0
 
 
 @dataclass(slots=True)
@@ -223,6 +224,7 @@ class StepResult(Record):
     verified: dict = field(default_factory=dict)   # request_id -> committed tokens (verification rows)
     accepted: dict = field(default_factory=dict)   # request_id -> drafts accepted
     escalate: list = field(default_factory=list)   # cascade requests that move one tier up (no token)
+    draft_conf: dict = field(default_factory=dict)  # request_id -> the draft tier's confidence in its draft
 
 
 RECORDS = {r.TYPE: r for r in (Submit, Cancel, TokenEvent, StepPlan, StepResult)}

@@ -97,6 +97,7 @@ class Request:
     spec_rate: float = 1.0   # running acceptance (EMA over rounds), optimistic at the start
     spec_pause: int = 0      # plain decode steps left before speculating again
     spec_backoff: int = 8    # the next pause after a poor round; doubles while drafts keep failing
+    spec_stop: bool = False  # the drafter grew unsure: verify the drafts so far instead of drafting on
     tiers: list[int] = field(default_factory=list)         # tiers that served it, in order
     escalated_at: list[int] = field(default_factory=list)  # output index of each tier change
     arrival_time: float = field(default_factory=time.monotonic)
@@ -401,6 +402,7 @@ class StepScheduler:
         self._release(req)
         req.num_computed_tokens = 0
         req.drafts = []
+        req.spec_stop = False
         req.catchup = None
         req.status = Status.WAITING
         req.num_preemptions += 1
@@ -525,8 +527,8 @@ class StepScheduler:
 
     def update(self, step: ScheduledStep, tokens: dict[str, int],
                verified: dict[str, list[int]] | None = None, accepted: dict[str, int] | None = None,
-               escalate: list[str] | None = None, drafts: dict[str, int] | None = None
-               ) -> list[RequestOutput]:
+               escalate: list[str] | None = None, drafts: dict[str, int] | None = None,
+               draft_conf: dict[str, float] | None = None) -> list[RequestOutput]:
         """Advance the step's rows and append each sampled token; finished requests free blocks.
         Draft rows add their token (`drafts`; read from `tokens` when not given) to their request's
         round; verification rows commit the tokens the runner committed (`verified`, with `accepted`
@@ -544,6 +546,9 @@ class StepScheduler:
         for req, _, _ in step.drafts:
             if req.status is Status.RUNNING and req.request_id in drafted:
                 req.drafts.append(drafted[req.request_id])
+                conf = (draft_conf or {}).get(req.request_id)
+                if conf is not None and conf < req.params.spec_stop_confidence:
+                    req.spec_stop = True
         new: dict[str, list[int]] = {req.request_id: [tokens[req.request_id]] for req, _ in step.rows
                                      if req.request_id in tokens}
         for req, toks, _ in step.verifies:
@@ -613,6 +618,8 @@ class StepScheduler:
     # ---- self-speculative decoding ----------------------------------------------------------
     def _gamma(self, req: Request) -> int:
         """Drafts per round: the request's gamma while drafts are mostly accepted, fewer otherwise."""
+        if req.spec_stop and req.drafts:
+            return len(req.drafts)
         left = min(req.params.max_tokens - len(req.output_ids), self.cfg.max_model_len - req.num_tokens)
         g = req.params.spec_gamma if req.spec_rate >= 0.6 else max(2, req.params.spec_gamma // 2)
         return min(g, left)
@@ -626,7 +633,7 @@ class StepScheduler:
             req.spec_pause -= 1  # this step decodes plainly
             return None
         g = self._gamma(req)
-        if g < 2:
+        if g < 2 and not req.drafts:
             return None
         if not req.drafts and not self._allocate(req, g):  # the round's positions, every segment
             return None
@@ -654,6 +661,7 @@ class StepScheduler:
         pair[2] += k
         pair[3] += len(committed)
         req.drafts = []
+        req.spec_stop = False
         # Adaptive drafting: when the drafter keeps missing, decode plainly for a while (longer each
         # time), so a poor drafter costs a bounded share of the steps instead of slowing every token.
         req.spec_rate = 0.5 * req.spec_rate + 0.5 * k / g

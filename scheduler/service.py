@@ -339,7 +339,8 @@ class SchedulerService:
         reqs = {r.request_id: r for r, _ in w.inflight.rows}
         reqs.update((r.request_id, r) for r, _, _ in w.inflight.verifies)
         pipe = self.r.pipeline(transaction=False)
-        for o in w.core.update(w.inflight, res.tokens, res.verified, res.accepted, res.escalate, res.drafts):
+        for o in w.core.update(w.inflight, res.tokens, res.verified, res.accepted, res.escalate, res.drafts,
+                               res.draft_conf):
             req = reqs[o.request_id]
             if o.finished:
                 self.placement.pop(o.request_id, None)
@@ -372,7 +373,8 @@ class SchedulerService:
                       "cached_tokens": r.num_cached_tokens, "seq_offset": r.meta.get("seq_offset", 0),
                       "spec_draft_tier": r.params.spec_draft_tier, "spec_gamma": r.params.spec_gamma,
                       "cascade_threshold": r.params.cascade_threshold,
-                      "cascade_window": r.params.cascade_window}
+                      "cascade_window": r.params.cascade_window,
+                      "spec_stop_confidence": r.params.spec_stop_confidence}
                      for r in sched.new],
                 rows=[{"request_id": r.request_id, "tier": r.tier,
                        "token_ids": r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n),

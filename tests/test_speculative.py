@@ -55,6 +55,26 @@ def test_many_rejections_leave_no_blocks_held(llama_family):
     assert outs == [plain(llama_family, p, 2, 60) for p in prompts]
 
 
+@pytest.mark.parametrize("stop", [0.0, 1.0])
+def test_early_stop_ends_rounds_when_the_drafter_is_unsure(llama_family, stop):
+    """spec_stop_confidence 1.0: every draft is below it, so each round verifies a single draft;
+    0.0: rounds run to gamma. Outputs equal plain decoding either way, every block comes back."""
+    eng = make_engine(llama_family, enable_prefix_caching=False)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 160) for _ in range(6)] for _ in range(3)]
+    sp = SamplingParams(max_tokens=30, ignore_eos=True, spec_draft_tier=0, spec_gamma=4,
+                        spec_stop_confidence=stop)
+    outs = eng.generate(prompts, [2] * 3, sp)
+    assert outs == [plain(llama_family, p, 2, 30) for p in prompts]
+    st = eng.stats
+    assert st.spec_rounds > 0
+    if stop == 1.0:
+        assert st.spec_proposed == st.spec_rounds
+    else:
+        assert st.spec_proposed >= 2 * st.spec_rounds
+    assert all(p.num_free == p.num_blocks for p in eng.pools)
+
+
 def test_speculation_rejects_what_it_cannot_serve(llama_family):
     eng = make_engine(llama_family)
     with pytest.raises(InvalidRequest, match="draft tier"):

@@ -95,7 +95,7 @@ class Engine:
                  for r, toks, a in sched.verifies]
         out = self.runner.execute(rows)
         outs = self.scheduler.update(sched, out.tokens, out.verified, out.accepted, out.escalate,
-                                     out.drafts)
+                                     out.drafts, out.draft_conf)
         if out.logits is not None:
             for o in outs:
                 o.logits = out.logits.get(o.request_id)

@@ -30,8 +30,10 @@ class StepOutput:
     tokens: dict[str, int]   # request -> the token its plain row sampled (a client may see it)
     logits: dict[str, torch.Tensor] | None
     num_tokens: int
-    # request -> the token its draft row drew (speculation; never shown to a client)
+    # request -> the token its draft row drew (speculation; never shown to a client), and the draft
+    # tier's confidence in it (max softmax probability), for the round's early stop
     drafts: dict[str, int] = field(default_factory=dict)
+    draft_conf: dict[str, float] = field(default_factory=dict)
     # Speculative verification, per verified request: the tokens the round commits (the accepted
     # drafts, then the replacement at the first rejection) and how many drafts were accepted.
     verified: dict[str, list[int]] = field(default_factory=dict)
@@ -92,6 +94,8 @@ class ModelRunner:
             params = self.sampling[rid][0]
             if r.draft:
                 out.drafts[rid] = self._draft(rid, r, logits[ks[0]])
+                if params.spec_stop_confidence > 0:
+                    out.draft_conf[rid] = confidences(logits[ks[0]][None])[0]
                 continue
             plain.append((ks[0], rid))
             if params.cascade_threshold is not None:

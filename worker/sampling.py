@@ -19,6 +19,9 @@ class SamplingParams:
     # Self-speculative decoding: draft with this lower tier, verify `spec_gamma` tokens at a time.
     spec_draft_tier: int | None = None
     spec_gamma: int = 4
+    # Early stop (Kangaroo/EESD style): a round ends before gamma drafts when the draft tier's max
+    # softmax probability for its latest draft falls below this (0: always draft gamma).
+    spec_stop_confidence: float = 0.0
     # Confidence cascade: start at the request's tier and move up one tier whenever the mean max
     # softmax probability of the last `cascade_window` sampled tokens falls below the threshold.
     cascade_threshold: float | None = None
@@ -42,6 +45,8 @@ class SamplingParams:
                 raise ValueError(f"cascade_threshold must be in [0, 1], got {self.cascade_threshold}")
             if not isinstance(self.cascade_window, int) or self.cascade_window < 1:
                 raise ValueError(f"cascade_window must be a positive integer, got {self.cascade_window!r}")
+        if not 0.0 <= self.spec_stop_confidence <= 1.0:
+            raise ValueError(f"spec_stop_confidence must be in [0, 1], got {self.spec_stop_confidence}")
 
     @property
     def greedy(self) -> bool:

@@ -172,7 +172,8 @@ class WorkerService:
             self.runner.add(nr.request_id, SamplingParams(
                 max_tokens=nr.max_tokens, temperature=nr.temperature, top_p=nr.top_p, top_k=nr.top_k,
                 seed=nr.seed, spec_draft_tier=nr.spec_draft_tier, spec_gamma=nr.spec_gamma,
-                cascade_threshold=nr.cascade_threshold, cascade_window=nr.cascade_window))
+                cascade_threshold=nr.cascade_threshold, cascade_window=nr.cascade_window,
+                spec_stop_confidence=nr.spec_stop_confidence))
             self.live[nr.request_id] = Live(nr.gateway_id, nr.tier, nr.prompt_len, nr.max_tokens,
                                             frozenset(nr.stop_ids), nr.cached_tokens, nr.seq_offset)
         rows = [P.PlanRow(**d) for d in plan.rows]
@@ -211,7 +212,7 @@ class WorkerService:
                 self.live.pop(rid, None)
                 self.runner.drop([rid])
         res = P.StepResult(self.id, plan.step_id, out.tokens, dt, out.num_tokens, plan.epoch, out.drafts,
-                           out.verified, out.accepted, out.escalate)
+                           out.verified, out.accepted, out.escalate, out.draft_conf)
         pipe.xadd(P.DONE_STREAM, res.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
         pipe.execute()
         self.steps += 1
