@@ -26,16 +26,20 @@ PROMPTS = [
 ]
 
 
-def _run(model, prompts, tier, params) -> dict:
-    eng = Engine(model, num_blocks=1024, enable_prefix_caching=False)
+def _run(eng: Engine, prompts, tier, params) -> dict:
+    """One batch on a warm engine (as a server runs: the speculation gate keeps what it learned from
+    earlier batches); the counters are this batch's."""
+    st = eng.stats
+    before = (st.spec_rounds, st.spec_proposed, st.spec_accepted, st.spec_gated)
     t0 = time.perf_counter()
     outs = eng.generate(prompts, [tier] * len(prompts), params)
     dt = time.perf_counter() - t0
-    st = eng.stats
+    rounds, proposed, accepted, gated = (a - b for a, b in zip(
+        (st.spec_rounds, st.spec_proposed, st.spec_accepted, st.spec_gated), before))
     return {"tokens": sum(map(len, outs)), "seconds": dt, "tokens_per_s": sum(map(len, outs)) / dt,
-            "rounds": st.spec_rounds, "proposed": st.spec_proposed, "accepted": st.spec_accepted,
-            "acceptance": st.spec_accepted / st.spec_proposed if st.spec_proposed else None,
-            "accepted_per_verification": st.spec_accepted / st.spec_rounds if st.spec_rounds else None,
+            "rounds": rounds, "proposed": proposed, "accepted": accepted, "gated": gated,
+            "acceptance": accepted / proposed if proposed else None,
+            "accepted_per_verification": accepted / rounds if rounds else None,
             "outputs": outs}
 
 
@@ -52,6 +56,8 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="> 0: sampled requests (seeded), speculation by rejection sampling; outputs are "
                         "then samples of the same distribution, not equal token for token")
+    p.add_argument("--min-acceptance", type=float, default=None,
+                   help="the speculation gate's break-even acceptance (default: the scheduler's)")
     p.add_argument("--stop-confidence", default="0",
                    help="comma list of spec_stop_confidence values to compare (0: rounds always run to gamma)")
     p.set_defaults(func=run)
@@ -76,27 +82,35 @@ def run(args) -> int:
             sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, spec_draft_tier=draft,
                                 spec_gamma=args.gamma, temperature=args.temperature, seed=seed,
                                 spec_stop_confidence=stop)
-            plain_tps, spec_tps, acc, per = [], [], [], []
+            plain_tps, spec_tps, acc, per, gated = [], [], [], [], 0
+            gate = {} if args.min_acceptance is None else {"spec_min_acceptance": args.min_acceptance}
+            eng_plain = Engine(model, num_blocks=1024, enable_prefix_caching=False)
+            eng_spec = Engine(model, num_blocks=1024, enable_prefix_caching=False, **gate)
             for _ in range(args.repeats):
                 for b in batches:
-                    a = _run(model, b, top, base)
-                    s = _run(model, b, top, sp)
+                    a = _run(eng_plain, b, top, base)
+                    s = _run(eng_spec, b, top, sp)
+                    gated += s["gated"]
                     if args.temperature == 0:
                         assert s["outputs"] == a["outputs"], "speculation changed a greedy output"
                     plain_tps.append(a["tokens_per_s"])
                     spec_tps.append(s["tokens_per_s"])
-                    acc.append(s["acceptance"])
-                    per.append(s["accepted_per_verification"])
+                    if s["acceptance"] is not None:
+                        acc.append(s["acceptance"])
+                        per.append(s["accepted_per_verification"])
             row = {"concurrency": conc, "draft_tier": model.tiers[draft].name, "stop_confidence": stop,
                    "plain_tokens_per_s": statistics.median(plain_tps),
                    "spec_tokens_per_s": statistics.median(spec_tps),
                    "speedup": statistics.median(s / p for s, p in zip(spec_tps, plain_tps)),
-                   "acceptance": statistics.mean(acc), "accepted_per_verification": statistics.mean(per)}
+                   "acceptance": statistics.mean(acc) if acc else None,
+                   "accepted_per_verification": statistics.mean(per) if per else None,
+                   "rounds": eng_spec.stats.spec_rounds, "gated_steps": gated}
             result["runs"].append(row)
             print(f"concurrency {conc}, draft {row['draft_tier']:>7}, stop {stop:.2f}: plain {row['plain_tokens_per_s']:6.1f} "
                   f"tok/s, speculative {row['spec_tokens_per_s']:6.1f} tok/s, speedup {row['speedup']:.2f}, "
-                  f"acceptance {row['acceptance']:.2f}, accepted/verification "
-                  f"{row['accepted_per_verification']:.2f}", flush=True)
+                  f"acceptance {row['acceptance'] or 0:.2f}, accepted/verification "
+                  f"{row['accepted_per_verification'] or 0:.2f}, rounds {row['rounds']}, "
+                  f"gated steps {gated}", flush=True)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0

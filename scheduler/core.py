@@ -143,6 +143,11 @@ class SchedulerConfig:
     vocab_size: int = 0
     enable_prefix_caching: bool = True
     cache_ttl_s: float = 0.0           # uncache blocks unused this long (0: only under pressure)
+    # Speculation gate per draft>target tier pair: while the pair's running acceptance (over every
+    # request's rounds) is below this, a round starts only every `spec_probe_every`-th chance; the
+    # other steps decode plainly, so a poor drafter costs a few percent instead of its rounds.
+    spec_min_acceptance: float = 0.3
+    spec_probe_every: int = 16
 
 
 @dataclass(slots=True)
@@ -172,6 +177,7 @@ class SchedulerStats:
     spec_rounds: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    spec_gated: int = 0      # decode steps a speculating request ran plainly: its pair was below break-even
     escalations: dict[str, int] = field(default_factory=dict)  # "from->to" tier pair -> count
     # "draft>target" tier pair -> [rounds, drafts proposed, drafts accepted, tokens committed]
     spec_pairs: dict[str, list[int]] = field(default_factory=dict)
@@ -192,6 +198,8 @@ class StepScheduler:
         self._switch_tokens = max(1.0, cfg.path_switches_per_s)
         self._switch_t = time.monotonic()
         n = cfg.num_tiers
+        self._pair_rate: dict[str, float] = {}   # "draft>target" -> acceptance EMA over all rounds
+        self._pair_chances: dict[str, int] = {}  # rounds a gated pair could have started
         self.stats = SchedulerStats(peak_kv_blocks=[0] * n, prefill_computed=[0] * n,
                                     prefill_reused=[0] * n, cache_queries=[0] * n, cache_hits=[0] * n,
                                     evictions=[0] * n)
@@ -635,6 +643,14 @@ class StepScheduler:
         g = self._gamma(req)
         if g < 2 and not req.drafts:
             return None
+        if not req.drafts:
+            pair = f"{req.params.spec_draft_tier}>{req.tier}"
+            rate = self._pair_rate.get(pair)
+            if rate is not None and rate < self.cfg.spec_min_acceptance:
+                n = self._pair_chances[pair] = self._pair_chances.get(pair, 0) + 1
+                if n % self.cfg.spec_probe_every:
+                    self.stats.spec_gated += 1
+                    return None  # the pair is below break-even: decode plainly, probe now and then
         if not req.drafts and not self._allocate(req, g):  # the round's positions, every segment
             return None
         if len(req.drafts) < g:
@@ -655,7 +671,10 @@ class StepScheduler:
         self.stats.spec_proposed += g
         self.stats.spec_accepted += k
         self.stats.spec_rounds += 1
-        pair = self.stats.spec_pairs.setdefault(f"{req.params.spec_draft_tier}>{req.tier}", [0, 0, 0, 0])
+        key = f"{req.params.spec_draft_tier}>{req.tier}"
+        rate = self._pair_rate.get(key)
+        self._pair_rate[key] = k / g if rate is None else 0.8 * rate + 0.2 * k / g
+        pair = self.stats.spec_pairs.setdefault(key, [0, 0, 0, 0])
         pair[0] += 1
         pair[1] += g
         pair[2] += k

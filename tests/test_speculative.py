@@ -14,6 +14,7 @@ from worker.sampling import SamplingParams, accept_greedy, accept_sampled, probs
 def make_engine(fam, **kw):
     kw.setdefault("block_size", 4)
     kw.setdefault("num_blocks", 256)
+    kw.setdefault("spec_min_acceptance", 0.0)  # these tests exercise rounds: no break-even gate
     return Engine(fam.model, **kw)
 
 
@@ -73,6 +74,25 @@ def test_early_stop_ends_rounds_when_the_drafter_is_unsure(llama_family, stop):
     else:
         assert st.spec_proposed >= 2 * st.spec_rounds
     assert all(p.num_free == p.num_blocks for p in eng.pools)
+
+
+def test_a_pair_below_break_even_is_gated_but_still_probed(llama_family):
+    """Random tiny tiers rarely agree. A request's own pauses only start after its first poor rounds;
+    once the pair's acceptance (over every request) is known to be below spec_min_acceptance, later
+    requests start a round only every spec_probe_every-th chance. Outputs stay exact."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 160) for _ in range(6)] for _ in range(8)]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True, spec_draft_tier=0, spec_gamma=4)
+    free = make_engine(llama_family, enable_prefix_caching=False)
+    gated = make_engine(llama_family, enable_prefix_caching=False, spec_min_acceptance=0.5, spec_probe_every=16)
+    for p in prompts:  # one after another, as a server sees them
+        want = plain(llama_family, p, 2, 24)
+        assert free.generate([p], [2], sp)[0] == want
+        assert gated.generate([p], [2], sp)[0] == want
+    assert free.stats.spec_gated == 0
+    assert gated.stats.spec_gated > 0 and 0 < gated.stats.spec_rounds < free.stats.spec_rounds / 2, \
+        (gated.stats.spec_rounds, free.stats.spec_rounds)
+    assert all(p.num_free == p.num_blocks for p in gated.pools)
 
 
 def test_speculation_rejects_what_it_cannot_serve(llama_family):
@@ -185,7 +205,7 @@ def test_speculative_sampling_keeps_the_target_distribution(small_vocab_family, 
     got = {}
     for mode in ("spec", "plain"):
         eng = Engine(fam.model, block_size=4, num_blocks=2048, max_num_seqs=512,
-                     max_num_batched_tokens=4096)
+                     max_num_batched_tokens=4096, spec_min_acceptance=0.0)
         extra = dict(spec_draft_tier=0, spec_gamma=2) if mode == "spec" else {}
         params = [SamplingParams(max_tokens=3, ignore_eos=True, seed=1000 * (mode == "spec") + i,
                                  **sampling, **extra) for i in range(N)]
