@@ -64,6 +64,8 @@ class Limits:
     directory_ttl_s: float = 600.0    # directory entries expire unless refreshed
     affinity_abs: int = 4             # affinity yields when the preferred worker has more than this many
     affinity_rel: float = 1.5         # ...requests above the least loaded AND more than this times as many
+    spec_min_acceptance: float = 0.3  # speculation gate: a tier pair below this acceptance...
+    spec_probe_every: int = 16        # ...starts a round only every this many chances
 
 
 # Take the lease and the next epoch (above every epoch a worker has seen: Redis may have lost the counter).
@@ -172,7 +174,8 @@ class SchedulerService:
             path_switches_per_s=lim.path_switches_per_s, kv_quota=dict(lim.kv_quota),
             served_tiers=tuple(tiers) if standalone else None,
             eos_token_ids=tuple(msgpack.unpackb(info[b"eos"])), vocab_size=int(info[b"vocab_size"]),
-            enable_prefix_caching=lim.prefix_caching, cache_ttl_s=lim.cache_ttl_s)
+            enable_prefix_caching=lim.prefix_caching, cache_ttl_s=lim.cache_ttl_s,
+            spec_min_acceptance=lim.spec_min_acceptance, spec_probe_every=lim.spec_probe_every)
         if standalone:  # a standalone copy keeps global tier numbers for validation, one segment
             cfg.num_tiers = max(tiers) + 1
             cfg.num_blocks = cfg.num_blocks * cfg.num_tiers
@@ -408,7 +411,7 @@ class SchedulerService:
         waiting: dict[int, int] = {}
         running: dict[int, int] = {}
         used, total = {}, {}
-        sw = pre = 0
+        sw = pre = gated = 0
         cache = {k: {} for k in ("prefill_computed", "prefill_reused", "cache_queries", "cache_hits",
                                  "evictions")}
         held = {}
@@ -431,6 +434,7 @@ class SchedulerService:
             used[w.worker_id], total[w.worker_id] = w.core.kv_usage()
             sw += w.core.stats.path_switches
             pre += w.core.stats.preemptions
+            gated += w.core.stats.spec_gated
             for k, per_seg in cache.items():
                 for seg, v in enumerate(getattr(w.core.stats, k)):
                     per_seg[seg] = per_seg.get(seg, 0) + v
@@ -442,7 +446,7 @@ class SchedulerService:
                  **cache, "directory_blocks": held, "affinity_preferred": self.affinity_preferred,
                  "affinity_yielded": self.affinity_yielded, "leader": self.consumer, "epoch": self.epoch,
                  "takeovers": self.takeovers, "gateway_cancels": self.gateway_cancels,
-                 "spec": spec, "escalations_by_pair": escal, "escalations": sum(escal.values())}
+                 "spec": spec, "spec_gated": gated, "escalations_by_pair": escal, "escalations": sum(escal.values())}
         self.r.hset(P.STATS_KEY, "scheduler", msgpack.packb(stats))
 
     # ---- leadership ----------------------------------------------------------------------------
@@ -690,6 +694,10 @@ def main(argv: list[str] | None = None) -> int:
                         "above the least loaded one...")
     p.add_argument("--affinity-rel-threshold", type=float, default=1.5,
                    help="...and more than this times as many")
+    p.add_argument("--spec-min-acceptance", type=float, default=0.3,
+                   help="self-speculation gate: while a draft>target tier pair accepts less than this share "
+                        "of its drafts, its requests start a round only every --spec-probe-every chances")
+    p.add_argument("--spec-probe-every", type=int, default=16)
     p.add_argument("--lease-s", type=float, default=3.0,
                    help="leadership lease: a standby takes over this long after the leader stops renewing")
     args = p.parse_args(argv)
@@ -698,7 +706,8 @@ def main(argv: list[str] | None = None) -> int:
         args.max_num_batched_tokens, args.max_num_seqs, args.max_tiers_per_step, args.path_switches_per_s,
         parse_quota(args.kv_quota), prefix_caching=not args.no_prefix_caching, cache_ttl_s=args.cache_ttl_s,
         directory_ttl_s=args.directory_ttl_s, affinity_abs=args.affinity_abs_threshold,
-        affinity_rel=args.affinity_rel_threshold), lease_s=args.lease_s)
+        affinity_rel=args.affinity_rel_threshold, spec_min_acceptance=args.spec_min_acceptance,
+        spec_probe_every=args.spec_probe_every), lease_s=args.lease_s)
     try:
         svc.run()
     except KeyboardInterrupt:
