@@ -58,7 +58,7 @@ def add_parser(sub) -> None:
                         "then samples of the same distribution, not equal token for token")
     p.add_argument("--min-acceptance", type=float, default=None,
                    help="the speculation gate's break-even acceptance (default: the scheduler's)")
-    p.add_argument("--stop-confidence", default="0",
+    p.add_argument("--stop-confidence", default="0.5",
                    help="comma list of spec_stop_confidence values to compare (0: rounds always run to gamma)")
     p.set_defaults(func=run)
 

@@ -182,7 +182,7 @@ class NewRequest:
     spec_gamma: int = 4
     cascade_threshold: float | None = None
     cascade_window: int = 4
-    spec_stop_confidence: float = 0.0
+    spec_stop_confidence: float = 0.5
 
 
 @dataclass(slots=True)

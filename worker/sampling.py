@@ -20,8 +20,9 @@ class SamplingParams:
     spec_draft_tier: int | None = None
     spec_gamma: int = 4
     # Early stop (Kangaroo/EESD style): a round ends before gamma drafts when the draft tier's max
-    # softmax probability for its latest draft falls below this (0: always draft gamma).
-    spec_stop_confidence: float = 0.0
+    # softmax probability for its latest draft falls below this (0: always draft gamma). 0.5 measured
+    # best of {0, 0.5} on the default family (docs/BENCHMARKS.md).
+    spec_stop_confidence: float = 0.5
     # Confidence cascade: start at the request's tier and move up one tier whenever the mean max
     # softmax probability of the last `cascade_window` sampled tokens falls below the threshold.
     cascade_threshold: float | None = None
