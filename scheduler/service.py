@@ -582,8 +582,11 @@ class SchedulerService:
     def trim_streams(self) -> None:
         """``mfs:req`` keeps what is pending (requests in flight) or unread; ``mfs:done`` what is unread."""
         for stream in (P.REQ_STREAM, P.DONE_STREAM):
-            groups = {g["name"].decode() if isinstance(g["name"], bytes) else g["name"]: g
-                      for g in self.r.xinfo_groups(stream)}
+            try:
+                groups = {g["name"].decode() if isinstance(g["name"], bytes) else g["name"]: g
+                          for g in self.r.xinfo_groups(stream)}
+            except redis.ResponseError:  # no such stream (yet): nothing to trim
+                continue
             g = groups.get(P.SCHEDULER_GROUP)
             if g is None:
                 continue
