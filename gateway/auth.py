@@ -1,5 +1,5 @@
 """Who may use the gateway and how much: API keys, the middleware that guards every route but
-``/health``, and admission against the per-key rate limits (``gateway.ratelimit``).
+``/health`` and ``/openapi.json``, and admission against the per-key rate limits (``gateway.ratelimit``).
 
 Keys come from ``MFS_API_KEYS`` (comma-separated) and/or a file (one key per line, ``#`` comments).
 The file is stat'ed on each guarded request and re-read when it changed, so a revoked key stops
@@ -26,7 +26,7 @@ from gateway.keys import ADMISSION, KEY_ID, KEYS, SERVICE
 from gateway.openai_api import APIError
 
 log = structlog.get_logger("gateway.auth")
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/openapi.json"})  # the API description: readable before a key
 ANONYMOUS = "anonymous"  # the one client of a gateway without keys (its rate limits still apply)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from gateway import views
+from gateway.openapi import PATH as OPENAPI_PATH
 
 
 def setup_routes(app: web.Application) -> None:
@@ -13,3 +14,4 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", views.completions)
     app.router.add_get("/health", views.health)
     app.router.add_get("/metrics", views.metrics)
+    app.router.add_get(OPENAPI_PATH, views.openapi_json)  # open, like /health (gateway.auth.OPEN_PATHS)

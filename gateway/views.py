@@ -7,6 +7,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from gateway import openai_api as api
+from gateway import openapi
 from gateway.keys import CONFIG, SERVICE
 from gateway.serving import ClientGone, Generation
 
@@ -57,6 +58,11 @@ async def metrics(request: web.Request) -> web.Response:
         pass  # the request metrics are still worth a scrape
     return web.Response(body=svc.metrics.render(), content_type="text/plain",
                         headers={"X-Content-Type-Options": "nosniff"})
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    """This gateway's OpenAPI 3.1 description (its models, bounds and ``mfs`` defaults)."""
+    return web.json_response(openapi.for_app(request.app))
 
 
 # ---- completions ----------------------------------------------------------------------------
