@@ -678,6 +678,7 @@ def parse_quota(spec: str | None) -> dict[int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mfs.launch import install_stop_signals  # noqa: PLC0415
     from mfs.logs import configure  # noqa: PLC0415
     p = argparse.ArgumentParser(prog="python -m scheduler", description="MFS scheduler process")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
@@ -705,6 +706,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="leadership lease: a standby takes over this long after the leader stops renewing")
     args = p.parse_args(argv)
     configure(json_lines=True)
+    install_stop_signals()
     svc = SchedulerService(args.redis_url, Limits(
         args.max_num_batched_tokens, args.max_num_seqs, args.max_tiers_per_step, args.path_switches_per_s,
         parse_quota(args.kv_quota), prefix_caching=not args.no_prefix_caching, cache_ttl_s=args.cache_ttl_s,
@@ -715,4 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         svc.run()
     except KeyboardInterrupt:
         pass
+    finally:
+        if svc.leader:  # hand the lease over now rather than when it expires
+            svc.step_down("stopping")
     return 0

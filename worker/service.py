@@ -230,6 +230,7 @@ def _release_memory() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from mfs.commands import add_model_args  # noqa: PLC0415
+    from mfs.launch import install_stop_signals  # noqa: PLC0415
     from mfs.logs import configure  # noqa: PLC0415
     p = argparse.ArgumentParser(prog="python -m worker", description="MFS worker process")
     add_model_args(p)
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads (default: all cores but one, which the gateway and scheduler use)")
     args = p.parse_args(argv)
     configure(json_lines=True)
+    install_stop_signals()
     torch.set_num_threads(args.threads)
     svc = WorkerService(args)
     try:
