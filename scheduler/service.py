@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import socket
 import struct
 import time
 from dataclasses import dataclass, field
@@ -104,7 +105,8 @@ class SchedulerService:
     def __init__(self, redis_url: str, limits: Limits, consumer: str | None = None, lease_s: float = 3.0):
         self.r = redis.Redis.from_url(redis_url)
         self.limits = limits
-        self.consumer = consumer or f"sched-{os.getpid()}"
+        # unique per process across hosts: two containers both run their scheduler as pid 1
+        self.consumer = consumer or f"sched-{socket.gethostname()}-{os.getpid()}"
         self.lease_ms = int(lease_s * 1000)
         self.leader = False
         self.epoch = 0

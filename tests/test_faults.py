@@ -88,14 +88,15 @@ def test_leading_scheduler_killed_the_standby_takes_over(llama_dir):
         r = redis.Redis.from_url(svc.redis_url)
         leader = r.get(P.LEADER_KEY).decode()
         epoch = int(r.get(P.EPOCH_KEY))
-        by_pid = {f"sched-{p.pid}": name for name, p in svc.procs.items() if name.startswith("scheduler")}
-        assert leader in by_pid and len(by_pid) == 2
+        by_pid = {p.pid: name for name, p in svc.procs.items() if name.startswith("scheduler")}
+        leader_pid = int(leader.rsplit("-", 1)[1])  # sched-{host}-{pid}
+        assert leader_pid in by_pid and len(by_pid) == 2
         for rid, prompt, tier, n in work:
             submit(r, rid, prompt, tier, max_tokens=n, ignore_eos=True)
         rd = Reader(r)
         rd.until(lambda: sum(len(v) for v in rd.events.values()) >= 150)
         assert not any(rd.finished(rid) for rid, *_ in work[:4])
-        victim = svc.procs[by_pid[leader]]
+        victim = svc.procs[by_pid[leader_pid]]
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
         killed_at = time.monotonic()
