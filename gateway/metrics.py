@@ -123,8 +123,7 @@ class Metrics:
                     gauge.labels(str(worker), str(s)).set(_num(v))
         for gauge, key in ((self.path_switches, "path_switches"), (self.escalations, "escalations"),
                            (self.preemptions, "preemptions")):
-            v = stats.get(key, 0)
-            gauge.set(sum(_num(x) for x in v.values()) if isinstance(v, dict) else _num(v))
+            gauge.set(_num(stats.get(key, 0)))
         self._refresh_reuse(stats)
         self.multilevel.update(stats, tier_names)
 
@@ -151,11 +150,11 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-_PAIR = re.compile(r"^\s*(\d{1,4})\s*-?>\s*(\d{1,4})\s*$")
+_PAIR = re.compile(r"^\s*(\d{1,4})\s*>\s*(\d{1,4})\s*$")
 
 
 def tier_pair(key, tier_names: list[str]) -> tuple[str, str] | None:
-    """``"0>2"`` (also ``"0->2"``) -> (tier name, tier name); None for a key of another shape."""
+    """``"0>2"`` -> (tier name, tier name); None for a key of another shape."""
     m = _PAIR.match(key) if isinstance(key, str) else None
     if m is None:
         return None
@@ -166,7 +165,7 @@ class MultiLevelCollector:
     """Speculation and cascade series from the scheduler's ``mfs:stats`` gauges, per tier pair.
 
     Reads ``spec: {"<draft>><target>": {rounds, proposed, accepted, committed}}`` and
-    ``escalations_by_pair: {"<from>><to>": n}`` (or ``escalations`` when that is a per-pair dict), as of
+    ``escalations_by_pair: {"<from>><to>": n}``, as of
     the last scrape's refresh. The counters are cumulative as the scheduler reports them (a scheduler
     restart resets them, which Prometheus reads as a counter reset). Missing keys: no series.
     """
@@ -181,10 +180,7 @@ class MultiLevelCollector:
             pair = tier_pair(k, tier_names)
             if pair is not None and isinstance(v, dict):
                 spec[pair] = {f: _num(v.get(f, 0)) for f in ("rounds", "proposed", "accepted", "committed")}
-        by_pair = stats.get("escalations_by_pair")
-        if not isinstance(by_pair, dict) and isinstance(stats.get("escalations"), dict):
-            by_pair = stats["escalations"]
-        for k, v in _items(by_pair):
+        for k, v in _items(stats.get("escalations_by_pair")):
             pair = tier_pair(k, tier_names)
             if pair is not None:
                 esc[pair] = _num(v)

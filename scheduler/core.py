@@ -178,7 +178,7 @@ class SchedulerStats:
     spec_proposed: int = 0
     spec_accepted: int = 0
     spec_gated: int = 0      # decode steps a speculating request ran plainly: its pair was below break-even
-    escalations: dict[str, int] = field(default_factory=dict)  # "from->to" tier pair -> count
+    escalations: dict[str, int] = field(default_factory=dict)  # "from>to" tier pair -> count
     # "draft>target" tier pair -> [rounds, drafts proposed, drafts accepted, tokens committed]
     spec_pairs: dict[str, list[int]] = field(default_factory=dict)
 
@@ -607,7 +607,7 @@ class StepScheduler:
         req.catchup = (req.tier, 0, n) if n else None
         req.tiers.append(req.tier)
         req.escalated_at.append(len(req.output_ids))
-        key = f"{old}->{req.tier}"
+        key = f"{old}>{req.tier}"
         self.stats.escalations[key] = self.stats.escalations.get(key, 0) + 1
         log.debug("escalated", request_id=req.request_id, tier=req.tier, at=len(req.output_ids))
 

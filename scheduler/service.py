@@ -427,8 +427,7 @@ class SchedulerService:
                 d["accepted"] += accepted
                 d["committed"] += committed
             for pair, n in w.core.stats.escalations.items():
-                key = pair.replace("->", ">")
-                escal[key] = escal.get(key, 0) + n
+                escal[pair] = escal.get(pair, 0) + n
             for r in w.core.waiting:
                 waiting[r.tier] = waiting.get(r.tier, 0) + 1
             for r in w.core.running:

@@ -87,7 +87,7 @@ def test_escalation_happens_exactly_where_the_window_mean_first_drops(llama_fami
     k = case["k"]
     assert last.finished and last.tiers == [0, 1] and last.escalated_at == [k]
     assert last.tier == 1
-    assert eng.stats.escalations == {"0->1": 1}
+    assert eng.stats.escalations == {"0>1": 1}
     # the output: tier 0's tokens up to k, then tier 1's greedy continuation of prompt + those
     assert toks == case["low"][:k] + case["cont"]
     assert len(toks) == N
@@ -126,7 +126,7 @@ def test_threshold_one_climbs_to_the_top_before_the_first_token(llama_family, ca
     toks, last = run(eng, "c")
     assert last.tiers == [0, 1, 2] and last.escalated_at == [0, 0]
     assert toks == make_engine(llama_family).generate([case["prompt"]], [2], greedy(N))[0]
-    assert eng.stats.escalations == {"0->1": 1, "1->2": 1}
+    assert eng.stats.escalations == {"0>1": 1, "1>2": 1}
     assert all(p.num_free == p.num_blocks for p in eng.pools)
 
 
@@ -183,7 +183,7 @@ def test_mixed_batch_with_cascade_and_speculation_equals_solo_runs(llama_family,
     assert last["casc"].tiers == [0, 1] and last["casc-top"].tiers == [0, 1, 2]
     assert last["casc-1"].tiers == [1, 2] and last["plain1"].tiers == [1]
     st = eng.stats
-    assert st.escalations.get("0->1", 0) >= 2 and st.escalations.get("1->2", 0) >= 2, st.escalations
+    assert st.escalations.get("0>1", 0) >= 2 and st.escalations.get("1>2", 0) >= 2, st.escalations
     assert st.spec_rounds > 0
     if budget == 8:
         assert st.preemptions > 0

@@ -385,11 +385,3 @@ def test_spec_and_cascade_metrics(gw_both, backend, rds):  # noqa: F811
     r = httpx.get(gw_both.url + "/metrics")
     assert r.status_code == 200
     assert "mfs_spec_rounds_total{" not in r.text and "mfs_cascade_escalations_total{" not in r.text
-    # a scheduler that reports escalations per pair under "escalations"
-    rds.hset(P.STATS_KEY, "scheduler", msgpack.packb({"escalations": {"0>1": 2, "1>2": 5}, "spec": []}))
-    try:
-        text = httpx.get(gw_both.url + "/metrics").text
-    finally:
-        rds.delete(P.STATS_KEY)
-    assert 'mfs_cascade_escalations_total{from="small",to="medium"} 2.0' in text
-    assert "mfs_scheduler_escalations 7.0" in text

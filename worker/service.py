@@ -184,7 +184,9 @@ class WorkerService:
         # What a client sees: plain rows' tokens and verification rows' committed tokens; never drafts.
         emitted = {rid: [tok] for rid, tok in out.tokens.items()}
         emitted.update(out.verified)
-        row_of = {r.request_id: r for r in rows if not r.draft and r.enter == 0 or r.sample_all}
+        # the row each emitting request sampled from: its plain row or its verification row (not a
+        # draft row, not a catch-up row)
+        row_of = {r.request_id: r for r in rows if r.sample_all or (r.enter == 0 and not r.draft)}
         pipe = self.r.pipeline(transaction=False)
         for rid, toks in emitted.items():
             live, row = self.live.get(rid), row_of.get(rid)
