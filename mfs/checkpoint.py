@@ -161,8 +161,11 @@ def apply_weights(model: NestedModel, path: str | Path, kind: str) -> None:
                     raise ValueError(f"{path}: unexpected tensor {k!r}")
                 own[k].copy_(v.to(own[k].dtype))
             return
+        if kind == "exit":
+            _apply_exit(model, sd, own, path)
+            return
         if kind != "delta":
-            raise ValueError(f"unknown weights kind {kind!r} (full | delta)")
+            raise ValueError(f"unknown weights kind {kind!r} (full | delta | exit)")
         for k, v in sd.items():
             if k.startswith("layers.") and int(k.split(".")[1]) >= len(model.layers):
                 continue  # layers above the top tier the caller built
@@ -182,3 +185,23 @@ def apply_weights(model: NestedModel, path: str | Path, kind: str) -> None:
                 own[k].copy_(v.to(own[k].dtype))
             else:
                 raise ValueError(f"{path}: unexpected tensor {k!r}")
+
+
+def _apply_exit(model: NestedModel, sd: dict, own: dict, path) -> None:
+    """An ``exit`` file holds only exit norms and exit blocks (the trunk is the base, unchanged);
+    every exit block the model was built with must be in it."""
+    want = {k for k in own if k.startswith("exit_blocks.")}
+    missing = sorted(want - set(sd))
+    if missing:
+        raise ValueError(f"{path}: exit weights lack {missing[:3]} (does the manifest's exit block "
+                         "match the weights?)")
+    for k, v in sd.items():
+        if k.startswith("exit_norms.") and int(k.split(".")[1]) >= len(model.exit_norms):
+            continue  # a tier the caller did not build
+        if k.startswith("exit_blocks.") and k not in own:
+            if int(k.split(".")[1]) >= len(model.exit_norms):
+                continue
+            raise ValueError(f"{path}: unexpected tensor {k!r}")
+        if not k.startswith(("exit_norms.", "exit_blocks.")):
+            raise ValueError(f"{path}: unexpected tensor {k!r} in exit weights")
+        own[k].copy_(v.to(own[k].dtype))

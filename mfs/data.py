@@ -74,7 +74,27 @@ _TASKS = [
     "What causes the seasons?", "How do plants grow?", "What is a healthy breakfast?",
     "How can I save money each month?", "What is the tallest mountain in the world?",
 ]
-SELF_PROMPTS = [tp.format(t=t) for t in _TOPICS for tp in _TEMPLATES] + _TASKS
+_TOPICS_MORE = [
+    "the Amazon rainforest", "penguins", "the Eiffel Tower", "photosynthesis in algae", "tornadoes",
+    "the Sahara desert", "honeybees and pollination", "the Industrial Revolution", "atoms", "robots",
+    "the solar system", "whales", "the Nile river", "wind turbines", "the periodic table", "mushrooms",
+    "ancient Egypt", "the Moon landing", "blood cells", "deserts", "origami", "volleyball", "jazz",
+    "the metric system", "glaciers and ice ages", "lightning", "coral reefs", "the alphabet",
+    "bicycles", "tea ceremonies", "rain", "the heart of a computer (the CPU)", "compost", "owls",
+]
+_TEMPLATES_MORE = ["Tell me about {t}.", "Answer briefly: what is {t}?", "Describe {t} in one sentence."]
+_TASKS_MORE = [
+    "What is 9 times 8?", "What is 100 minus 37?", "What is half of 50?", "Spell the word 'banana'.",
+    "Name three fruits.", "Name three animals that live in the ocean.", "What color is the sky on a clear day?",
+    "What is the capital of Italy?", "What is the capital of Japan?", "What is the capital of Canada?",
+    "Who wrote Hamlet?", "Who discovered penicillin?", "What is the freezing point of water?",
+    "How many legs does a spider have?", "How many hours are in a day?", "What is the largest ocean?",
+    "Write one sentence about cats.", "Write one sentence about the rain.", "Say hello in French.",
+    "What do cows drink?", "What gas do plants absorb?", "Give me a word that rhymes with 'light'.",
+    "Complete the sentence: The early bird...", "What is the plural of 'mouse'?",
+]
+SELF_PROMPTS = ([tp.format(t=t) for t in _TOPICS for tp in _TEMPLATES] + _TASKS
+                + [tp.format(t=t) for t in _TOPICS_MORE for tp in _TEMPLATES_MORE] + _TASKS_MORE)
 
 HELDOUT_PROMPTS = [
     "Explain how a refrigerator works.", "What is a glacier?", "Write a short poem about the forest.",
@@ -87,11 +107,35 @@ EVAL_QUESTIONS = [
     "Who painted the Mona Lisa?", "What do bees make?", "Write one sentence about dogs.",
 ]
 
+# The larger fixed question set (`mfs eval`, `mfs bench route`): short factual and instruction
+# prompts, each judged by agreement with the top tier's greedy answer. Not in any training set.
+EVAL_QUESTIONS_LARGE = [
+    "What is the capital of Germany?", "What is the capital of Spain?", "What is 3 plus 5?",
+    "What is 10 times 10?", "What is 20 divided by 4?", "How many days are in a week?",
+    "How many months are in a year?", "What is the color of grass?", "What animal says 'moo'?",
+    "What is the opposite of 'hot'?", "What is the opposite of 'up'?", "Name a vegetable.",
+    "Name a musical instrument.", "Name a planet in our solar system.", "Who wrote 'Pride and Prejudice'?",
+    "Who was the first person to walk on the Moon?", "What is H2O?", "What do we call a baby dog?",
+    "What do we call a baby cat?", "What is the largest animal on Earth?", "What is the fastest land animal?",
+    "Which planet is known as the Red Planet?", "What is the main language spoken in Mexico?",
+    "What is the currency of Japan?", "How many sides does a triangle have?",
+    "How many sides does a square have?", "What is the square root of 16?",
+    "Translate 'thank you' into Spanish.", "Give me a synonym for 'big'.",
+    "Write one sentence about the ocean.", "Write one sentence about winter.",
+    "Write a short greeting for a birthday card.", "What season comes after summer?",
+    "What is the boiling point of water in Fahrenheit?", "What is the capital of Australia?",
+    "What do plants need to grow?", "What is the tallest animal?", "What shape is a ball?",
+    "What is the first letter of the English alphabet?", "What is 7 plus 6?",
+    "Name a color of the rainbow.", "What do you call frozen water?", "Where do fish live?",
+    "What is the sun?",
+]
+
 
 def check_disjoint() -> None:
     assert not set(STDLIB_TRAIN) & set(STDLIB_HELDOUT)
-    assert not set(SELF_PROMPTS) & (set(HELDOUT_PROMPTS) | set(EVAL_QUESTIONS))
-    assert not set(HELDOUT_PROMPTS) & set(EVAL_QUESTIONS)
+    evals = set(HELDOUT_PROMPTS) | set(EVAL_QUESTIONS) | set(EVAL_QUESTIONS_LARGE)
+    assert not set(SELF_PROMPTS) & evals
+    assert not set(HELDOUT_PROMPTS) & (set(EVAL_QUESTIONS) | set(EVAL_QUESTIONS_LARGE))
 
 
 # ---- text sources ----------------------------------------------------------------------------

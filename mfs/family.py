@@ -35,9 +35,26 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(slots=True)
 class TierSpec:
+    """A tier: its trunk layers and its exit. ``exit``: ``{"norm": "own", "head": "shared"}``, plus
+    optionally ``"block": {"layers": N, "init": "copy:last"}`` — N private decoder layers between the
+    trunk boundary and the norm (``mfs precipitate --method exit-blocks``)."""
     name: str
     layers: int
     exit: dict = field(default_factory=lambda: {"norm": "own", "head": "shared"})
+
+    def __post_init__(self):
+        unknown = set(self.exit) - {"norm", "head", "block"}
+        if unknown or self.exit.get("norm", "own") != "own" or self.exit.get("head", "shared") != "shared":
+            raise ValueError(f"tier {self.name!r}: unsupported exit {self.exit} (norm 'own', head "
+                             "'shared', optional block {'layers': N, 'init': ...})")
+        blk = self.exit.get("block")
+        if blk is not None and (set(blk) - {"layers", "init"} or not isinstance(blk.get("layers"), int)
+                                or blk["layers"] < 0):
+            raise ValueError(f"tier {self.name!r}: bad exit block {blk} (expected layers >= 0, init)")
+
+    @property
+    def block_layers(self) -> int:
+        return (self.exit.get("block") or {}).get("layers", 0)
 
 
 @dataclass(slots=True)
@@ -49,6 +66,9 @@ class Manifest:
     weights: dict | None = None
     precipitated: bool = False
     notes: str = ""
+    # tier name -> held-out figures recorded at precipitation ({"ppl_vs_top", "agree_top"}); the
+    # family id never routes to a tier below the floor (see usable_tiers)
+    quality: dict | None = None
     format: str = "mfs-nested"
     version: int = 1
 
@@ -87,7 +107,9 @@ def tier_names(n: int) -> list[str]:
 
 
 def parse_tiers(spec: str | None, num_layers: int) -> list[TierSpec]:
-    """'10,20,30' or 'small=10,medium=20,large=30'; default: thirds of the model."""
+    """'10,20,30' or 'small=10,medium=20,large=30'; 'LAYERS+B' gives the tier a B-layer exit block
+    (initialised as copies of the last layers: train it with ``mfs precipitate --method
+    exit-blocks``); default: thirds of the model."""
     if not spec:
         cuts = sorted({max(1, round(num_layers * k / 3)) for k in (1, 2, 3)})
         return [TierSpec(n, c) for n, c in zip(tier_names(len(cuts)), cuts)]
@@ -96,11 +118,15 @@ def parse_tiers(spec: str | None, num_layers: int) -> list[TierSpec]:
     out = []
     for i, p in enumerate(parts):
         name, _, val = p.rpartition("=")
+        layers_s, plus, block_s = val.partition("+")
         try:
-            layers = int(val)
+            layers, block = int(layers_s), int(block_s) if plus else 0
         except ValueError:
-            raise ValueError(f"bad tier {p!r}: expected LAYERS or NAME=LAYERS") from None
-        out.append(TierSpec(name or names[i], layers))
+            raise ValueError(f"bad tier {p!r}: expected LAYERS, LAYERS+BLOCK or NAME=LAYERS[+BLOCK]") from None
+        exit_ = {"norm": "own", "head": "shared"}
+        if block:
+            exit_["block"] = {"layers": block, "init": "copy:last"}
+        out.append(TierSpec(name or names[i], layers, exit_))
     return out
 
 
@@ -148,7 +174,7 @@ def build_model(base: BaseWeights, tiers: list[TierSpec], dtype: torch.dtype = t
                 device: str = "cpu", max_positions: int | None = None,
                 ops: KernelOps | None = None) -> NestedModel:
     cfg = ModelConfig.from_hf(base.hf_config, set(base.state_dict))
-    tlist = [Tier(i, t.name, t.layers) for i, t in enumerate(tiers)]
+    tlist = [Tier(i, t.name, t.layers, t.block_layers) for i, t in enumerate(tiers)]
     with torch.device("meta"):
         model = NestedModel(cfg, tlist, max_positions=max_positions, ops=ops or select_backend(None, device))
     model.adopt_base_state({k: v.to(device) for k, v in base.state_dict.items()})

@@ -188,6 +188,11 @@ def prepare(args, log=print) -> tuple[NestedModel, BaseWeights, D.BatchSampler, 
 
 
 def run(args) -> int:
+    if args.method == "exit-blocks":
+        from mfs import exitblocks  # noqa: PLC0415
+        return exitblocks.run(args)
+    check_method_options(args, "lora")
+    lora_defaults(args)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     out = Path(args.out)
@@ -327,27 +332,58 @@ def train_step(model, opt, sampler, step: int, args, weights, ce_w, teacher) -> 
     return StepLoss(agg.total / k, [c / k for c in agg.ce], [x / k for x in agg.kl]), gn, n
 
 
+_EXIT_BLOCK_DEFAULTS: dict = {}
+_LORA_ONLY = ("accum", "weights", "kl", "temperature", "lora_rank", "lora_alpha", "exit_lr",
+              "freeze_embeddings", "stop_after", "main_until", "repair_steps", "repair_lr", "save_dtype",
+              "bar_interval")
+_LORA_DEFAULTS: dict = {}
+
+
+def check_method_options(args, method: str) -> None:
+    """Never accept an option and ignore it: each method refuses the other's options."""
+    other = _LORA_DEFAULTS if method == "exit-blocks" else _EXIT_BLOCK_DEFAULTS
+    for name, dflt in other.items():
+        if getattr(args, name) != dflt:
+            raise ValueError(f"--{name.replace('_', '-')} is not an option of --method {method}")
+
+
+def lora_defaults(args) -> None:
+    """Fills the options whose default depends on --method (None on the command line)."""
+    from mfs.runtime import autocast_dtype  # noqa: PLC0415
+    args.lr = 5e-4 if args.lr is None else args.lr
+    args.ce = "0.2" if args.ce is None else args.ce
+    args.steps = 400 if args.steps is None else args.steps
+    args.autocast = "bf16" if autocast_dtype(args.autocast, args.device) else "none"
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("precipitate", help="train every tier exit of a nested model at once",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--method", default="lora", choices=["lora", "exit-blocks"],
+                   help="lora: low-rank updates of the whole model with a loss at every exit; "
+                        "exit-blocks: a frozen trunk and a private exit block per lower tier, "
+                        "trained on cached trunk features (see mfs/exitblocks.py)")
     p.add_argument("--base", default="default", help="HF directory, .gguf file, or 'default'")
     p.add_argument("--tiers", default="10,20,30", help="LAYERS,... or NAME=LAYERS,...")
     p.add_argument("--data", default="self,stdlib",
                    help="comma list of: self, stdlib, packages, text/JSONL files or directories")
     p.add_argument("--out", required=True, help="output nested checkpoint directory")
-    p.add_argument("--steps", type=int, default=400, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps (default: 400 for lora, 20000 for exit-blocks)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--weights", default=None, help="loss weight per tier exit, e.g. 1,1,1")
-    p.add_argument("--ce", default="0.2",
-                   help="weight of cross-entropy on the data: one value, or one per tier")
+    p.add_argument("--ce", default=None,
+                   help="weight of cross-entropy on the data: one value, or one per tier "
+                        "(default: 0.2 for lora, 0.1 for exit-blocks)")
     p.add_argument("--kl", type=float, default=1.0,
                    help="weight of KL(original top tier || exit); 0 disables distillation")
     p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
     p.add_argument("--lora-rank", type=int, default=32, help="0 = full-parameter updates")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default = rank)")
-    p.add_argument("--lr", type=float, default=5e-4, help="lr of the backbone / adapters")
+    p.add_argument("--lr", type=float, default=None,
+                   help="lr of the backbone / adapters (default 5e-4) or of the exit blocks (3e-4)")
     p.add_argument("--exit-lr", type=float, default=5e-3, help="lr of the exit norms")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=20)
@@ -370,9 +406,14 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from OUT/state/trainer.pt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--autocast", default="bf16", choices=["bf16", "none"],
-                   help="bf16 matmuls in the training forward (about 2x faster on CPUs with "
-                        "AVX512-BF16 and on GPUs); the exported weights stay float32/float16")
+    p.add_argument("--autocast", default="auto", choices=["auto", "bf16", "none"],
+                   help="bf16 matmuls in the training forward: auto = on CUDA and on CPUs with "
+                        "AVX512-BF16/AMX only (on AVX2 bf16 is ~50x slower than fp32); the exported "
+                        "weights stay float32/float16")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--bar-interval", type=float, default=1.0, help="progress bar refresh (s)")
+    from mfs import exitblocks  # noqa: PLC0415
+    grp = exitblocks.add_arguments(p)
+    _EXIT_BLOCK_DEFAULTS.update({a.dest: a.default for a in grp._group_actions})
+    _LORA_DEFAULTS.update({a.dest: a.default for a in p._actions if a.dest in _LORA_ONLY})
     p.set_defaults(func=run)

@@ -7,6 +7,7 @@ import torch
 from mfs.family import load_family
 from tests.factories import tiny_llama, tiny_mistral, tiny_qwen2
 from worker.engine import Engine
+from worker.model import _LAYER_KEYS
 from worker.sampling import SamplingParams
 
 PROMPT = [1, 17, 33, 90, 5, 61, 7, 120, 44, 3, 19]
@@ -103,3 +104,47 @@ def test_a_sliding_window_caps_the_context(tmp_path):
     assert fam.model.max_positions == 48
     eng = Engine(fam.model, block_size=4, num_blocks=64)
     assert eng.scheduler.cfg.max_model_len == 48
+
+
+def with_exit_blocks(hf, layers: int, block: list, exit_norm: torch.Tensor):
+    """The reference for a tier with an exit block, from transformers layers: the HF model cut to
+    its trunk layers, then HF decoder layers holding the block's weights, then the tier's norm."""
+    t = truncated_hf(hf, layers, exit_norm)
+    names = {ours: hf_name for hf_name, ours in _LAYER_KEYS.items()}
+    for j, ours_layer in enumerate(block):
+        ref = copy.deepcopy(hf.model.layers[0])
+        ref.self_attn.layer_idx = layers + j
+        with torch.no_grad():
+            for name, p in ours_layer.named_parameters():
+                key = names.get(name.rpartition(".")[0], None)
+                dst = ref.get_parameter(f"{key}.{name.rpartition('.')[2]}" if key else f"{name}.weight")
+                dst.copy_(p)
+        t.model.layers.append(ref)
+    t.config.num_hidden_layers = layers + len(block)
+    if hasattr(t.config, "layer_types") and t.config.layer_types:
+        t.config.layer_types = t.config.layer_types[:1] * (layers + len(block))
+    return t
+
+
+@pytest.mark.parametrize("block", [1, 2])
+def test_exit_blocks_match_transformers_layers(tmp_path, block):
+    """A tier with an exit block = its trunk layers + the block's layers + its norm, as transformers
+    computes it, through prefill and 32 paged decode steps; the top tier stays the original."""
+    path = tiny_llama(tmp_path / "m", kv_heads=2, tie=False)
+    fam = load_family(str(path), tiers=f"2+{block},4+{block},6", dtype="float32")
+    model = fam.model
+    torch.manual_seed(2)
+    with torch.no_grad():  # trained blocks differ from their copy:last initialisation
+        for p in model.exit_blocks.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        for t in model.tiers[:-1]:
+            model.exit_norms[t.index].uniform_(0.5, 1.5)
+    hf = hf_model(path)
+    for tier in model.tiers:
+        blk = model.exit_block(tier.index)
+        ref_model = hf if blk is None else with_exit_blocks(hf, tier.layers, list(blk),
+                                                            model.exit_norms[tier.index].detach())
+        tokens, ours = engine_logits(model, tier.index)
+        ref = hf_step_logits(ref_model, tokens)
+        diff = (ours - ref).abs().max().item()
+        assert diff <= 1e-4, f"tier {tier.name} (block {block}): max |logit diff| {diff:.2e}"

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 class Tier:
     index: int
     name: str
-    layers: int  # the tier's exit is after this many decoder layers
+    layers: int  # the tier's exit is after this many trunk (shared) decoder layers
+    block: int = 0  # decoder layers of the tier's private exit block (0: norm + head only)
 
 
 class DecoderLayer(nn.Module):
@@ -76,6 +77,10 @@ class NestedModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(layers[-1]))
         self.exit_norms = nn.ParameterList(nn.Parameter(torch.ones(cfg.hidden_size)) for _ in tiers)
+        # A tier's private exit block: decoder layers between its trunk boundary and its exit norm.
+        # They read the trunk's hidden state and never feed it: higher tiers go on from the trunk.
+        self.exit_blocks = nn.ModuleDict({str(t.index): nn.ModuleList(DecoderLayer(cfg) for _ in range(t.block))
+                                          for t in tiers if t.block})
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.max_positions = min(max_positions or cfg.max_position, cfg.max_position)
@@ -104,6 +109,32 @@ class NestedModel(nn.Module):
     def segment_layers(self, s: int) -> range:
         return range(self.boundaries[s], self.boundaries[s + 1])
 
+    def exit_block(self, s: int) -> nn.ModuleList | None:
+        return self.exit_blocks[str(s)] if str(s) in self.exit_blocks else None
+
+    def segment_kv_layers(self, s: int) -> int:
+        """KV layers of segment s's pool: its trunk layers, then tier s's exit-block layers. Every
+        token that crosses boundary s writes the block's KV (see :meth:`_exit`), so a cached
+        segment-s block serves every tier, whichever tier computed it."""
+        return len(self.segment_layers(s)) + self.tiers[s].block
+
+    def init_exit_blocks(self, init: str = "copy:last") -> None:
+        """``copy:last`` (each block layer a copy of the model's last layers, in order) or
+        ``copy:N`` (a copy of decoder layer N, 0-based). Exit norms become the last trunk norm's copy
+        by construction (see adopt_base_state)."""
+        with torch.no_grad():
+            for key, blk in self.exit_blocks.items():
+                n = len(blk)
+                if init == "copy:last":
+                    srcs = range(len(self.layers) - n, len(self.layers))
+                elif init.startswith("copy:") and init[5:].isdigit():
+                    srcs = [int(init[5:])] * n
+                else:
+                    raise ValueError(f"unknown exit-block init {init!r} (copy:last or copy:N)")
+                for dst, si in zip(blk, srcs):
+                    for name, p in self.layers[si].named_parameters():
+                        dst.get_parameter(name).copy_(p)
+
     def load_base_state(self, sd: dict[str, torch.Tensor], exit_norms: dict[int, torch.Tensor] | None = None):
         """Copy HF-named weights in. Lower exits start as copies of the final norm unless given."""
         with torch.no_grad():
@@ -122,6 +153,7 @@ class NestedModel(nn.Module):
             for t in self.tiers:
                 src = (exit_norms or {}).get(t.index, sd["model.norm.weight"])
                 self.exit_norms[t.index].copy_(src)
+        self.init_exit_blocks("copy:last")
 
     def adopt_base_state(self, sd: dict[str, torch.Tensor]) -> None:
         """Like load_base_state, but the model takes the loader's tensors as its parameters instead
@@ -144,6 +176,12 @@ class NestedModel(nn.Module):
             take(layer, "post_attention_layernorm", p + "post_attention_layernorm.weight")
         for t in self.tiers:
             self.exit_norms[t.index] = nn.Parameter(sd["model.norm.weight"].clone(), requires_grad=False)
+        for blk in self.exit_blocks.values():  # copy:last until trained weights are applied
+            for dst, src in zip(blk, self.layers[len(self.layers) - len(blk):]):
+                for name, p in src.named_parameters():
+                    mod, _, leaf = name.rpartition(".")
+                    (dst.get_submodule(mod) if mod else dst)._parameters[leaf] = nn.Parameter(
+                        p.detach().clone(), requires_grad=False)
         self.tie_weights()
         self.rebuild_buffers()
 
@@ -151,31 +189,48 @@ class NestedModel(nn.Module):
         return f"exit_norms.{tier}"
 
     # ---- training / evaluation forward ------------------------------------------------------
-    def exit_hidden(self, input_ids: torch.Tensor, upto_tier: int | None = None) -> list[torch.Tensor]:
-        """input_ids [B, S] -> the normed exit hidden state [B, S, H] of tiers 0..upto_tier."""
+    def _dense_layer(self, layer: DecoderLayer, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One decoder layer over x [B, S, H] with dense causal attention (no cache)."""
+        cfg = self.cfg
+        B, S, _ = x.shape
+        h = self.ops.rms_norm(x, layer.input_layernorm, cfg.rms_eps)
+        q = layer.q_proj(h).view(B * S, cfg.num_heads, cfg.head_dim)
+        k = layer.k_proj(h).view(B * S, cfg.num_kv_heads, cfg.head_dim)
+        v = layer.v_proj(h).view(B, S, cfg.num_kv_heads, cfg.head_dim)
+        q, k = self.ops.rotary(q, k, pos.repeat(B), self.cos_sin)
+        q = q.view(B, S, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = k.view(B, S, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale,
+                                           enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+        x = x + layer.o_proj(a.transpose(1, 2).reshape(B, S, -1))
+        return x + layer.mlp(self.ops.rms_norm(x, layer.post_attention_layernorm, cfg.rms_eps))
+
+    def trunk_states(self, input_ids: torch.Tensor, upto_tier: int | None = None) -> list[torch.Tensor]:
+        """input_ids [B, S] -> the trunk's residual stream [B, S, H] at boundary 0..upto_tier (after
+        the last trunk layer of each segment, before any exit block or norm)."""
         top = self.num_segments - 1 if upto_tier is None else upto_tier
-        B, S = input_ids.shape
-        pos = torch.arange(S, device=input_ids.device)
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.embed_tokens(input_ids)
         outs = []
-        cfg = self.cfg
         for s in range(top + 1):
             for li in self.segment_layers(s):
-                layer = self.layers[li]
-                h = self.ops.rms_norm(x, layer.input_layernorm, cfg.rms_eps)
-                q = layer.q_proj(h).view(B * S, cfg.num_heads, cfg.head_dim)
-                k = layer.k_proj(h).view(B * S, cfg.num_kv_heads, cfg.head_dim)
-                v = layer.v_proj(h).view(B, S, cfg.num_kv_heads, cfg.head_dim)
-                q, k = self.ops.rotary(q, k, pos.repeat(B), self.cos_sin)
-                q = q.view(B, S, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-                k = k.view(B, S, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-                a = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True,
-                                                   scale=self.scale,
-                                                   enable_gqa=cfg.num_heads != cfg.num_kv_heads)
-                x = x + layer.o_proj(a.transpose(1, 2).reshape(B, S, -1))
-                x = x + layer.mlp(self.ops.rms_norm(x, layer.post_attention_layernorm, cfg.rms_eps))
-            outs.append(self.ops.rms_norm(x, self.exit_norms[s], cfg.rms_eps))
+                x = self._dense_layer(self.layers[li], x, pos)
+            outs.append(x)
         return outs
+
+    def exit_from_trunk(self, s: int, x: torch.Tensor) -> torch.Tensor:
+        """Tier s's exit over its trunk boundary state x [B, S, H] (positions 0..S-1): its exit block
+        (if any), then its norm. Training on cached trunk features calls this alone."""
+        blk = self.exit_block(s)
+        if blk is not None:
+            pos = torch.arange(x.shape[1], device=x.device)
+            for layer in blk:
+                x = self._dense_layer(layer, x, pos)
+        return self.ops.rms_norm(x, self.exit_norms[s], self.cfg.rms_eps)
+
+    def exit_hidden(self, input_ids: torch.Tensor, upto_tier: int | None = None) -> list[torch.Tensor]:
+        """input_ids [B, S] -> the normed exit hidden state [B, S, H] of tiers 0..upto_tier."""
+        return [self.exit_from_trunk(s, x) for s, x in enumerate(self.trunk_states(input_ids, upto_tier))]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -195,8 +250,9 @@ class NestedModel(nn.Module):
                 break
             if h.shape[0] != seg.num_tokens:  # rows of lower tiers have left at earlier exits
                 h, residual = h[:seg.num_tokens], residual[:seg.num_tokens]
-            h, residual = self._segment(s, h, residual, batch.positions[:seg.num_tokens], seg, kv)
-            self._exit(s, h, residual, batch.exit_token_index[s], exits)
+            pos = batch.positions[:seg.num_tokens]
+            h, residual = self._segment(s, h, residual, pos, seg, kv)
+            self._exit(s, h, residual, pos, seg, kv, batch.exit_token_index[s], exits)
         return self._logits(exits, batch)
 
     def _forward_indexed(self, batch: "StepTensors", kv: "SegmentedKVCache") -> torch.Tensor:
@@ -215,47 +271,77 @@ class NestedModel(nn.Module):
                 H.index_copy_(0, seg.enter_index, stored)
                 R.index_fill_(0, seg.enter_index, 0.0)
             idx = seg.token_index
-            h, residual = self._segment(s, H.index_select(0, idx), R.index_select(0, idx),
-                                        batch.positions.index_select(0, idx), seg, kv)
+            pos = batch.positions.index_select(0, idx)
+            h, residual = self._segment(s, H.index_select(0, idx), R.index_select(0, idx), pos, seg, kv)
             H.index_copy_(0, idx, h)
             R.index_copy_(0, idx, residual)
-            self._exit(s, H, R, batch.exit_token_index[s], exits)
+            rows = batch.exit_token_index[s]
+            if rows is not None:  # batch positions -> positions among this segment's tokens
+                local = torch.empty(H.shape[0], dtype=torch.long, device=H.device)
+                local[idx] = torch.arange(idx.numel(), device=H.device)
+                rows = local.index_select(0, rows)
+            self._exit(s, h, residual, pos, seg, kv, rows, exits)
         return self._logits(exits, batch)
+
+    def _layer(self, layer: DecoderLayer, h: torch.Tensor, residual: torch.Tensor | None,
+               pos: torch.Tensor, seg, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               rows: torch.Tensor | None = None, kv_only: bool = False):
+        """One decoder layer over paged KV: writes the tokens' K/V, attends, and runs the MLP (for
+        ``rows`` only when given; nothing past the KV write with ``kv_only``)."""
+        cfg, ops = self.cfg, self.ops
+        if residual is None:
+            residual = h
+            hn = ops.rms_norm(h, layer.input_layernorm, cfg.rms_eps)
+        else:
+            hn, residual = ops.fused_add_rms_norm(h, residual, layer.input_layernorm, cfg.rms_eps)
+        T = hn.shape[0]
+        q = layer.q_proj(hn).view(T, cfg.num_heads, cfg.head_dim)
+        k = layer.k_proj(hn).view(T, cfg.num_kv_heads, cfg.head_dim)
+        v = layer.v_proj(hn).view(T, cfg.num_kv_heads, cfg.head_dim)
+        q, k = ops.rotary(q, k, pos, self.cos_sin)
+        ops.write_kv(k, v, k_cache, v_cache, seg.slot_mapping)
+        if kv_only:
+            return None, None
+        a = ops.paged_attention(q, k_cache, v_cache, seg.block_tables, seg.q_start_loc,
+                                seg.ctx_lens, self.scale, seg.q_lens_host, seg.ctx_lens_host)
+        h = layer.o_proj(a.view(T, -1))
+        if rows is not None:
+            h, residual = h.index_select(0, rows), residual.index_select(0, rows)
+        hn, residual = ops.fused_add_rms_norm(h, residual, layer.post_attention_layernorm, cfg.rms_eps)
+        return layer.mlp(hn), residual
 
     def _segment(self, s: int, h: torch.Tensor, residual: torch.Tensor | None, pos: torch.Tensor,
                  seg, kv) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layers of segment s over its active tokens; stores their hidden state after the
+        """The trunk layers of segment s over its active tokens; stores their hidden state after the
         segment for later cross-tier reuse (every segment but the last)."""
-        cfg, ops = self.cfg, self.ops
         k_cache, v_cache = kv.k[s], kv.v[s]
         for j, li in enumerate(self.segment_layers(s)):
-            layer = self.layers[li]
-            if residual is None:
-                residual = h
-                hn = ops.rms_norm(h, layer.input_layernorm, cfg.rms_eps)
-            else:
-                hn, residual = ops.fused_add_rms_norm(h, residual, layer.input_layernorm, cfg.rms_eps)
-            T = hn.shape[0]
-            q = layer.q_proj(hn).view(T, cfg.num_heads, cfg.head_dim)
-            k = layer.k_proj(hn).view(T, cfg.num_kv_heads, cfg.head_dim)
-            v = layer.v_proj(hn).view(T, cfg.num_kv_heads, cfg.head_dim)
-            q, k = ops.rotary(q, k, pos, self.cos_sin)
-            ops.write_kv(k, v, k_cache[j], v_cache[j], seg.slot_mapping)
-            a = ops.paged_attention(q, k_cache[j], v_cache[j], seg.block_tables, seg.q_start_loc,
-                                    seg.ctx_lens, self.scale, seg.q_lens_host, seg.ctx_lens_host)
-            h = layer.o_proj(a.view(T, -1))
-            hn, residual = ops.fused_add_rms_norm(h, residual, layer.post_attention_layernorm, cfg.rms_eps)
-            h = layer.mlp(hn)
+            h, residual = self._layer(self.layers[li], h, residual, pos, seg, k_cache[j], v_cache[j])
         if s < len(kv.hid):
             hid = kv.hid[s]
             hid.view(-1, hid.shape[-1]).index_copy_(0, seg.slot_mapping, (h + residual).to(hid.dtype))
         return h, residual
 
-    def _exit(self, s: int, h: torch.Tensor, residual: torch.Tensor, idx: torch.Tensor | None,
-              exits: list[torch.Tensor]) -> None:
-        """Rows of tier s that sample leave here: their tokens through exit s's norm."""
-        if idx is not None:
-            e, _ = self.ops.fused_add_rms_norm(h.index_select(0, idx), residual.index_select(0, idx),
+    def _exit(self, s: int, h: torch.Tensor, residual: torch.Tensor, pos: torch.Tensor, seg, kv,
+              rows: torch.Tensor | None, exits: list[torch.Tensor]) -> None:
+        """Rows of tier s that sample leave here: their tokens through exit s (its block, its norm).
+        An exit block writes its KV for *every* token of the segment, whatever its tier, so the
+        segment's cached blocks serve tier s too; its attention output and MLP are only computed
+        where needed (all block layers but the last, and the sampled rows of the last)."""
+        blk = self.exit_block(s)
+        if blk is not None:
+            nl = len(self.segment_layers(s))
+            k_cache, v_cache = kv.k[s], kv.v[s]
+            for j, layer in enumerate(blk):
+                last = j == len(blk) - 1
+                h, residual = self._layer(layer, h, residual, pos, seg, k_cache[nl + j], v_cache[nl + j],
+                                          rows if last else None, kv_only=last and rows is None)
+            if rows is None:
+                return
+            e, _ = self.ops.fused_add_rms_norm(h, residual, self.exit_norms[s], self.cfg.rms_eps)
+            exits.append(e)
+        elif rows is not None:
+            e, _ = self.ops.fused_add_rms_norm(h.index_select(0, rows), residual.index_select(0, rows),
                                                self.exit_norms[s], self.cfg.rms_eps)
             exits.append(e)
 
@@ -271,7 +357,7 @@ def standalone_tier(model: NestedModel, tier: int) -> NestedModel:
     t = model.tiers[tier]
     dev = model.embed_tokens.weight.device
     with torch.device("meta"):
-        m = NestedModel(model.cfg, [Tier(0, t.name, t.layers)], model.max_positions, model.ops)
+        m = NestedModel(model.cfg, [Tier(0, t.name, t.layers, t.block)], model.max_positions, model.ops)
     m = m.to_empty(device=dev).to(model.embed_tokens.weight.dtype)
     m.tie_weights()
     with torch.no_grad():
@@ -281,6 +367,8 @@ def standalone_tier(model: NestedModel, tier: int) -> NestedModel:
         for i in range(t.layers):
             m.layers[i].load_state_dict(model.layers[i].state_dict())
         m.exit_norms[0].copy_(model.exit_norms[tier])
+        if t.block:
+            m.exit_blocks["0"].load_state_dict(model.exit_blocks[str(tier)].state_dict())
     m.rebuild_buffers()
     return m.eval()
 

@@ -49,7 +49,7 @@ class ModelRunner:
         cfg = model.cfg
         p = next(model.parameters())
         self.device = p.device
-        self.kv = SegmentedKVCache([len(model.segment_layers(s)) for s in range(model.num_segments)],
+        self.kv = SegmentedKVCache([model.segment_kv_layers(s) for s in range(model.num_segments)],
                                    num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, p.dtype, p.device,
                                    hidden_size=cfg.hidden_size if model.num_segments > 1 else 0)
         self.block_size = block_size

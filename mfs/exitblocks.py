@@ -1,0 +1,438 @@
+"""``mfs precipitate --method exit-blocks``: a private exit block per lower tier on a frozen trunk.
+
+The trunk (the base model) never changes, so the top tier stays the original bit for bit and every
+tier shares the trunk's KV. Each lower tier ``s`` gets its own exit block (decoder layers initialised
+as copies of the model's last layers) and its own norm before the shared LM head. Two stages:
+
+1. **cache** — one pass of the frozen model over the training windows stores, per window, the trunk's
+   residual stream at every lower tier's boundary (bf16) and the top tier's top-k log-probabilities
+   (fp16 values, int32 ids) in memory-mapped files under ``OUT/cache/``. Resumable window by window.
+   The held-out text of ``mfs eval`` (pydoc of held-out modules + the original's answers to held-out
+   prompts) is cached the same way for the periodic evaluation.
+2. **train** — only the exit blocks and exit norms learn, on KL to the teacher's top-k distribution
+   (renormalised over those k ids: the student's logits are computed for them alone, which skips the
+   28M-parameter head) plus a small full-vocabulary cross-entropy on a fraction of the positions.
+   Every ``--eval-every`` steps the held-out perplexity and greedy agreement with the top tier are
+   measured; the best state so far is exported as the nested checkpoint (``OUT/mfs.json`` +
+   ``exit-blocks.safetensors``, fp16), and training stops after ``--patience`` evaluations without
+   improvement, at ``--steps`` or at ``--max-minutes``. ``--resume`` continues from
+   ``OUT/state/trainer.pt``; the batch order is a function of (seed, step).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kernels import TORCH_OPS
+from mfs import data as D
+from mfs.family import Manifest, TierSpec, build_model, parse_tiers
+from mfs.runtime import autocast_dtype, progress
+from worker.loader import load_base
+from worker.model import NestedModel
+
+STATE = "state/trainer.pt"
+WEIGHTS = "exit-blocks.safetensors"
+
+
+# ---- the feature cache -------------------------------------------------------------------------
+@dataclass
+class FeatureCache:
+    """Memory-mapped arrays of one window set: ids [N, S], trunk[s] [N, S, H] (bf16 bits), topk ids
+    and log-probs [N, S, k], the top tier's NLL of the next token [N, S-1]."""
+    root: Path
+    n: int
+    seq_len: int
+    hidden: int
+    k: int
+    lower: list[int]
+
+    def _mm(self, name: str, dtype, shape, mode: str):
+        return np.lib.format.open_memmap(self.root / f"{name}.npy", mode=mode, dtype=dtype, shape=shape)
+
+    def open(self, mode: str = "r") -> dict[str, np.ndarray]:
+        n, s, h, k = self.n, self.seq_len, self.hidden, self.k
+        if mode == "w+":
+            self.root.mkdir(parents=True, exist_ok=True)
+        arrs = {"ids": self._mm("ids", np.int32, (n, s), mode),
+                "topk_ids": self._mm("topk_ids", np.int32, (n, s, k), mode),
+                "topk_lp": self._mm("topk_lp", np.float16, (n, s, k), mode),
+                "top_nll": self._mm("top_nll", np.float32, (n, s - 1), mode)}
+        for t in self.lower:
+            arrs[f"trunk{t}"] = self._mm(f"trunk{t}", np.uint16, (n, s, h), mode)
+        return arrs
+
+    @property
+    def done_path(self) -> Path:
+        return self.root / "done.json"
+
+    def num_done(self) -> int:
+        return json.loads(self.done_path.read_text())["windows"] if self.done_path.exists() else 0
+
+
+def _bf16_bits(x: torch.Tensor) -> np.ndarray:
+    return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def _from_bf16_bits(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).float()
+
+
+@torch.no_grad()
+def fill_cache(model: NestedModel, windows: torch.Tensor, cache: FeatureCache, batch: int,
+               desc: str, log=print) -> float:
+    """Runs the frozen model over the windows not cached yet; returns tokens/s of this call."""
+    start = cache.num_done()
+    mode = "r+" if start and (cache.root / "ids.npy").exists() else "w+"
+    if mode == "w+":
+        start = 0
+    arrs = cache.open(mode)
+    top = model.num_segments - 1
+    t0, done = time.perf_counter(), 0
+    bar = progress(total=cache.n, initial=start, desc=desc, unit="win")
+    for i in range(start, cache.n, batch):
+        ids = windows[i:i + batch]
+        states = model.trunk_states(ids)
+        logits = model.logits(model.exit_from_trunk(top, states[top])).float()
+        lp = torch.log_softmax(logits, -1)
+        v, ix = lp.topk(cache.k, dim=-1)
+        sl = slice(i, i + ids.shape[0])
+        arrs["ids"][sl] = ids.numpy()
+        arrs["topk_ids"][sl] = ix.numpy()
+        arrs["topk_lp"][sl] = v.half().numpy()
+        arrs["top_nll"][sl] = (-lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)).numpy()
+        for t in cache.lower:
+            arrs[f"trunk{t}"][sl] = _bf16_bits(states[t])
+        for a in arrs.values():
+            a.flush()
+        cache.done_path.write_text(json.dumps({"windows": i + ids.shape[0]}))
+        done += ids.numel()
+        bar.update(ids.shape[0])
+    bar.close()
+    rate = done / max(time.perf_counter() - t0, 1e-9)
+    if done:
+        log(f"{desc}: cached {done} tokens at {rate:.0f} tokens/s")
+    return rate
+
+
+def training_windows(docs: list[tuple[str, list]], tok, eos: int, seq_len: int, max_tokens: int,
+                     seed: int) -> tuple[torch.Tensor, dict[str, int]]:
+    """Non-overlapping windows of every source, mixed: all chat ('self') windows first in the
+    budget, the rest filled from the text sources; shuffled by seed."""
+    per: dict[str, torch.Tensor] = {}
+    for name, dd in docs:
+        stream = D.encode_docs(tok, dd, eos)
+        n = stream.numel() // seq_len
+        if n:
+            per[name] = stream[: n * seq_len].view(n, seq_len)
+    g = torch.Generator().manual_seed(seed)
+    budget = max_tokens // seq_len
+    chosen, counts = [], {}
+    order = sorted(per, key=lambda k: (k != "self", k))
+    others = [k for k in order if k != "self"]
+    for name in order:
+        w = per[name][torch.randperm(per[name].shape[0], generator=g)]
+        share = budget if name == "self" else max(0, budget - sum(c for c in counts.values())) // max(
+            1, len(others) - others.index(name))
+        take = w[: min(share, budget - sum(counts.values()))]
+        chosen.append(take)
+        counts[name] = int(take.shape[0])
+    allw = torch.cat(chosen)
+    allw = allw[torch.randperm(allw.shape[0], generator=g)]
+    return allw, {k: v * seq_len for k, v in counts.items()}
+
+
+def heldout_windows(original: NestedModel, tok, eos: int, seq_len: int, heldout_tokens: int,
+                    cache_dir: Path, log=print) -> torch.Tensor:
+    """The held-out text of ``mfs eval`` (same sources, same budgets) as windows."""
+    from mfs.evaluate import make_windows  # noqa: PLC0415
+    pydoc = D.encode_docs(tok, D.stdlib_texts(D.STDLIB_HELDOUT), eos)
+    chat = D.encode_docs(tok, D.self_records(original, tok, D.HELDOUT_PROMPTS,
+                                             cache_dir / "heldout_chat.jsonl", 160, log), eos)
+    return torch.cat([make_windows(pydoc, seq_len, heldout_tokens),
+                      make_windows(chat, seq_len, heldout_tokens // 4)])
+
+
+# ---- training ----------------------------------------------------------------------------------
+def exit_parameters(model: NestedModel, lower: list[int]) -> list[torch.nn.Parameter]:
+    ps = []
+    for t in lower:
+        blk = model.exit_block(t)
+        if blk is not None:
+            ps += list(blk.parameters())
+        ps.append(model.exit_norms[t])
+    return ps
+
+
+def topk_kl(model: NestedModel, h: torch.Tensor, topk_ids: torch.Tensor, topk_lp: torch.Tensor,
+            temperature: float = 1.0) -> torch.Tensor:
+    """KL(teacher || student) over the teacher's top-k ids, both renormalised over them.
+    h [T, H], topk_ids/topk_lp [T, k] -> mean over T."""
+    w = model.lm_head.weight.index_select(0, topk_ids.reshape(-1)).view(*topk_ids.shape, -1)  # [T,k,H]
+    s_logits = torch.bmm(w, h.unsqueeze(-1)).squeeze(-1).float() / temperature            # [T,k]
+    s_lp = torch.log_softmax(s_logits, -1)
+    t_lp = torch.log_softmax(topk_lp.float() / temperature, -1)
+    return (t_lp.exp() * (t_lp - s_lp)).sum(-1).mean()
+
+
+def batch_tensors(arrs: dict[str, np.ndarray], idx: np.ndarray, lower: list[int]) -> dict[str, torch.Tensor]:
+    idx = np.sort(idx)  # sorted reads of the memmap are much faster
+    out = {"ids": torch.from_numpy(arrs["ids"][idx].astype(np.int64)),
+           "topk_ids": torch.from_numpy(arrs["topk_ids"][idx].astype(np.int64)),
+           "topk_lp": torch.from_numpy(arrs["topk_lp"][idx].astype(np.float32))}
+    for t in lower:
+        out[f"trunk{t}"] = _from_bf16_bits(arrs[f"trunk{t}"][idx])
+    return out
+
+
+def step_losses(model: NestedModel, b: dict[str, torch.Tensor], lower: list[int], ce_w: float,
+                ce_frac: float, gen: torch.Generator, amp: torch.dtype | None) -> tuple[torch.Tensor, list[float], list[float]]:
+    total = torch.zeros(())
+    kls, ces = [], []
+    ids = b["ids"]
+    B, S = ids.shape
+    n_ce = max(1, int(B * (S - 1) * ce_frac)) if ce_w > 0 else 0
+    ce_pos = torch.randperm(B * (S - 1), generator=gen)[:n_ce]
+    targets = ids[:, 1:].reshape(-1).index_select(0, ce_pos)
+    for t in lower:
+        with torch.autocast("cpu" if not ids.is_cuda else "cuda", dtype=amp or torch.bfloat16,
+                            enabled=amp is not None):
+            h = model.exit_from_trunk(t, b[f"trunk{t}"])
+        hf = h.reshape(B * S, -1).float()
+        kl = topk_kl(model, hf, b["topk_ids"].view(B * S, -1), b["topk_lp"].view(B * S, -1))
+        loss = kl
+        ce_v = 0.0
+        if n_ce:
+            hs = h[:, :-1].reshape(-1, h.shape[-1]).index_select(0, ce_pos).float()
+            ce = F.cross_entropy(model.logits(hs).float(), targets)
+            loss = loss + ce_w * ce
+            ce_v = float(ce)
+        total = total + loss
+        kls.append(float(kl))
+        ces.append(ce_v)
+    return total, kls, ces
+
+
+@torch.no_grad()
+def evaluate_cache(model: NestedModel, arrs: dict[str, np.ndarray], lower: list[int],
+                   batch: int = 4) -> dict:
+    """Held-out perplexity of each lower tier (full vocabulary) and its greedy agreement with the
+    top tier, from cached trunk features; the top tier's perplexity from the teacher pass."""
+    n = arrs["ids"].shape[0]
+    nll = {t: 0.0 for t in lower}
+    agree = {t: 0 for t in lower}
+    count = 0
+    for i in range(0, n, batch):
+        b = batch_tensors(arrs, np.arange(i, min(n, i + batch)), lower)
+        ids = b["ids"]
+        top_arg = b["topk_ids"][:, :-1, 0]
+        for t in lower:
+            logits = model.logits(model.exit_from_trunk(t, b[f"trunk{t}"])[:, :-1]).float()
+            nll[t] += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                            reduction="sum"))
+            agree[t] += int((logits.argmax(-1) == top_arg).sum())
+        count += ids[:, 1:].numel()
+    top_ppl = math.exp(float(np.asarray(arrs["top_nll"], dtype=np.float64).mean()))
+    out = {"top_ppl": top_ppl, "tokens": count, "tiers": {}}
+    for t in lower:
+        ppl = math.exp(nll[t] / count)
+        out["tiers"][str(t)] = {"ppl": ppl, "ppl_vs_top": ppl / top_ppl, "agree_top": agree[t] / count}
+    return out
+
+
+def export(model: NestedModel, out: Path, base_ref: dict, family: str, tiers: list[TierSpec],
+           lower: list[int], info: dict, notes: str) -> None:
+    from safetensors.torch import save_file  # noqa: PLC0415
+    sd = {}
+    for t in lower:
+        sd[model.exit_param_name(t)] = model.exit_norms[t].detach()
+        blk = model.exit_block(t)
+        if blk is not None:
+            for k, v in blk.state_dict().items():
+                sd[f"exit_blocks.{t}.{k}"] = v
+    sd = {k: v.to(torch.float16).contiguous() for k, v in sd.items()}
+    save_file(sd, str(out / WEIGHTS), metadata={"kind": "exit", "format": "mfs-weights",
+                                                "info": json.dumps(info)})
+    Manifest(family=family, base=base_ref, tiers=tiers, dtype="float32",
+             weights={"kind": "exit", "file": WEIGHTS}, precipitated=True, notes=notes,
+             quality=info.get("quality")).write(out)
+
+
+def tier_specs(spec: str, num_layers: int, block_layers: int, init: str) -> list[TierSpec]:
+    tiers = parse_tiers(spec, num_layers)
+    for t in tiers[:-1]:
+        t.exit = {"norm": "own", "block": {"layers": block_layers, "init": init}, "head": "shared"}
+    return tiers
+
+
+# ---- the run -----------------------------------------------------------------------------------
+def run(args) -> int:
+    from mfs.precipitate import check_method_options, resolve_base_arg  # noqa: PLC0415
+    check_method_options(args, "exit-blocks")
+    args.lr = 3e-4 if args.lr is None else args.lr
+    args.ce = 0.1 if args.ce is None else float(args.ce)
+    args.steps = 20_000 if args.steps is None else args.steps
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    (out / "state").mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    amp = autocast_dtype(args.autocast, args.device)
+    log(f"exit-block precipitation: {args.threads} thread(s), autocast {amp or 'off (fp32)'}")
+    base_path, base_ref, family = resolve_base_arg(args.base)
+    base = load_base(base_path)
+    tok = base.tokenizer
+    if tok is None:
+        raise ValueError("the base has no tokenizer; precipitation needs one to encode --data")
+    tiers = tier_specs(args.tiers, base.hf_config.num_hidden_layers, args.block_layers, args.init)
+    model = build_model(base, tiers, torch.float32, args.device, ops=TORCH_OPS)
+    del base
+    model.init_exit_blocks(args.init)
+    model.requires_grad_(False).eval()
+    lower = list(range(model.num_segments - 1))
+    if not lower:
+        raise ValueError("--tiers needs at least two tiers: exit blocks are for the lower ones")
+    eos = model.cfg.eos_token_ids[0] if model.cfg.eos_token_ids else (tok.eos_token_id or 0)
+    H = model.cfg.hidden_size
+
+    # stage 1: data and the feature cache (the top tier is the frozen original: it writes the
+    # self-distillation answers and is the teacher)
+    docs = D.read_sources(args.data, model, tok, out / "data", args.self_max_tokens, log)
+    train_w, mix = training_windows(docs, tok, eos, args.seq_len, args.cache_tokens, args.seed)
+    held_w = heldout_windows(model, tok, eos, args.seq_len, args.heldout_tokens, out / "data", log)
+    tc = FeatureCache(out / "cache/train", train_w.shape[0], args.seq_len, H, args.topk, lower)
+    hc = FeatureCache(out / "cache/heldout", held_w.shape[0], args.seq_len, H, args.topk, lower)
+    log(f"training windows: {train_w.shape[0]} x {args.seq_len} ({mix}); held-out: {held_w.shape[0]}")
+    rates = {"cache_tokens_per_s": fill_cache(model, train_w, tc, args.cache_batch, "cache train", log)}
+    fill_cache(model, held_w, hc, args.cache_batch, "cache held-out", log)
+    tr, ho = tc.open("r"), hc.open("r")
+
+    # stage 2: train the exit blocks
+    params = exit_parameters(model, lower)
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=args.weight_decay)
+    st = {"step": 0, "tokens": 0, "train_s": 0.0, "best": None, "bad_evals": 0, "history": []}
+    if args.resume and (out / STATE).exists():
+        saved = torch.load(out / STATE, weights_only=False)
+        model.load_state_dict(saved["exit_state"], strict=False)
+        opt.load_state_dict(saved["opt"])
+        st = saved["st"]
+        log(f"resumed at step {st['step']} ({st['tokens']} tokens, {st['train_s'] / 60:.1f} min)")
+    names = [model.tiers[t].name for t in lower]
+    n_win = tr["ids"].shape[0]
+
+    def exit_state() -> dict:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()
+                if k.startswith(("exit_blocks.", "exit_norms."))}
+
+    def save() -> None:
+        tmp = out / (STATE + ".tmp")
+        torch.save({"exit_state": exit_state(), "opt": opt.state_dict(), "st": st}, tmp)
+        tmp.replace(out / STATE)
+
+    def do_eval() -> bool:
+        model.eval()
+        ev = evaluate_cache(model, ho, lower)
+        model.train()
+        score = sum(math.log(ev["tiers"][str(t)]["ppl"]) for t in lower)
+        rec = {"step": st["step"], "tokens": st["tokens"], "train_minutes": round(st["train_s"] / 60, 2),
+               **{f"{names[i]}_{k}": round(v, 4) for i, t in enumerate(lower)
+                  for k, v in ev["tiers"][str(t)].items()}, "top_ppl": round(ev["top_ppl"], 4)}
+        st["history"].append(rec)
+        with (out / "eval_log.jsonl").open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        log("eval " + " ".join(f"{k}={v}" for k, v in rec.items()))
+        if st["best"] is None or score < st["best"]["score"] - 1e-4:
+            st["best"] = {"score": score, "step": st["step"], "eval": ev}
+            st["bad_evals"] = 0
+            quality = {model.tiers[t].name: {"ppl_vs_top": round(ev["tiers"][str(t)]["ppl_vs_top"], 3),
+                                             "agree_top": round(ev["tiers"][str(t)]["agree_top"], 3)}
+                       for t in lower}
+            info = {"step": st["step"], "tokens": st["tokens"], "train_minutes": rec["train_minutes"],
+                    "data": args.data, "data_tokens": mix, "topk": args.topk, "seed": args.seed,
+                    "lr": args.lr, "ce": args.ce, "quality": quality, **rates}
+            notes = (f"{family} cut after layers {[t.layers for t in tiers]}: the trunk is the frozen "
+                     f"original; each lower tier has a {args.block_layers}-layer exit block and its own norm "
+                     f"(mfs precipitate --method exit-blocks, {st['tokens']:,} trained tokens, "
+                     f"{rec['train_minutes']} min). Held-out: " + ", ".join(
+                         f"{n} perplexity {q['ppl_vs_top']}x top, greedy agreement {q['agree_top']:.0%}"
+                         for n, q in quality.items()) + ".")
+            export(model, out, base_ref, family, tiers, lower, info, notes)
+            return True
+        st["bad_evals"] += 1
+        return False
+
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    bar = progress(total=args.steps, initial=st["step"], desc="train exit blocks", unit="step")
+    stop_at = time.monotonic() + args.max_minutes * 60 if args.max_minutes else None
+    last_save = time.monotonic()
+    model.train()
+    if st["best"] is None:
+        do_eval()
+    reason = f"--steps {args.steps} reached"
+    while st["step"] < args.steps:
+        g = np.random.default_rng([args.seed, st["step"]])
+        b = batch_tensors(tr, g.choice(n_win, size=min(args.batch_size, n_win), replace=False), lower)
+        t0 = time.perf_counter()
+        loss, kls, ces = step_losses(model, b, lower, args.ce, args.ce_frac, gen, amp)
+        for grp in opt.param_groups:
+            grp["lr"] = args.lr * min(1.0, (st["step"] + 1) / max(1, args.warmup))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        st["step"] += 1
+        st["tokens"] += b["ids"].numel()
+        st["train_s"] += time.perf_counter() - t0
+        bar.set_postfix_str(f"{st['tokens'] / max(st['train_s'], 1e-9):.0f} tok/s " + " ".join(
+            f"{n}={k:.3f}/{c:.2f}" for n, k, c in zip(names, kls, ces)), refresh=False)
+        bar.update(1)
+        if st["step"] % args.eval_every == 0:
+            do_eval()
+            save()
+            last_save = time.monotonic()
+            if args.patience and st["bad_evals"] >= args.patience:
+                reason = f"no held-out improvement in {args.patience} evaluations"
+                break
+        elif time.monotonic() - last_save >= args.save_every_min * 60:
+            save()
+            last_save = time.monotonic()
+        if stop_at is not None and time.monotonic() >= stop_at:
+            reason = "--max-minutes reached"
+            break
+    bar.close()
+    if st["history"][-1]["step"] != st["step"]:
+        do_eval()
+    save()
+    rate = st["tokens"] / max(st["train_s"], 1e-9)
+    best = st["best"]
+    log(f"stopped at step {st['step']}: {reason}. Trained {st['tokens']:,} tokens at {rate:.0f} tokens/s; "
+        f"best held-out at step {best['step']} exported to {out}")
+    return 0
+
+
+def add_arguments(p):
+    """The exit-block options of ``mfs precipitate`` (shared ones live in mfs.precipitate)."""
+    g = p.add_argument_group("--method exit-blocks")
+    g.add_argument("--block-layers", type=int, default=1, help="decoder layers per exit block")
+    g.add_argument("--init", default="copy:last", help="exit-block init: copy:last or copy:N")
+    g.add_argument("--cache-tokens", type=int, default=160_000, help="training tokens to cache")
+    g.add_argument("--cache-batch", type=int, default=4, help="windows per teacher forward")
+    g.add_argument("--heldout-tokens", type=int, default=8192, help="held-out pydoc tokens (as mfs eval)")
+    g.add_argument("--topk", type=int, default=64, help="teacher log-probabilities kept per position")
+    g.add_argument("--ce-frac", type=float, default=0.125,
+                   help="fraction of positions that also get the full-vocabulary cross-entropy")
+    g.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
+    g.add_argument("--patience", type=int, default=4,
+                   help="stop after this many evaluations without improvement (0: never)")
+    return g
