@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.mfs-installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup up test test-fast bench clean
+.PHONY: setup up test test-fast bench gpu-precipitate clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,11 @@ up: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# Exit blocks trained on one CUDA GPU within 8 minutes (fails fast without CUDA): OUT=folder
+OUT ?= runs/gpu-precipitate
+gpu-precipitate: setup
+	$(BIN)/mfs gpu-precipitate --out $(OUT)
 
 bench: setup
 	$(BIN)/mfs bench engine --json docs/bench/engine.json

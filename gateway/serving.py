@@ -107,6 +107,7 @@ class Service:
         self.inflight = 0
         n = len(frontend.tiers)
         self.tier_ids = [frontend.model_id(i) for i in range(n)]
+        self.usable = frontend.usable_tiers()  # tiers the family id may route to (quality floor)
         self.tier_names = [t.name for t in frontend.tiers]
         self.eos_ids = _eos_ids(self.tok)
         self.vocab_size = len(self.tok)
@@ -250,7 +251,9 @@ class Service:
         routed, score = "named", None
         if tier is None:
             s = complexity.score_prompt(text, len(ids), turns, len(self.tier_ids), self.complexity)
-            tier, routed, score = s.tier, "auto", s.score
+            # never a tier the family's own evaluation marks unusable: the next usable one up
+            tier = min(t for t in self.usable if t >= s.tier)
+            routed, score = "auto", s.score
         if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
             param = "messages" if kind == "chat" else "prompt"
             raise invalid(f"The prompt has {len(ids)} tokens; this server takes at most "

@@ -14,6 +14,7 @@ COMMANDS = [
     ("mfs.commands", "add_up"),
     ("mfs.precipitate", "add_parser"),
     ("mfs.evaluate", "add_parser"),
+    ("mfs.gpu_precipitate", "add_parser"),
 ]
 BENCHES = [
     ("mfs.bench_engine", "add_parser"),

@@ -88,19 +88,28 @@ def add_tiers(sub) -> None:
 
 
 def tier_table(fam) -> list[dict]:
+    """Per tier: trunk layers, exit-block layers, parameters it runs, KV bytes per token it holds
+    (its segments' pools, which carry the exit-block KV of every boundary below it, see
+    NestedModel.segment_kv_layers) and its recorded quality."""
     m = fam.model
     cfg = m.cfg
     dtype = next(m.parameters()).dtype
     embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
     weak = not fam.manifest.precipitated
+    quality = fam.manifest.quality or {}
+    floor = fam.usable_tiers()
     rows = []
     for t in m.tiers:
+        kv_layers = sum(m.segment_kv_layers(s) for s in range(t.index + 1))
+        q = quality.get(t.name)
+        note = ("not precipitated: a truncated exit, weak" if weak and t.index < len(m.tiers) - 1 else "")
+        if t.index not in floor:
+            note = (note + "; " if note else "") + "below the quality floor: the family id never routes here"
         rows.append({
-            "tier": t.name, "model_id": fam.model_id(t), "layers": t.layers,
-            "params": cfg.param_count_layers(t.layers) + embed + cfg.hidden_size,
-            "kv_bytes_per_token": cfg.kv_bytes_per_token(t.layers, dtype),
-            "note": ("not precipitated: a truncated exit, weak" if weak and t.index < len(m.tiers) - 1
-                     else ""),
+            "tier": t.name, "model_id": fam.model_id(t), "layers": t.layers, "exit_block_layers": t.block,
+            "params": cfg.param_count_layers(t.layers + t.block) + embed + cfg.hidden_size,
+            "kv_bytes_per_token": cfg.kv_bytes_per_token(kv_layers, dtype),
+            "quality": q, "routable": t.index in floor, "note": note,
         })
     return rows
 
@@ -114,10 +123,15 @@ def run_tiers(args) -> int:
                           "tiers": rows}, indent=2))
         return 0
     print(f"family {fam.manifest.family}  (precipitated: {'yes' if fam.manifest.precipitated else 'no'})")
-    print(f"{'tier':<8} {'model id':<28} {'layers':>6} {'params':>12} {'KV B/token':>11}  note")
+    print(f"{'tier':<8} {'model id':<26} {'layers':>10} {'params':>12} {'KV B/token':>11} "
+          f"{'ppl/top':>8} {'agree':>6}  note")
     for r in rows:
-        print(f"{r['tier']:<8} {r['model_id']:<28} {r['layers']:>6} {r['params']:>12,} "
-              f"{r['kv_bytes_per_token']:>11,}  {r['note']}")
+        q = r["quality"] or {}
+        layers = f"{r['layers']}+{r['exit_block_layers']}" if r["exit_block_layers"] else str(r["layers"])
+        ppl = f"{q['ppl_vs_top']:.2f}x" if "ppl_vs_top" in q else "-"
+        agree = f"{q['agree_top']:.0%}" if "agree_top" in q else "-"
+        print(f"{r['tier']:<8} {r['model_id']:<26} {layers:>10} {r['params']:>12,} "
+              f"{r['kv_bytes_per_token']:>11,} {ppl:>8} {agree:>6}  {r['note']}")
     if fam.manifest.notes:
         import textwrap  # noqa: PLC0415
         print("\n" + textwrap.fill(fam.manifest.notes, 100))

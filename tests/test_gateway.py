@@ -273,10 +273,30 @@ def test_unicode_streams_whole_characters(gw, backend):
     ("smollm2-135m", "Explain why this Python function has a bug and how to fix it:\n```python\n"
                      "def f(x):\n    return x +\n```", 2),
 ])
-def test_family_id_routes_by_complexity(gw, backend, model, prompt, tier):
+def test_family_id_routes_by_complexity(gw, backend, frontend, model, prompt, tier):
+    """The scored tier, raised to the next tier the family's quality floor allows."""
+    tier = min(t for t in frontend.usable_tiers() if t >= tier)
     r = gw.client().chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}])
     assert backend.submits[r.id].tier == tier
     assert r.model == f"smollm2-135m-{['small', 'medium', 'large'][tier]}"
+
+
+def test_family_id_never_routes_below_the_quality_floor(redis_url, frontend, backend):  # noqa: F811
+    """A tier whose recorded quality fails the floor serves only requests that name it."""
+    import copy
+
+    from mfs.family import Frontend
+    m = copy.deepcopy(frontend.manifest)
+    m.quality = {"small": {"ppl_vs_top": 44.6, "agree_top": 0.27},
+                 "medium": {"ppl_vs_top": 1.8, "agree_top": 0.62}}
+    cfg = GatewayConfig(redis_url=redis_url, gateway_id="gw-floor", frontend=Frontend(m, frontend.tokenizer),
+                        max_body_bytes=1 << 20)
+    q = [{"role": "user", "content": "What is the capital of France?"}]  # scores 0: small
+    with ServerThread(cfg) as s:
+        r = s.client().chat.completions.create(model="smollm2-135m", messages=q)
+        assert backend.submits[r.id].tier == 1 and r.model == "smollm2-135m-medium"
+        r = s.client().chat.completions.create(model="smollm2-135m-small", messages=q)
+        assert backend.submits[r.id].tier == 0
 
 
 def test_concurrent_requests_get_their_own_tokens(gw, backend):
