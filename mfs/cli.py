@@ -21,6 +21,7 @@ BENCHES = [
     ("mfs.bench_kernels", "add_parser"),
     ("mfs.bench_serve", "add_parser"),
     ("mfs.bench_spec", "add_parser"),
+    ("mfs.bench_route", "add_parser"),
 ]
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from mfs import data as D
+from mfs import eval_questions as Q
 from mfs.family import build_model, manifest_for, resolve_base
 from worker.loader import load_base
 from worker.model import NestedModel
@@ -33,6 +34,10 @@ class TierResult:
     agree_top: float = 0.0       # greedy top-1 agreement with this model's top tier
     agree_original: float = 0.0  # ... with the original model's top tier
     answers: list[str] = field(default_factory=list)
+    block: int = 0               # exit-block layers
+    fixed_correct: int = 0        # of the six fixed questions (mfs.eval_questions.FIXED_KEYS)
+    answers_large: list[str] = field(default_factory=list)
+    agree_first_sentence: float = 0.0  # larger question set: first sentence equals the top tier's
 
 
 @dataclass(slots=True)
@@ -120,7 +125,7 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
         log(f"held-out {name}: {w.numel()} tokens")
 
     nt = model.num_segments
-    results = [TierResult(t.name, t.layers) for t in model.tiers]
+    results = [TierResult(t.name, t.layers, block=t.block) for t in model.tiers]
     orig = TierResult("original", original.tiers[-1].layers)
     for t in range(nt):
         nll_all, cnt_all, agree_top, agree_orig = 0.0, 0, 0, 0
@@ -144,10 +149,16 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
     orig.agree_top = orig.agree_original = 1.0
 
     answers = answer_all(model, tok, D.EVAL_QUESTIONS, max_tokens)
+    large = answer_all(model, tok, D.EVAL_QUESTIONS_LARGE, max(max_tokens, 32))
     for t in range(nt):
         results[t].answers = answers[t]
+        results[t].answers_large = large[t]
+        results[t].agree_first_sentence = Q.agree_first_sentence(large[t], large[-1])
     orig.answers = answer_all(original, tok, D.EVAL_QUESTIONS, max_tokens,
                               [original.num_segments - 1])[0] if original is not model else answers[-1]
+    orig.agree_first_sentence = 1.0
+    for r in results + [orig]:
+        r.fixed_correct = sum(Q.correct(i, a) for i, a in enumerate(r.answers))
     top = results[-1].ppl["all"]
     return {
         "model": model_arg, "family": manifest.family, "precipitated": manifest.precipitated,
@@ -157,7 +168,8 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
                            "the original model's greedy answers to held-out prompts: "
                            + " | ".join(D.HELDOUT_PROMPTS)}
                     for name, (w, _, _) in per_src.items()},
-        "questions": D.EVAL_QUESTIONS, "max_tokens": max_tokens,
+        "questions": D.EVAL_QUESTIONS, "questions_large": D.EVAL_QUESTIONS_LARGE,
+        "max_tokens": max_tokens,
         "tiers": [asdict(r) for r in results], "original": asdict(orig),
         "ratios": {"ppl_vs_top": [r.ppl["all"] / top for r in results],
                    "top_vs_original": top / orig.ppl["all"]},
@@ -167,12 +179,16 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
 
 def format_table(res: dict) -> str:
     srcs = list(res["heldout"])
-    head = ["tier", "layers"] + [f"ppl {s}" for s in srcs] + ["ppl all", "agree top", "agree orig",
-                                                              res["questions"][0]]
+    head = ["model", "tier", "layers"] + [f"ppl {s}" for s in srcs] + [
+        "ppl all", "ppl / top", "agree top", "agree orig", "fixed correct", "1st sentence = top",
+        res["questions"][0]]
     rows = []
+    top = res["tiers"][-1]["ppl"]["all"]
     for r in res["tiers"] + [res["original"]]:
-        rows.append([r["name"], str(r["layers"])] + [f"{r['ppl'][s]:.4g}" for s in srcs] +
-                    [f"{r['ppl']['all']:.4g}", f"{r['agree_top']:.3f}", f"{r['agree_original']:.3f}",
+        rows.append([res["model"], r["name"], str(r["layers"])] + [f"{r['ppl'][s]:.4g}" for s in srcs] +
+                    [f"{r['ppl']['all']:.4g}", f"{r['ppl']['all'] / top:.2f}x", f"{r['agree_top']:.3f}",
+                     f"{r['agree_original']:.3f}", f"{r['fixed_correct']}/6",
+                     f"{r['agree_first_sentence']:.0%}",
                      r["answers"][0][:60].replace("\n", " ").replace("|", "/")])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -206,30 +222,67 @@ def plot(res: dict, path: str | Path) -> None:
 
 def run(args) -> int:
     torch.set_num_threads(args.threads)
-    res = evaluate(args.model, args.seq_len, args.heldout_tokens, args.max_tokens)
-    print(format_table(res))
-    print(f"top / original perplexity: {res['ratios']['top_vs_original']:.3f}; "
-          f"tiers / top: {', '.join(f'{x:.3g}' for x in res['ratios']['ppl_vs_top'])}")
-    for i, q in enumerate(res["questions"]):
-        print(f"\nQ: {q}")
-        for r in res["tiers"] + [res["original"]]:
-            print(f"  {r['name']:>8}: {r['answers'][i][:100]!r}")
+    runs = [evaluate(m, args.seq_len, args.heldout_tokens, args.max_tokens) for m in args.model]
+    table = [format_table(r).splitlines() for r in runs]
+    print("\n".join(table[0] + [line for t in table[1:] for line in t[2:]]))
+    for res in runs:
+        print(f"\n{res['model']}: top / original perplexity {res['ratios']['top_vs_original']:.3f}; "
+              f"tiers / top: {', '.join(f'{x:.3g}' for x in res['ratios']['ppl_vs_top'])}")
+        for i, q in enumerate(res["questions"]):
+            print(f"Q: {q}")
+            for r in res["tiers"] + [res["original"]]:
+                print(f"  {r['name']:>8}: {r['answers'][i][:100]!r}")
+    out = runs[0] if len(runs) == 1 else {"runs": runs}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     if args.plot:
-        plot(res, args.plot)
+        plot(runs[0], args.plot) if len(runs) == 1 else plot_compare(runs, args.plot)
     return 0
+
+
+def plot_compare(runs: list[dict], path: str | Path) -> None:
+    """Side by side: per model and tier, held-out perplexity / top (log), greedy agreement with the
+    top tier, and first-sentence agreement on the larger question set."""
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    names = [t["name"] for t in runs[0]["tiers"]]
+    width = 0.8 / len(runs)
+    metrics = [("held-out perplexity / top tier (log)", lambda r, t: t["ppl"]["all"] / r["tiers"][-1]["ppl"]["all"]),
+               ("greedy top-1 agreement with the top tier", lambda r, t: t["agree_top"]),
+               ("first sentence = top tier's (44 questions)", lambda r, t: t["agree_first_sentence"])]
+    for ax, (title, f) in zip(axes, metrics):
+        for k, r in enumerate(runs):
+            vals = [f(r, t) for t in r["tiers"]]
+            xs = [i + (k - (len(runs) - 1) / 2) * width for i in range(len(vals))]
+            ax.bar(xs, vals, width, label=r["model"])
+            for x, v in zip(xs, vals):
+                ax.text(x, v, f"{v:.2g}", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(names)), names)
+        ax.set_title(title, fontsize=9)
+        if "log" in title:
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(0, 1.1)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="per-tier perplexity, agreement and answers of a nested model",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="default", help="nested checkpoint dir, default, default-raw, ...")
+    p.add_argument("--model", action="append", default=None,
+                   help="nested checkpoint dir, default, default-raw, default-lora, ...; repeat it to "
+                        "compare models side by side (default: default)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a PNG plot here")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--heldout-tokens", type=int, default=8192, help="pydoc tokens (chat: a quarter)")
     p.add_argument("--max-tokens", type=int, default=24, help="answer length")
     p.add_argument("--threads", type=int, default=1)
-    p.set_defaults(func=run)
+    p.set_defaults(func=lambda a: run(argparse.Namespace(**{**vars(a), "model": a.model or ["default"]})))

@@ -10,7 +10,8 @@ A nested checkpoint is a directory with a manifest ``mfs.json``::
      "precipitated": false, "notes": "..."}
 
 ``--model`` accepts ``default`` (the embedded family, precipitated when its weights ship),
-``default-raw`` (the same cut, not precipitated), a checkpoint directory, a Hugging Face directory or
+``default-raw`` (the same cut, not precipitated), ``default-lora`` (the earlier LoRA-precipitated
+artifact, kept for comparison), a checkpoint directory, a Hugging Face directory or
 a ``.gguf`` file (cut into tiers by ``--tiers``, default thirds).
 """
 from __future__ import annotations
@@ -160,6 +161,9 @@ def family_dir(name: str) -> Path:
 
 def manifest_for(model: str, tiers: str | None = None) -> tuple[Manifest, Path | None]:
     """(manifest, directory holding it or None) for anything --model accepts."""
+    if model == "default-lora":  # the earlier LoRA-precipitated artifact, kept for comparison
+        d = family_dir(DEFAULT_FAMILY + "-lora")
+        return Manifest.read(d), d
     if model in ("default", "default-raw"):
         d = family_dir(DEFAULT_FAMILY)
         m = Manifest.read(d)
