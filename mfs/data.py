@@ -206,13 +206,17 @@ def generate_answers(model, tokenizer, prompts: list[str], max_tokens: int = 160
     tier = model.num_segments - 1 if tier is None else tier
     eng = Engine(model, num_blocks=batch * (max_tokens + 256) // 16 + 16,
                  max_num_batched_tokens=2048, max_num_seqs=batch)
+    from mfs.runtime import progress  # noqa: PLC0415
     out = []
+    bar = progress(total=len(prompts), desc="answers", unit="prompt")
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
         ids = [chat_ids(tokenizer, p) for p in chunk]
         gen = eng.generate(ids, [tier] * len(ids), SamplingParams(max_tokens=max_tokens))
         out += [(tokenizer.decode(g, skip_special_tokens=True).strip(), len(g) < max_tokens)
                 for g in gen]
+        bar.update(len(chunk))
+    bar.close()
     return out
 
 
