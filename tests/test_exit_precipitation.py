@@ -70,3 +70,21 @@ def test_gpu_precipitate_fails_fast_without_cuda_and_dry_runs_on_cpu(tiny, tmp_p
     assert res["gpu_precipitate"]["device"] == "cpu (dry run)"
     assert [t["name"] for t in res["tiers"]] == ["small", "medium", "large"]
     assert res["ratios"]["top_vs_original"] == pytest.approx(1.0)
+
+
+def test_bench_route_measures_every_policy(tiny, tmp_path):  # noqa: F811
+    base, _ = tiny
+    out = tmp_path / "route.json"
+    rc = mfs_main(["bench", "route", "--model", str(base), "--num-prompts", "3", "--max-tokens", "4",
+                   "--threads", "1", "--json", str(out), "--plot", str(tmp_path / "route.png")])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    by = {p["policy"]: p for p in res["points"]}
+    assert {"always-top", "always-small", "keyword", "confidence@0.5",
+            "confidence@0.5+cascade@0.4"} <= set(by)
+    # a 4-layer model cut in thirds (rounded): tiers of 1, 3 and 4 layers, no quality record
+    assert res["usable_tiers"] == ["small", "medium", "large"]
+    assert by["always-small"]["cost_vs_top"] == pytest.approx(1 / 4)
+    assert by["always-top"]["cost_vs_top"] == 1.0
+    assert all(0 <= p["agreement"] <= 1 for p in res["points"])
+    assert (tmp_path / "route.png").stat().st_size > 0
