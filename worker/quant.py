@@ -5,6 +5,13 @@ Owns:
 * :class:`Int8Linear` — int8 per output channel, ``torch._weight_int8pack_mm``.
 * :class:`Int4Linear` — 4-bit, group-wise scale and zero along K, ``torch._weight_int4pack_mm_for_cpu``.
   The kernel dequantizes ``w = fma(q - 8, scale, zero)`` (checked in tests against its own output).
+
+Both torch kernels are vectorized only for bf16 activations (torch 2.13 CPU, AVX2 and AVX-512
+dispatch alike); with fp32 activations they run a scalar loop that re-reads the weights for every row
+of the batch, 10-60x slower than fp32 ``F.linear`` (``mfs bench linears``). So serving casts the
+activations to bf16 at each quantized linear and the result back to fp32, and the scales are bf16.
+Int4Linear also keeps its scales and zeros in fp32: the exact form, which the fp32 kernel
+dequantizes bit for bit (``exact=True``: tests and the perplexity reference, not for speed).
 * :class:`Int8Embedding` — int8 rows with one scale per 32 values (GGUF's Q8_0 layout); a lookup
   dequantizes only the rows it reads.
 * :func:`quantize_model` — replaces every ``nn.Linear`` and ``nn.Embedding`` of a model, whatever
@@ -40,26 +47,28 @@ class Int8Linear(nn.Module):
         assert q.dtype == torch.int8 and q.dim() == 2 and scales.shape == (q.shape[0],)
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         # Parameters (frozen), not buffers: weight_bytes() and .to() see them like any weight.
-        self.scales = nn.Parameter(scales.float().contiguous(), requires_grad=False)
+        self.scales = nn.Parameter(scales.to(torch.bfloat16).contiguous(), requires_grad=False)
         self.qweight = nn.Parameter(q.contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+        """Symmetric per channel; q is rounded against the bf16 scale the kernel will use."""
         w = w.detach().float()
-        scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-30).to(torch.bfloat16).float()
         q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls(q, scales, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).float(), self.qweight, self.scales)
+        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight,
+                                      self.scales).float()
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales[:, None]
+        return self.qweight.float() * self.scales.float()[:, None]
 
 
 class Int4Linear(nn.Module):
@@ -67,13 +76,15 @@ class Int4Linear(nn.Module):
     one (scale, zero) per group of ``group`` input features per output channel."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
-                 bias: torch.Tensor | None):
+                 bias: torch.Tensor | None, exact: bool = False):
         super().__init__()
         N, K = q.shape
         assert scale.shape == zero.shape == (N, K // group) and K % group == 0 and N % 16 == 0
         self.in_features, self.out_features, self.group = K, N, group
+        self.exact = exact  # serve through the fp32 kernel (bit-exact weights, slow)
         sz = torch.stack([scale.float().t(), zero.float().t()], dim=-1).contiguous()  # [K/g, N, 2]
-        self.scales_zeros = nn.Parameter(sz, requires_grad=False)
+        self.scales_zeros = nn.Parameter(sz, requires_grad=False)  # exact; first: a float32 parameter
+        self.scales_zeros_bf16 = nn.Parameter(sz.to(torch.bfloat16), requires_grad=False)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         self.qweight = nn.Parameter(packed, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
@@ -84,28 +95,38 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_float(cls, w: torch.Tensor, group: int, bias: torch.Tensor | None = None) -> "Int4Linear":
-        """Asymmetric min/max per group, as Q4_1 does: q = round((w - min) / d), d = (max - min) / 15."""
+        """Asymmetric min/max per group, as Q4_1 does: q = round((w - min) / d), d = (max - min) / 15;
+        d and the zero are rounded to bf16 first, so the fast kernel serves what was quantized."""
         w = w.detach().float()
         N, K = w.shape
         g = w.view(N, K // group, group)
         lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-        d = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-        q = torch.round((g - lo[..., None]) / d[..., None]).clamp_(0, 15).view(N, K)
-        return cls(q, d, lo + 8 * d, group, bias)
+        d = ((hi - lo) / 15).clamp_min(1e-30).to(torch.bfloat16).float()
+        zero = (lo + 8 * d).to(torch.bfloat16).float()
+        q = torch.round((g - (zero - 8 * d)[..., None]) / d[..., None]).clamp_(0, 15).view(N, K)
+        return cls(q, d, zero, group, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).float().contiguous(), self.qweight,
-                                              self.group, self.scales_zeros)
+        x2 = x.reshape(-1, shape[-1])
+        if self.exact:
+            y = torch._weight_int4pack_mm_for_cpu(x2.float().contiguous(), self.qweight, self.group,
+                                                  self.scales_zeros)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.qweight,
+                                                  self.group, self.scales_zeros_bf16).float()
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
 
-    def dequantize(self) -> torch.Tensor:
-        """The weights as the kernel itself sees them: it multiplies the identity (one product per
-        output, so no accumulation rounding), which makes this exact by construction."""
+    def dequantize(self, exact: bool = True) -> torch.Tensor:
+        """The weights as the kernel itself sees them (the fp32 one, or the bf16-scaled one): it
+        multiplies the identity (one product per output, no accumulation rounding)."""
         eye = torch.eye(self.in_features, device=self.qweight.device)
-        return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group, self.scales_zeros).t()
+        if exact:
+            return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group, self.scales_zeros).t()
+        return torch._weight_int4pack_mm_for_cpu(eye.bfloat16(), self.qweight, self.group,
+                                                 self.scales_zeros_bf16).t().float()
 
 
 class Int8Embedding(nn.Module):
@@ -295,7 +316,7 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, gr
         raise ValueError(f"quantized weights serve an fp32 model, this one holds {sorted(map(str, floats))}")
     src = GGUFSource(gguf_path) if gguf_path and str(gguf_path).endswith(".gguf") else None
     for name, mod, parent, child in _targets(model):
-        gname = _gguf_name(name)
+        gname = _gguf_name(name) if isinstance(mod, nn.Embedding) or mode == "int4" else None
         found = src.blocks(gname, mod.weight) if src is not None and gname else None
         new, exact = _quantized(mod, mode, group, found, is_head=child == "lm_head")
         (report.from_gguf if exact else report.from_float).append(name)
