@@ -321,9 +321,20 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, gr
         new, exact = _quantized(mod, mode, group, found, is_head=child == "lm_head")
         (report.from_gguf if exact else report.from_float).append(name)
         setattr(parent, child, new)
+    _detach_from_shared_storage(model)
     log.info("quantized weights", mode=mode, from_gguf=len(report.from_gguf),
              from_float=len(report.from_float), source=gguf_path)
     return report
+
+
+def _detach_from_shared_storage(model: nn.Module) -> None:
+    """The loader's tensors share one memory-mapped safetensors file: one small norm weight left
+    viewing it keeps the mapping, and every page of the dropped fp32 weights, resident. Copy the
+    float parameters that remain (norms, biases: small)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.clone()
 
 
 def _quantized(mod: nn.Module, mode: str, group: int, found, is_head: bool) -> tuple[nn.Module, bool]:
