@@ -145,7 +145,8 @@ def _hf_reference(fam):
     sd = {f"model.layers.{i}.{k}": v for i, l in enumerate(fam.model.layers)
           for k, v in _hf_layer_state(l).items()}
     sd["model.norm.weight"] = fam.model.exit_norms[len(fam.model.tiers) - 1]
-    sd["model.embed_tokens.weight"] = fam.model.embed_tokens.weight
+    emb = fam.model.embed_tokens
+    sd["model.embed_tokens.weight"] = emb.weight if isinstance(emb, torch.nn.Embedding) else emb.dequantize()
     hf.load_state_dict(sd, strict=False)
     return hf
 
@@ -157,7 +158,7 @@ def _hf_layer_state(layer) -> dict:
                      ("gate_proj", "mlp.gate_proj"), ("up_proj", "mlp.up_proj"),
                      ("down_proj", "mlp.down_proj")):
         lin = getattr(layer, ours)
-        out[hf + ".weight"] = lin.weight
+        out[hf + ".weight"] = lin.weight if isinstance(lin, torch.nn.Linear) else lin.dequantize()
         if lin.bias is not None:
             out[hf + ".bias"] = lin.bias
     out["input_layernorm.weight"] = layer.input_layernorm
@@ -196,7 +197,8 @@ def run(args) -> int:
     from mfs.commands import load_from_args  # noqa: PLC0415
     if args.threads:
         torch.set_num_threads(args.threads)
-    fam = load_from_args(args)
+    weights, args.weights = args.weights, "fp32"
+    fam = load_from_args(args)  # fp32 first: the standalone copies are cut from it, then quantized
     model = fam.model
     mix = [float(x) for x in args.mix.split(",")]
     if len(mix) != len(model.tiers):
@@ -205,6 +207,11 @@ def run(args) -> int:
     orr = tuple(int(x) for x in args.output_len.split(","))
     work = make_workload(args.num, len(model.tiers), mix, pr, orr, model.cfg.vocab_size, args.seed)
     copies = [standalone_tier(model, k) for k in range(len(model.tiers))]
+    if weights != "fp32":  # both layouts quantized alike
+        from worker.quant import quantize_model  # noqa: PLC0415
+        for m in [model, *copies]:
+            quantize_model(m, weights, gguf_path=fam.base.source, device=args.device)
+    args.weights = weights
     nested_runs, indep_runs = [], []
     for rep in range(args.repeats):
         for layout in (("nested", "independent") if rep % 2 == 0 else ("independent", "nested")):
@@ -220,7 +227,7 @@ def run(args) -> int:
         "benchmark": "engine", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(),
                     "device": args.device, "torch": torch.__version__},
-        "model": args.model, "tiers": [(t.name, t.layers) for t in model.tiers],
+        "model": args.model, "weights": args.weights, "tiers": [(t.name, t.layers) for t in model.tiers],
         "workload": {"num": args.num, "mix": mix, "prompt_len": pr, "output_len": orr, "seed": args.seed,
                      "tokens": sum(it.max_tokens for it in work)},
         "repeats": args.repeats, "nested": nested, "independent": indep,

@@ -19,6 +19,8 @@ COMMANDS = [
 BENCHES = [
     ("mfs.bench_engine", "add_parser"),
     ("mfs.bench_kernels", "add_parser"),
+    ("mfs.bench_linears", "add_parser"),
+    ("mfs.bench_peers", "add_parser"),
     ("mfs.bench_serve", "add_parser"),
     ("mfs.bench_spec", "add_parser"),
     ("mfs.bench_route", "add_parser"),

@@ -15,12 +15,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kernels", default=None, choices=["auto", "torch", "triton"])
+    p.add_argument("--weights", default="fp32", choices=["auto", "fp32", "int8", "int4"],
+                   help="serve weights quantized (CPU): int8 per channel, int4 in groups of 32 (a GGUF's "
+                        "own Q4_1 blocks where they match); auto picks by the CPU")
 
 
 def load_from_args(args):
     from mfs.family import load_family  # noqa: PLC0415
     return load_family(args.model, tiers=args.tiers, dtype=args.dtype, device=args.device,
-                       kernels=args.kernels)
+                       kernels=args.kernels, weights=getattr(args, "weights", "fp32"))
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:

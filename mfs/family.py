@@ -216,7 +216,8 @@ def build_model(base: BaseWeights, tiers: list[TierSpec], dtype: torch.dtype = t
 
 def load_family(model: str = "default", tiers: str | None = None, dtype: str | None = None,
                 device: str = "cpu", max_positions: int | None = 4096,
-                kernels: str | None = None) -> LoadedFamily:
+                kernels: str | None = None, weights: str = "fp32") -> LoadedFamily:
+    """``weights``: fp32 (as loaded), int8, int4 or auto: see :func:`worker.quant.quantize_model`."""
     manifest, mdir = manifest_for(model, tiers)
     if tiers and mdir is not None:
         manifest.tiers = parse_tiers(tiers, max(t.layers for t in manifest.tiers))
@@ -229,6 +230,9 @@ def load_family(model: str = "default", tiers: str | None = None, dtype: str | N
     if manifest.weights and mdir is not None:
         from mfs.checkpoint import apply_weights  # noqa: PLC0415
         apply_weights(nm, mdir / manifest.weights["file"], manifest.weights["kind"])
+    if weights != "fp32":  # after any delta: quantize the weights that will be served
+        from worker.quant import quantize_model  # noqa: PLC0415
+        quantize_model(nm, weights, gguf_path=base.source, device=device)
     nm.eval()
     return LoadedFamily(nm, base.tokenizer, manifest, base)
 

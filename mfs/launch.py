@@ -229,6 +229,8 @@ class Service:
 
 def up(args) -> int:
     worker_args = ["--threads", str(args.threads)] if args.threads else []
+    if getattr(args, "weights", "fp32") != "fp32":
+        worker_args += ["--weights", args.weights]
     svc = Service(args.model, tiers=args.tiers, workers=args.workers, layout=args.layout,
                   host=args.host, port=args.port, worker_args=worker_args, dtype=args.dtype,
                   schedulers=args.schedulers)

@@ -43,17 +43,23 @@ class WorkerService:
         from worker.model import standalone_tier  # noqa: PLC0415
         self.id = args.worker_id
         self.r = redis.Redis.from_url(args.redis_url)
+        standalone = args.standalone_tier is not None
+        # A standalone tier is cut from the fp32 family, then quantized like the nested one.
         fam = load_family(args.model, tiers=args.tiers, dtype=args.dtype, device=args.device,
-                          kernels=args.kernels)
+                          kernels=args.kernels, weights="fp32" if standalone else args.weights)
         model = fam.model
         ntiers = len(model.tiers)
-        if args.standalone_tier is not None:
+        if standalone:
             k = args.standalone_tier
             if not 0 <= k < ntiers:
                 raise ValueError(f"--standalone-tier {k}: the family has tiers 0..{ntiers - 1}")
             model, self.tiers, tier_map, nseg = standalone_tier(model, k), [k], {k: 0}, 1
+            source = fam.base.source
             del fam  # the rest of the family is not this worker's: give its memory back
             _release_memory()
+            if args.weights != "fp32":
+                from worker.quant import quantize_model  # noqa: PLC0415
+                quantize_model(model, args.weights, gguf_path=source, device=args.device)
         else:
             self.tiers, tier_map, nseg = list(range(ntiers)), None, ntiers
         self.num_blocks = [args.num_blocks] * nseg

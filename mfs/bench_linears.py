@@ -1,0 +1,89 @@
+"""`mfs bench linears`: one decode step's matmuls per weight format — fp32 ``F.linear`` against the
+int8 / int4 kernels of :mod:`worker.quant` — on a model's linear shapes (default: SmolLM2-135M's),
+at batch 1 and 16. Random weights: only shapes and bytes matter for speed."""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from worker.quant import Int4Linear, Int8Linear
+
+# (name, in, out, per-step count in the 30-layer model)
+SMOLLM2_SHAPES = [("q/o 576->576", 576, 576, 60), ("k/v 576->192", 576, 192, 60),
+                  ("gate/up 576->1536", 576, 1536, 60), ("down 1536->576", 1536, 576, 30),
+                  ("head 576->49152", 576, 49152, 1)]
+
+
+def _formats(group: int) -> dict:
+    return {"fp32": lambda w: (lambda x, w=w: F.linear(x, w)), "int8": Int8Linear.from_float,
+            f"int4-g{group}": lambda w: Int4Linear.from_float(w, group)}
+
+
+def measure(shapes=SMOLLM2_SHAPES, batches=(1, 16), reps: int = 7, group: int = 32) -> list[dict]:
+    """Each format holds every weight of a step (per_step copies of each shape, as the model does), so
+    a pass streams them from memory as a decode step does, not from cache. Per shape: the median call
+    time over reps; the step: the fastest whole pass (other jobs share these cores)."""
+    rows = {(name, b): {"shape": name, "in": k, "out": n, "per_step": c, "batch": b}
+            for name, k, n, c in shapes for b in batches}
+    steps: dict[str, dict[str, float]] = {str(b): {} for b in batches}
+    gen = torch.Generator().manual_seed(0)
+    for fmt, make in _formats(group).items():
+        mods = [(name, make(torch.randn(n, k, generator=gen) * 0.02))
+                for name, k, n, c in shapes for _ in range(c)]
+        with torch.inference_mode():
+            for b in batches:
+                xs = {k: torch.randn(b, k) for _, k, _, _ in shapes}
+                ins = {name: xs[k] for name, k, _, _ in shapes}
+                calls: dict[str, list[float]] = {name: [] for name, *_ in shapes}
+                totals = []
+                for r in range(reps + 1):
+                    t_step = time.perf_counter()
+                    for name, fn in mods:
+                        t0 = time.perf_counter()
+                        fn(ins[name])
+                        if r:
+                            calls[name].append(time.perf_counter() - t0)
+                    if r:  # the first pass warms up
+                        totals.append(time.perf_counter() - t_step)
+                for name, *_ in shapes:
+                    rows[(name, b)][fmt + "_us"] = 1e6 * statistics.median(calls[name])
+                steps[str(b)][fmt] = 1e3 * min(totals)
+        del mods
+    return list(rows.values()), steps
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("linears", help="fp32 vs int8 vs int4 matmuls on the model's shapes, batch 1 and 16")
+    p.add_argument("--json", default=None)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--group", type=int, default=32)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows, totals = measure(reps=args.reps, group=args.group)
+    fmts = [k[:-3] for k in rows[0] if k.endswith("_us")]
+    print(f"{'shape':<20}{'batch':>6}" + "".join(f"{f + ' us':>14}" for f in fmts))
+    for r in rows:
+        print(f"{r['shape']:<20}{r['batch']:>6}" + "".join(f"{r[f + '_us']:>14.1f}" for f in fmts))
+    for b, t in totals.items():
+        print(f"one decode step's linears (fastest pass), batch {b}: " + ", ".join(f"{f} {v:.1f} ms" for f, v in t.items()))
+    if args.json:
+        res = {"benchmark": "linears", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
+                           "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                           "torch": torch.__version__},
+               "rows": rows, "step_ms": totals}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    return 0

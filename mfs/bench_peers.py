@@ -1,0 +1,332 @@
+"""`mfs bench peers`: MFS in each ``--weights`` mode side by side with ``transformers`` generate and
+llama.cpp (``llama-cpp-python``, when installed) — same machine, same prompts, same token counts, one
+run. Per contender: a single request and ``--concurrency`` concurrent ones (MFS also the family mix),
+tokens/s, TPOT, resident memory and the top tier's held-out perplexity.
+
+Each contender runs in its own child process, one after another: resident memory is its own, and no
+two ever compete for the cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+LLAMA_CPP_MISSING = ("llama-cpp-python is not installed: llama.cpp skipped (`pip install "
+                     "llama-cpp-python` builds it from source, about 12 minutes on 2 cores)")
+
+
+@dataclass(slots=True)
+class Spec:
+    model: str
+    threads: int
+    prompts: list[list[int]]      # prompts[0] is the single request; all of them run concurrently
+    mix: list[int]                # tier of each concurrent request in the family-mix run
+    new_tokens: int
+    windows: list[list[int]]      # held-out perplexity windows
+    gguf: str | None
+
+
+# ---- measurements, run inside a child ------------------------------------------------------------
+def _rss() -> dict:
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            out[line[:5].lower()] = int(line.split()[1]) * 1024
+    return {"rss_bytes": out.get("vmrss", 0), "peak_rss_bytes": out.get("vmhwm", 0)}
+
+
+def _release() -> None:
+    import ctypes  # noqa: PLC0415
+    import gc  # noqa: PLC0415
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def _engine_run(model, prompts, tiers, new: int) -> dict:
+    from worker.engine import Engine  # noqa: PLC0415
+    from worker.sampling import SamplingParams  # noqa: PLC0415
+    eng = Engine(model, max_num_seqs=max(64, len(prompts)), num_blocks=1024)
+    t0 = time.perf_counter()
+    for i, (p, t) in enumerate(zip(prompts, tiers)):
+        eng.add_request(f"r{i}", p, t, SamplingParams(max_tokens=new, ignore_eos=True))
+    first, last, n = {}, {}, {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            now = time.perf_counter()
+            first.setdefault(o.request_id, now)
+            last[o.request_id], n[o.request_id] = now, o.num_output_tokens
+    wall = time.perf_counter() - t0
+    tpot = [(last[r] - first[r]) / (n[r] - 1) for r in n if n[r] > 1]
+    return {"requests": len(prompts), "tokens": sum(n.values()), "wall_s": wall,
+            "tokens_per_s": sum(n.values()) / wall, "tpot_ms": 1e3 * sum(tpot) / len(tpot),
+            "ttft_ms": 1e3 * (sum(first.values()) / len(first) - t0)}
+
+
+@torch.inference_mode()
+def _ppl(logits_fn, windows: list[list[int]]) -> float:
+    nll, count = 0.0, 0
+    for w in windows:
+        ids = torch.tensor([w])
+        logits = logits_fn(ids)[0, :-1].float()
+        nll += float(F.cross_entropy(logits, ids[0, 1:], reduction="sum"))
+        count += len(w) - 1
+    return float(torch.exp(torch.tensor(nll / count)))
+
+
+def run_mfs(spec: Spec, mode: str) -> dict:
+    from mfs.family import load_family  # noqa: PLC0415
+    from worker.model import weight_bytes  # noqa: PLC0415
+    t0 = time.perf_counter()
+    fam = load_family(spec.model, weights=mode)
+    model = fam.model
+    load_s = time.perf_counter() - t0
+    _release()
+    mem = _rss()
+    top = len(model.tiers) - 1
+    n = len(spec.prompts)
+    res = {"name": f"mfs {mode}", "load_s": load_s, "weights_bytes": weight_bytes(model),
+           "single": _engine_run(model, spec.prompts[:1], [top], spec.new_tokens),
+           "concurrent": _engine_run(model, spec.prompts, [top] * n, spec.new_tokens),
+           "family_mix": _engine_run(model, spec.prompts, spec.mix, spec.new_tokens)}
+    res["ppl_top"] = _ppl(lambda ids: model.logits(model.exit_hidden(ids)[-1]), spec.windows)
+    res["rss_after_load_bytes"] = mem["rss_bytes"]
+    res.update(_rss())  # resident while serving: every weight page touched by now
+    return res
+
+
+def run_hf(spec: Spec) -> dict:
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from mfs.family import manifest_for, resolve_base  # noqa: PLC0415
+    from worker.loader import resolve_cached  # noqa: PLC0415
+    manifest, mdir = manifest_for(spec.model)
+    if manifest.weights:
+        raise ValueError("transformers serves the base weights: compare with --model default-raw")
+    folder, gguf = resolve_cached(resolve_base(manifest.base, mdir))
+    t0 = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                              **({"gguf_file": gguf} if gguf else {})).eval()
+    load_s = time.perf_counter() - t0
+    _release()
+    mem = _rss()
+    pad = hf.generation_config.eos_token_id
+    pad = pad[0] if isinstance(pad, list) else pad
+
+    def gen(prompts, new):
+        L = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (L - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+        t = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                        do_sample=False, pad_token_id=pad)
+        return time.perf_counter() - t
+
+    def measure(prompts):
+        ttft, wall = gen(prompts, 1), gen(prompts, spec.new_tokens)
+        tok = spec.new_tokens * len(prompts)
+        return {"requests": len(prompts), "tokens": tok, "wall_s": wall, "tokens_per_s": tok / wall,
+                "tpot_ms": 1e3 * (wall - ttft) / (spec.new_tokens - 1), "ttft_ms": 1e3 * ttft}
+
+    res = {"name": "transformers generate fp32", "load_s": load_s,
+           "weights_bytes": sum(p.numel() * p.element_size() for p in hf.parameters()),
+           "single": measure(spec.prompts[:1]), "concurrent": measure(spec.prompts),
+           "ppl_top": _ppl(lambda ids: hf(ids).logits, spec.windows)}
+    res["rss_after_load_bytes"] = mem["rss_bytes"]
+    res.update(_rss())  # resident while serving: every weight page touched by now
+    return res
+
+
+def run_llama_cpp(spec: Spec) -> dict:
+    """Greedy decoding through llama-cpp-python's low-level eval loop; it has no batch of independent
+    sequences, so the concurrent run is the requests one after another (reported as such)."""
+    from llama_cpp import Llama  # noqa: PLC0415
+    t0 = time.perf_counter()
+    llm = Llama(model_path=spec.gguf, n_threads=spec.threads, n_ctx=2048, logits_all=True, verbose=False)
+    load_s = time.perf_counter() - t0
+    mem = _rss()
+
+    def one(prompt) -> tuple[float, float, int]:
+        llm.reset()
+        t = time.perf_counter()
+        toks, first = list(prompt), None
+        for _ in range(spec.new_tokens):
+            llm.eval(toks[-1:] if first is not None else toks)
+            toks.append(int(llm.scores[llm.n_tokens - 1].argmax()))
+            first = first or time.perf_counter()
+        return t, first, time.perf_counter()
+
+    def measure(prompts):
+        t_start = time.perf_counter()
+        runs = [one(p) for p in prompts]
+        wall = time.perf_counter() - t_start
+        tok = spec.new_tokens * len(prompts)
+        tpot = sum((e - f) / (spec.new_tokens - 1) for _, f, e in runs) / len(runs)
+        return {"requests": len(prompts), "tokens": tok, "wall_s": wall, "tokens_per_s": tok / wall,
+                "tpot_ms": 1e3 * tpot, "ttft_ms": 1e3 * sum(f - s for s, f, _ in runs) / len(runs),
+                "sequential": len(prompts) > 1}
+
+    def logits(ids):
+        llm.reset()
+        llm.eval(ids[0].tolist())
+        return torch.from_numpy(llm.scores[: ids.shape[1]].copy())[None]
+
+    res = {"name": "llama.cpp (GGUF as shipped)", "load_s": load_s,
+           "weights_bytes": Path(spec.gguf).stat().st_size,
+           "single": measure(spec.prompts[:1]), "concurrent": measure(spec.prompts),
+           "ppl_top": _ppl(logits, spec.windows)}
+    res["rss_after_load_bytes"] = mem["rss_bytes"]
+    res.update(_rss())  # resident while serving: every weight page touched by now
+    return res
+
+
+def child_main(argv: list[str]) -> int:
+    kind, mode, spec_path, out_path = argv
+    spec = Spec(**json.loads(Path(spec_path).read_text()))
+    torch.set_num_threads(spec.threads)
+    res = run_mfs(spec, mode) if kind == "mfs" else run_hf(spec) if kind == "hf" else run_llama_cpp(spec)
+    res["threads"] = torch.get_num_threads()
+    Path(out_path).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+# ---- the parent ----------------------------------------------------------------------------------
+def make_spec(args) -> Spec:
+    from mfs import data as D  # noqa: PLC0415
+    from mfs.evaluate import make_windows  # noqa: PLC0415
+    from mfs.family import load_frontend, manifest_for, resolve_base  # noqa: PLC0415
+    fe = load_frontend(args.model)
+    tok = fe.tokenizer
+    manifest, mdir = manifest_for(args.model)
+    base = str(resolve_base(manifest.base, mdir))
+    eos = tok.eos_token_id
+    stream = D.encode_docs(tok, D.stdlib_texts(D.STDLIB_HELDOUT), eos)
+    windows = make_windows(stream, args.seq_len, args.heldout_tokens)
+    # Prompts: real text from held-in modules' pydoc, a different stretch per request.
+    text = D.encode_docs(tok, D.stdlib_texts(["json", "random"]), eos)
+    n, L = args.concurrency, args.prompt_len
+    prompts = [text[i * L:(i + 1) * L].tolist() for i in range(n)]
+    counts = [int(x) for x in args.mix.split(",")]
+    if sum(counts) != n or len(counts) != len(manifest.tiers):
+        raise ValueError(f"--mix {args.mix}: one count per tier ({len(manifest.tiers)}), summing to "
+                         f"--concurrency {n}")
+    mix = [t for t, c in enumerate(counts) for _ in range(c)]
+    return Spec(args.model, args.threads, prompts, mix, args.new_tokens, windows.tolist(),
+                base if base.endswith(".gguf") else None)
+
+
+def _child(kind: str, mode: str, spec_path: Path, out: Path, log_dir: Path) -> dict:
+    with open(log_dir / f"{kind}-{mode}.log", "w") as logf:
+        r = subprocess.run([sys.executable, "-m", "mfs.bench_peers", kind, mode, str(spec_path), str(out)],
+                           stdout=logf, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    if r.returncode != 0:
+        tail = (log_dir / f"{kind}-{mode}.log").read_text()[-2000:]
+        raise RuntimeError(f"{kind} {mode} failed (exit {r.returncode}):\n{tail}")
+    return json.loads(out.read_text())
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("peers", help="MFS per --weights mode vs transformers generate vs llama.cpp")
+    p.add_argument("--model", default="default-raw",
+                   help="default-raw: the GGUF as shipped, the weights every contender can serve")
+    p.add_argument("--modes", default="fp32,int8,int4", help="MFS --weights modes to run")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--mix", default="11,3,2", help="family-mix run: requests per tier, lowest first")
+    p.add_argument("--heldout-tokens", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--json", required=True)
+    p.add_argument("--plot", default=None)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import importlib.util  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+    spec = make_spec(args)
+    work = Path(tempfile.mkdtemp(prefix="mfs-peers-"))
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps(asdict(spec)))
+    plan = [("mfs", m) for m in args.modes.split(",")]
+    if not args.skip_hf:
+        plan.append(("hf", "fp32"))
+    notes = []
+    if importlib.util.find_spec("llama_cpp") is None:
+        notes.append(LLAMA_CPP_MISSING)
+        print(LLAMA_CPP_MISSING, flush=True)
+    elif spec.gguf is None:
+        notes.append("llama.cpp skipped: the model is not a GGUF")
+    else:
+        plan.append(("llama.cpp", "gguf"))
+    results = []
+    for kind, mode in plan:
+        print(f"running {kind} {mode} ...", flush=True)
+        results.append(_child(kind, mode, spec_path, work / f"{kind}-{mode}.json", work))
+    out = {"benchmark": "peers", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "machine": {"platform": platform.platform(), "threads": args.threads,
+                       "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__},
+           "model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+           "concurrency": args.concurrency, "mix": args.mix, "heldout_tokens": len(spec.windows) * args.seq_len,
+           "notes": notes, "results": results, "logs": str(work)}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    print_table(out)
+    if args.plot:
+        plot(out, args.plot)
+    return 0
+
+
+def print_table(out: dict) -> None:
+    c = out["concurrency"]
+    print(f"\n{'':<30}{'1 req tok/s':>12}{'TPOT ms':>9}{f'{c} req tok/s':>13}{'TPOT ms':>9}"
+          f"{'mix tok/s':>11}{'RSS MB':>8}{'weights MB':>11}{'ppl top':>9}")
+    for r in out["results"]:
+        mix = r.get("family_mix", {}).get("tokens_per_s")
+        print(f"{r['name']:<30}{r['single']['tokens_per_s']:>12.1f}{r['single']['tpot_ms']:>9.1f}"
+              f"{r['concurrent']['tokens_per_s']:>13.1f}{r['concurrent']['tpot_ms']:>9.1f}"
+              f"{(f'{mix:.1f}' if mix else '-'):>11}{r['rss_bytes'] / 2**20:>8.0f}"
+              f"{r['weights_bytes'] / 1e6:>11.0f}{r['ppl_top']:>9.3f}")
+    for n in out["notes"]:
+        print(n)
+
+
+def plot(out: dict, path: str) -> None:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    rs = out["results"]
+    names = [r["name"].replace("transformers generate", "HF generate") for r in rs]
+    panels = [("1 request, tokens/s", [r["single"]["tokens_per_s"] for r in rs]),
+              (f"{out['concurrency']} concurrent, tokens/s", [r["concurrent"]["tokens_per_s"] for r in rs]),
+              ("resident memory, MB", [r["rss_bytes"] / 2**20 for r in rs]),
+              ("held-out perplexity, top tier", [r["ppl_top"] for r in rs])]
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.8))
+    for ax, (title, vals) in zip(axes, panels):
+        ax.bar(range(len(vals)), vals, color=["#2a7" if n.startswith("mfs") else "#999" for n in names])
+        ax.set_xticks(range(len(vals)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        for x, v in enumerate(vals):
+            ax.text(x, v, f"{v:.1f}" if v < 1000 else f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+    fig.suptitle(f"mfs bench peers — {out['model']}, prompt {out['prompt_len']}, {out['new_tokens']} new "
+                 f"tokens, {out['machine']['threads']} threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(sys.argv[1:]))

