@@ -308,14 +308,30 @@ def run(args) -> int:
 
     # stage 1: data and the feature cache (the top tier is the frozen original: it writes the
     # self-distillation answers and is the teacher)
-    docs = D.read_sources(args.data, model, tok, out / "data", args.self_max_tokens, log)
-    train_w, mix = training_windows(docs, tok, eos, args.seq_len, args.cache_tokens, args.seed)
-    held_w = heldout_windows(model, tok, eos, args.seq_len, args.heldout_tokens, out / "data", log)
-    tc = FeatureCache(out / "cache/train", train_w.shape[0], args.seq_len, H, args.topk, lower)
-    hc = FeatureCache(out / "cache/heldout", held_w.shape[0], args.seq_len, H, args.topk, lower)
-    log(f"training windows: {train_w.shape[0]} x {args.seq_len} ({mix}); held-out: {held_w.shape[0]}")
-    rates = {"cache_tokens_per_s": fill_cache(model, train_w, tc, args.cache_batch, "cache train", log)}
-    fill_cache(model, held_w, hc, args.cache_batch, "cache held-out", log)
+    key = {"data": args.data, "seq_len": args.seq_len, "cache_tokens": args.cache_tokens,
+           "heldout_tokens": args.heldout_tokens, "topk": args.topk, "lower": lower, "seed": args.seed,
+           "hidden": H}
+    meta_path = out / "cache/meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
+    if meta is not None and meta["key"] == key:  # a complete cache of the same data: no data stage
+        tc = FeatureCache(out / "cache/train", meta["train_windows"], args.seq_len, H, args.topk, lower)
+        hc = FeatureCache(out / "cache/heldout", meta["heldout_windows"], args.seq_len, H, args.topk, lower)
+        mix, rates = meta["mix"], {"cache_tokens_per_s": meta["cache_tokens_per_s"]}
+        log(f"feature cache complete ({meta['train_windows']} training windows, {mix}): reusing it")
+    else:
+        docs = D.read_sources(args.data, model, tok, out / "data", args.self_max_tokens, log)
+        train_w, mix = training_windows(docs, tok, eos, args.seq_len, args.cache_tokens, args.seed)
+        held_w = heldout_windows(model, tok, eos, args.seq_len, args.heldout_tokens, out / "data", log)
+        tc = FeatureCache(out / "cache/train", train_w.shape[0], args.seq_len, H, args.topk, lower)
+        hc = FeatureCache(out / "cache/heldout", held_w.shape[0], args.seq_len, H, args.topk, lower)
+        log(f"training windows: {train_w.shape[0]} x {args.seq_len} ({mix}); held-out: {held_w.shape[0]}")
+        rate = fill_cache(model, train_w, tc, args.cache_batch, "cache train", log)
+        fill_cache(model, held_w, hc, args.cache_batch, "cache held-out", log)
+        # a resumed fill measures only its own part: keep the rate of the pass that did the most
+        rate = max(rate, meta["cache_tokens_per_s"]) if meta and meta.get("key") == key else rate
+        rates = {"cache_tokens_per_s": rate}
+        meta_path.write_text(json.dumps({"key": key, "train_windows": tc.n, "heldout_windows": hc.n,
+                                         "mix": mix, "cache_tokens_per_s": rate}) + "\n")
     tr, ho = tc.open("r"), hc.open("r")
 
     # stage 2: train the exit blocks
@@ -388,8 +404,11 @@ def run(args) -> int:
                           args.device)
         t0 = time.perf_counter()
         loss, kls, ces = step_losses(model, b, lower, args.ce, args.ce_frac, gen, amp)
+        lr_f = min(1.0, (st["step"] + 1) / max(1, args.warmup))
+        if stop_at is not None and args.decay_minutes:  # anneal linearly to 10% before --max-minutes
+            lr_f *= min(1.0, max(0.1, (stop_at - time.monotonic()) / (args.decay_minutes * 60)))
         for grp in opt.param_groups:
-            grp["lr"] = args.lr * min(1.0, (st["step"] + 1) / max(1, args.warmup))
+            grp["lr"] = args.lr * lr_f
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         opt.step()
@@ -436,6 +455,8 @@ def add_arguments(p):
     g.add_argument("--ce-frac", type=float, default=0.125,
                    help="fraction of positions that also get the full-vocabulary cross-entropy")
     g.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
+    g.add_argument("--decay-minutes", type=float, default=0.0,
+                   help="with --max-minutes: decay the lr linearly to 10%% over this many final minutes")
     g.add_argument("--patience", type=int, default=4,
                    help="stop after this many evaluations without improvement (0: never)")
     return g

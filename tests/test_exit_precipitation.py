@@ -21,7 +21,7 @@ def _run(base, data, out, *extra):
     return mfs_main(argv)
 
 
-def test_exit_blocks_train_on_a_frozen_trunk_and_resume(tiny, tmp_path):  # noqa: F811
+def test_exit_blocks_train_on_a_frozen_trunk_and_resume(tiny, tmp_path, capsys):  # noqa: F811
     base, txt = tiny
     out = tmp_path / "eb"
     assert _run(base, txt, out, "--steps", "20", "--eval-every", "10", "--patience", "0") == 0
@@ -41,7 +41,9 @@ def test_exit_blocks_train_on_a_frozen_trunk_and_resume(tiny, tmp_path):  # noqa
         assert torch.equal(fam.model.logits(new[-1]), orig.model.logits(old[-1]))  # top tier: the original
         assert not torch.allclose(new[0], old[0])
     # resume: the cache is reused and training continues from step 20
-    assert _run(base, txt, out, "--steps", "30", "--eval-every", "10", "--patience", "0", "--resume") == 0
+    assert _run(base, txt, out, "--steps", "30", "--eval-every", "10", "--patience", "0", "--resume",
+                "--max-minutes", "10", "--decay-minutes", "5") == 0
+    assert "feature cache complete" in capsys.readouterr().out
     evals = [json.loads(x) for x in (out / "eval_log.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 10, 20, 30]
 
