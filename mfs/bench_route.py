@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from mfs import data as D
+from mfs.runtime import save_figure
 from mfs import eval_questions as Q
 from mfs.family import load_family
 from worker.engine import Engine
@@ -167,10 +168,7 @@ def plot(out: dict, path: str) -> None:
     ax.set_ylabel(f"first sentence = top tier's ({out['prompts']} prompts)")
     ax.set_title(f"{out['model']}: routing quality against cost (target: upper left of the dashes)",
                  fontsize=9)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def add_parser(sub) -> None:

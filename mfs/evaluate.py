@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from mfs import data as D
+from mfs.runtime import save_figure
 from mfs import eval_questions as Q
 from mfs.family import build_model, manifest_for, resolve_base
 from worker.loader import load_base
@@ -214,10 +215,7 @@ def plot(res: dict, path: str | Path) -> None:
     a2.set_ylim(0, 1.05)
     a2.set_ylabel("greedy top-1 agreement with the original top tier")
     a2.set_title("agreement")
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 def run(args) -> int:
@@ -267,10 +265,7 @@ def plot_compare(runs: list[dict], path: str | Path) -> None:
         else:
             ax.set_ylim(0, 1.1)
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 def add_parser(sub) -> None:

@@ -45,3 +45,14 @@ def progress(**kw):
     kw.setdefault("mininterval", 1.0)
     kw.setdefault("dynamic_ncols", True)
     return tqdm(disable=None if sys.stderr.isatty() else True, **kw)
+
+
+def save_figure(fig, path, dpi: int = 100) -> None:
+    """Lays out, writes (creating the folder) and closes a matplotlib figure."""
+    from pathlib import Path  # noqa: PLC0415
+
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
