@@ -178,3 +178,30 @@ def test_quantized_weights_need_an_fp32_model(llama_dir):
     fam = _family(llama_dir, "fp32")
     with pytest.raises(ValueError):
         quantize_model(fam.model.double(), "int8")
+
+
+@pytest.mark.slow
+def test_independent_workers_quantize_their_standalone_tier(llama_dir):
+    """A standalone-tier worker cuts its copy from the fp32 family, then quantizes it: the tokens
+    equal the offline engine's over the quantized nested family."""
+    import redis
+    from mfs.launch import Service
+    from tests.test_pipeline import Reader, submit
+    from worker.engine import Engine
+    from worker.sampling import SamplingParams
+    with Service(str(llama_dir), tiers="2,4,6", layout="independent", gateway=False, dtype="float32",
+                 worker_args=["--num-blocks", "64", "--block-size", "4", "--threads", "1",
+                              "--weights", "int8"]) as svc:
+        r = redis.Redis.from_url(svc.redis_url)
+        prompts = {f"q{t}": ([9, 8, 7, 6 + t], t) for t in range(3)}
+        for rid, (p, t) in prompts.items():
+            submit(r, rid, p, t, max_tokens=6, ignore_eos=True)
+        rd = Reader(r)
+        rd.until(lambda: all(rd.finished(rid) for rid in prompts))
+        from mfs import protocol as P
+        workers = {w.decode() for w in r.smembers(P.WORKERS_SET)}
+        assert len(workers) == 3
+        assert all(r.hget(P.worker_key(w), "weights") == b"int8" for w in workers)
+    eng = Engine(_family(llama_dir, "int8").model, block_size=4, num_blocks=64)
+    for rid, (p, t) in prompts.items():
+        assert rd.tokens(rid) == eng.generate([p], [t], SamplingParams(max_tokens=6, ignore_eos=True))[0]
