@@ -205,3 +205,13 @@ def test_independent_workers_quantize_their_standalone_tier(llama_dir):
     eng = Engine(_family(llama_dir, "int8").model, block_size=4, num_blocks=64)
     for rid, (p, t) in prompts.items():
         assert rd.tokens(rid) == eng.generate([p], [t], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+
+
+@pytest.mark.slow
+def test_generate_with_int4_weights_answers_paris():
+    """The real default family served int4 (its precipitated weights, quantized at load) still answers."""
+    from tests.test_cli import run
+    r = run("generate", "--model", "default", "--weights", "int4", "--chat", "--max-tokens", "12",
+            "What is the capital of France? Answer briefly.")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
