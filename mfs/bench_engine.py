@@ -12,6 +12,7 @@ import json
 import platform
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -56,7 +57,8 @@ def _drive(engines: list[tuple[Engine, list[Item]]], label: str) -> dict:
     done: dict[str, float] = {}
     ntok: dict[str, int] = {}
     total = sum(it.max_tokens for _, items in engines for it in items)
-    bar = tqdm(total=total, desc=label, unit="tok", leave=False)
+    # A bar is for a terminal; in a log file every refresh would be a line.
+    bar = tqdm(total=total, desc=label, unit="tok", leave=False, disable=not sys.stderr.isatty())
     while any(e.has_unfinished() for e, _ in engines):
         for eng, _ in engines:
             if not eng.has_unfinished():

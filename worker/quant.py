@@ -81,10 +81,9 @@ class Int4Linear(nn.Module):
         N, K = q.shape
         assert scale.shape == zero.shape == (N, K // group) and K % group == 0 and N % 16 == 0
         self.in_features, self.out_features, self.group = K, N, group
-        self.exact = exact  # serve through the fp32 kernel (bit-exact weights, slow)
+        self.exact = exact  # fp32 scales/zeros and the fp32 kernel: bit-exact weights, slow
         sz = torch.stack([scale.float().t(), zero.float().t()], dim=-1).contiguous()  # [K/g, N, 2]
-        self.scales_zeros = nn.Parameter(sz, requires_grad=False)  # exact; first: a float32 parameter
-        self.scales_zeros_bf16 = nn.Parameter(sz.to(torch.bfloat16), requires_grad=False)
+        self.scales_zeros = nn.Parameter(sz if exact else sz.to(torch.bfloat16), requires_grad=False)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         self.qweight = nn.Parameter(packed, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
@@ -108,25 +107,17 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if self.exact:
-            y = torch._weight_int4pack_mm_for_cpu(x2.float().contiguous(), self.qweight, self.group,
-                                                  self.scales_zeros)
-        else:
-            y = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.qweight,
-                                                  self.group, self.scales_zeros_bf16).float()
+        x2 = x.reshape(-1, shape[-1]).to(self.scales_zeros.dtype).contiguous()
+        y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_zeros).float()
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
 
-    def dequantize(self, exact: bool = True) -> torch.Tensor:
-        """The weights as the kernel itself sees them (the fp32 one, or the bf16-scaled one): it
-        multiplies the identity (one product per output, no accumulation rounding)."""
-        eye = torch.eye(self.in_features, device=self.qweight.device)
-        if exact:
-            return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group, self.scales_zeros).t()
-        return torch._weight_int4pack_mm_for_cpu(eye.bfloat16(), self.qweight, self.group,
-                                                 self.scales_zeros_bf16).t().float()
+    def dequantize(self) -> torch.Tensor:
+        """The weights as the kernel itself sees them: it multiplies the identity (one product per
+        output, no accumulation rounding)."""
+        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype, device=self.qweight.device)
+        return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group, self.scales_zeros).t().float()
 
 
 class Int8Embedding(nn.Module):
@@ -197,7 +188,7 @@ def dequant_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 
 def q4_1_to_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> Int4Linear | None:
+                 bias: torch.Tensor | None = None, exact: bool = False) -> Int4Linear | None:
     """Q4_1 blocks as an Int4Linear with the same values: d * (q - 8) + (m + 8 d) = d * q + m, and the
     kernel's single fma rounds it exactly as the loader's d * q + m does (d * q is exact: an fp16 times a
     4-bit integer). None when some m + 8 d is not exact in fp32 (it is for every block we have met)."""
@@ -205,7 +196,7 @@ def q4_1_to_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
     zero = zero64.float()
     if not torch.equal(zero.double(), zero64):
         return None
-    return Int4Linear(q, d, zero, _GGUF_BLOCK, bias)
+    return Int4Linear(q, d, zero, _GGUF_BLOCK, bias, exact)
 
 
 @dataclass(slots=True)
@@ -265,6 +256,8 @@ def resolve_mode(mode: str, device: str = "cpu") -> str:
     if mode not in MODES:
         raise ValueError(f"--weights {mode!r}: expected one of {', '.join(MODES)}")
     if mode != "auto":
+        if mode != "fp32" and not str(device).startswith("cpu"):
+            raise ValueError(f"--weights {mode}: the quantized kernels here are CPU ones (device {device})")
         return mode
     cap = torch.backends.cpu.get_cpu_capability()
     choice = "int4" if str(device).startswith("cpu") and cap in ("AVX2", "AVX512") else "fp32"

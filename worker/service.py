@@ -44,6 +44,8 @@ class WorkerService:
         self.id = args.worker_id
         self.r = redis.Redis.from_url(args.redis_url)
         standalone = args.standalone_tier is not None
+        from worker.quant import resolve_mode  # noqa: PLC0415
+        self.weights = resolve_mode(args.weights, args.device)
         # A standalone tier is cut from the fp32 family, then quantized like the nested one.
         fam = load_family(args.model, tiers=args.tiers, dtype=args.dtype, device=args.device,
                           kernels=args.kernels, weights="fp32" if standalone else args.weights)
@@ -57,9 +59,9 @@ class WorkerService:
             source = fam.base.source
             del fam  # the rest of the family is not this worker's: give its memory back
             _release_memory()
-            if args.weights != "fp32":
+            if self.weights != "fp32":
                 from worker.quant import quantize_model  # noqa: PLC0415
-                quantize_model(model, args.weights, gguf_path=source, device=args.device)
+                quantize_model(model, self.weights, gguf_path=source, device=args.device)
         else:
             self.tiers, tier_map, nseg = list(range(ntiers)), None, ntiers
         self.num_blocks = [args.num_blocks] * nseg
@@ -81,7 +83,8 @@ class WorkerService:
                 "num_blocks": msgpack.packb(self.num_blocks), "block_size": self.block_size,
                 "max_model_len": self.max_model_len, "vocab_size": cfg.vocab_size,
                 "eos": msgpack.packb(list(cfg.eos_token_ids)), "started": self.started,
-                "device": str(self.runner.device), "kernels": self.model.ops.name, "pid": os.getpid(),
+                "device": str(self.runner.device), "kernels": self.model.ops.name, "weights": self.weights,
+                "pid": os.getpid(),
                 "epoch": self.epoch, "heartbeat": time.time()}
 
     def register(self) -> None:
