@@ -21,7 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from mfs import protocol as P
+from core import protocol as P
 
 log = structlog.get_logger("gateway.backend")
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import structlog
 from redis.exceptions import RedisError
 
+from core import protocol as P
 from gateway import complexity
 from gateway.auth import admit
 from gateway.backend import Backend, max_context
@@ -34,7 +35,6 @@ from gateway.openai_api import (MAX_CASCADE_WINDOW, MAX_SPEC_GAMMA, APIError, Ca
                                 CompletionRequest, GenParams, MultiLevel, Speculative, context_overflow,
                                 invalid, model_not_found)
 from gateway.ratelimit import RateLimiter
-from mfs import protocol as P
 
 log = structlog.get_logger("gateway")
 AUTO = "auto"

@@ -197,7 +197,7 @@ class Service:
     def wait_workers(self, timeout: float, n: int) -> None:
         import msgpack  # noqa: PLC0415
         import redis  # noqa: PLC0415
-        from mfs import protocol as P  # noqa: PLC0415
+        from core import protocol as P  # noqa: PLC0415
         r = redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

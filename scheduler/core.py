@@ -35,8 +35,8 @@ from enum import Enum
 
 import structlog
 
+from core.sampling import SamplingParams, finish_reason
 from scheduler.blocks import BlockPool, block_hash
-from worker.sampling import SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -53,17 +53,6 @@ class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-def finish_reason(token: int, num_output: int, num_tokens: int, max_tokens: int,
-                  stop_ids, max_model_len: int) -> str | None:
-    """Why a request ends after sampling `token` as its `num_output`-th output (None: it goes on).
-    Shared by the scheduler and the worker so both agree without a round trip."""
-    if token in stop_ids:
-        return "stop"
-    if num_output >= max_tokens or num_tokens >= max_model_len:
-        return "length"
-    return None
 
 
 @dataclass(slots=True)
@@ -246,10 +235,7 @@ class StepScheduler:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids, tier, params)
-        stop = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop.update(self.cfg.eos_token_ids)
-        req = Request(request_id, list(prompt_ids), tier, params, frozenset(stop),
+        req = Request(request_id, list(prompt_ids), tier, params, params.stop_ids(self.cfg.eos_token_ids),
                       next(self._arrivals), meta or {}, tiers=[tier])
         self.requests[request_id] = req
         self.waiting.append(req)

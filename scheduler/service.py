@@ -34,10 +34,10 @@ import msgpack
 import redis
 import structlog
 
+from core import protocol as P
+from core.sampling import SamplingParams, finish_reason
 from kvstore.directory import BlockDirectory, common_blocks
-from mfs import protocol as P
-from scheduler.core import InvalidRequest, ScheduledStep, SchedulerConfig, StepScheduler, finish_reason
-from worker.sampling import SamplingParams
+from scheduler.core import InvalidRequest, ScheduledStep, SchedulerConfig, StepScheduler
 
 log = structlog.get_logger(__name__)
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import redis
 
-from mfs import protocol as P
+from core import protocol as P
 from mfs.family import load_family
 from mfs.launch import Service
 from tests.test_pipeline import Reader, stats, submit, wait_kv_idle

@@ -1,7 +1,7 @@
 """The gateway against a real redis-server, with the test playing scheduler + worker.
 
 The fake backend reads the Submit/Cancel records the gateway XADDs to ``mfs:req`` and answers with
-TokenEvent records on ``mfs:out:{gateway}``, exactly as mfs/protocol.py describes; clients are the
+TokenEvent records on ``mfs:out:{gateway}``, exactly as core/protocol.py describes; clients are the
 official ``openai`` package and ``httpx`` (for raw bodies and disconnects) against a real port.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ import redis
 import uvloop
 from aiohttp import web
 
+from core import protocol as P
 from gateway.app import GatewayConfig, init_app
-from mfs import protocol as P
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture
 
 MAX_LEN = 4096

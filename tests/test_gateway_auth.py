@@ -16,11 +16,11 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
+from core import protocol as P
 from gateway.__main__ import parse_args
 from gateway.app import GatewayConfig, init_app
 from gateway.openai_api import Limits
 from gateway.ratelimit import RateLimiter, duration
-from mfs import protocol as P
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture (this module's own server)
 from tests.test_gateway import rds_worker, CHAT, PARIS, FakeBackend, ServerThread, _err, register_worker
 

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from core import protocol as P
 from gateway.app import GatewayConfig, init_app
-from mfs import protocol as P
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture
 from tests.test_gateway import PARIS, ServerThread, _err, backend, rds, register_worker  # noqa: F401
 

@@ -6,8 +6,8 @@ import msgpack
 import pytest
 import redis
 
+from core import protocol as P
 from kvstore.directory import BlockDirectory, common_blocks
-from mfs import protocol as P
 from mfs.launch import Service
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture
 from tests.test_pipeline import Reader, submit

@@ -7,7 +7,7 @@ import msgpack
 import pytest
 import redis
 
-from mfs import protocol as P
+from core import protocol as P
 from mfs.family import load_family
 from mfs.launch import Service
 from worker.engine import Engine

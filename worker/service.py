@@ -14,11 +14,10 @@ import redis
 import structlog
 import torch
 
-from mfs import protocol as P
-from scheduler.core import finish_reason
+from core import protocol as P
+from core.sampling import SamplingParams, finish_reason
 from worker.batch import RowInput
 from worker.runner import ModelRunner
-from worker.sampling import SamplingParams
 
 log = structlog.get_logger(__name__)
 
