@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 import msgpack
 
+from core.sampling import SamplingParams
+
 REQ_STREAM = "mfs:req"
 DONE_STREAM = "mfs:done"
 SCHEDULER_GROUP = "scheduler"
@@ -95,44 +97,50 @@ def progress_key(request_id: str) -> str:
     return f"mfs:progress:{request_id}"
 
 
+def to_wire(record) -> dict:
+    """A record (nested records included) as the plain dict msgpack packs."""
+    return asdict(record)
+
+
+def from_wire(cls, raw: dict):
+    """The plain dict off the wire -> ``cls``, its nested records (``cls.NESTED``: field -> record
+    type, or ``[record type]`` for a list of them) rebuilt too; unknown keys are ignored, so a newer
+    sender's extra fields do not break an older reader."""
+    names = {f.name for f in fields(cls)}
+    kw = {k: v for k, v in raw.items() if k in names}
+    for name, sub in getattr(cls, "NESTED", {}).items():
+        v = kw.get(name)
+        if v is None:
+            continue
+        kw[name] = [from_wire(sub[0], x) for x in v] if isinstance(sub, list) else from_wire(sub, v)
+    return cls(**kw)
+
+
 class Record:
     """Typed msgpack record: ``encode()`` -> stream fields, ``decode(fields)`` -> record."""
     TYPE = ""
 
     def encode(self) -> dict[str, bytes]:
-        return {"t": self.TYPE, "d": msgpack.packb(asdict(self), use_bin_type=True)}
+        return {"t": self.TYPE, "d": msgpack.packb(to_wire(self), use_bin_type=True)}
 
     @classmethod
     def from_body(cls, body: bytes):
-        raw = msgpack.unpackb(body, raw=False, strict_map_key=False)
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in names})
+        return from_wire(cls, msgpack.unpackb(body, raw=False, strict_map_key=False))
 
 
 @dataclass(slots=True)
 class Submit(Record):
+    """A new request, as the gateway validated it: the prompt, the routed tier and its sampling."""
     TYPE = "submit"
+    NESTED = {"params": SamplingParams}
     request_id: str
     gateway_id: str
     prompt_ids: list[int]
     tier: int
+    params: SamplingParams = field(default_factory=SamplingParams)
     model_id: str = ""
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
     arrival: float = 0.0
     session_id: str | None = None
-    # Multi-level sampling (issue 6): draft with this lower tier, verify with `tier`, gamma at a time...
-    spec_draft_tier: int | None = None
-    spec_gamma: int = 4
-    # ...or a confidence cascade: start at `tier`, escalate one tier up whenever the mean max-probability
-    # of the last `cascade_window` tokens falls below `cascade_threshold`.
-    cascade_threshold: float | None = None
-    cascade_window: int = 4
 
 
 @dataclass(slots=True)
@@ -166,27 +174,20 @@ class TokenEvent(Record):
 @dataclass(slots=True)
 class NewRequest:
     """What a worker must know of a request to sample it and to notice its end."""
+    NESTED = {"params": SamplingParams}
     request_id: str
     gateway_id: str
     tier: int
     prompt_len: int
-    max_tokens: int
-    stop_ids: list[int]
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
+    params: SamplingParams  # max_tokens is what is left of it (after a re-plan)
+    stop_ids: list[int]     # params' stop ids and, unless ignored, the model's EOS
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     seq_offset: int = 0     # output tokens streamed before a re-plan (after a worker was lost)
-    spec_draft_tier: int | None = None
-    spec_gamma: int = 4
-    cascade_threshold: float | None = None
-    cascade_window: int = 4
-    spec_stop_confidence: float = 0.5
 
 
 @dataclass(slots=True)
 class PlanRow:
+    """One row of a step: tokens of one request computed through segments ``enter..tier``."""
     request_id: str
     tier: int
     token_ids: list[int]
@@ -203,9 +204,10 @@ class PlanRow:
 @dataclass(slots=True)
 class StepPlan(Record):
     TYPE = "plan"
+    NESTED = {"new": [NewRequest], "rows": [PlanRow]}
     step_id: int
-    new: list[dict] = field(default_factory=list)    # NewRequest as dicts
-    rows: list[dict] = field(default_factory=list)   # PlanRow as dicts
+    new: list[NewRequest] = field(default_factory=list)  # requests the worker sees for the first time
+    rows: list[PlanRow] = field(default_factory=list)    # this step's rows, any order
     drop: list[str] = field(default_factory=list)    # requests the worker may forget
     worker_started: str = ""  # the worker life it was made for: block tables of another life are stale
     epoch: int = 0            # the leading scheduler's generation: a newer one resets the worker's requests

@@ -26,6 +26,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from core import protocol as P
+from core.sampling import SamplingParams
 from gateway import complexity
 from gateway.auth import admit
 from gateway.backend import Backend, max_context
@@ -347,13 +348,13 @@ class Generation:
 
     async def start(self) -> None:
         j, p = self.job, self.job.params
+        params = SamplingParams(max_tokens=j.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                seed=p.seed, stop_token_ids=tuple(sorted(self.stop_ids)), ignore_eos=p.ignore_eos,
+                                spec_draft_tier=j.spec_draft, spec_gamma=j.spec_gamma,
+                                cascade_threshold=j.cascade_threshold, cascade_window=j.cascade_window)
         sub = P.Submit(request_id=j.request_id, gateway_id=self.svc.gateway_id, prompt_ids=j.prompt_ids,
-                       tier=j.tier, model_id=self.model, max_tokens=j.max_tokens, temperature=p.temperature,
-                       top_p=p.top_p, top_k=p.top_k, seed=p.seed, stop_token_ids=sorted(self.stop_ids),
-                       ignore_eos=p.ignore_eos, arrival=time.time(),
-                       session_id=self.request.headers.get("X-Session-ID") or p.session_id,
-                       spec_draft_tier=j.spec_draft, spec_gamma=j.spec_gamma,
-                       cascade_threshold=j.cascade_threshold, cascade_window=j.cascade_window)
+                       tier=j.tier, params=params, model_id=self.model, arrival=time.time(),
+                       session_id=self.request.headers.get("X-Session-ID") or p.session_id)
         try:
             self.queue = await self.svc.backend.submit(sub)  # registers nothing when it fails
         except (RedisError, OSError) as e:

@@ -35,7 +35,7 @@ import redis
 import structlog
 
 from core import protocol as P
-from core.sampling import SamplingParams, finish_reason
+from core.sampling import finish_reason
 from kvstore.directory import BlockDirectory, common_blocks
 from scheduler.core import InvalidRequest, ScheduledStep, SchedulerConfig, StepScheduler
 
@@ -262,22 +262,17 @@ class SchedulerService:
             return
         seq_offset = 0
         if done:
-            cfg = cands[0].core.cfg
-            stop = set(s.stop_token_ids) | (set() if s.ignore_eos else set(cfg.eos_token_ids))
-            if finish_reason(done[-1], len(done), len(s.prompt_ids) + len(done), s.max_tokens, stop,
-                             cfg.max_model_len):
+            cfg, max_tokens = cands[0].core.cfg, s.params.max_tokens
+            if finish_reason(done[-1], len(done), len(s.prompt_ids) + len(done), max_tokens,
+                             s.params.stop_ids(cfg.eos_token_ids), cfg.max_model_len):
                 self.end(s.request_id, entry)  # it ended; only the acknowledgement was missing
                 return
-            s = dataclasses.replace(s, prompt_ids=s.prompt_ids + done, max_tokens=s.max_tokens - len(done))
+            s = dataclasses.replace(s, prompt_ids=s.prompt_ids + done,
+                                    params=dataclasses.replace(s.params, max_tokens=max_tokens - len(done)))
             seq_offset = len(done)
         w = self.place(s, cands)
-        params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                                top_k=s.top_k, seed=s.seed, stop_token_ids=tuple(s.stop_token_ids),
-                                ignore_eos=s.ignore_eos, spec_draft_tier=s.spec_draft_tier,
-                                spec_gamma=s.spec_gamma, cascade_threshold=s.cascade_threshold,
-                                cascade_window=s.cascade_window)
         try:
-            w.core.add_request(s.request_id, s.prompt_ids, s.tier, params,
+            w.core.add_request(s.request_id, s.prompt_ids, s.tier, s.params,
                                meta={"gateway_id": s.gateway_id, "arrival": s.arrival,
                                      "session_id": s.session_id, "entry": entry, "seq_offset": seq_offset})
         except InvalidRequest as e:
@@ -371,33 +366,21 @@ class SchedulerService:
             w.step_id += 1
             plan = P.StepPlan(
                 w.step_id,
-                new=[{"request_id": r.request_id, "gateway_id": r.meta.get("gateway_id", ""),
-                      "tier": r.tier, "prompt_len": len(r.prompt_ids), "max_tokens": r.params.max_tokens,
-                      "stop_ids": sorted(r.stop_ids), "temperature": r.params.temperature,
-                      "top_p": r.params.top_p, "top_k": r.params.top_k, "seed": r.params.seed,
-                      "cached_tokens": r.num_cached_tokens, "seq_offset": r.meta.get("seq_offset", 0),
-                      "spec_draft_tier": r.params.spec_draft_tier, "spec_gamma": r.params.spec_gamma,
-                      "cascade_threshold": r.params.cascade_threshold,
-                      "cascade_window": r.params.cascade_window,
-                      "spec_stop_confidence": r.params.spec_stop_confidence}
+                new=[P.NewRequest(r.request_id, r.meta.get("gateway_id", ""), r.tier, len(r.prompt_ids),
+                                  r.params, sorted(r.stop_ids), r.num_cached_tokens, r.meta.get("seq_offset", 0))
                      for r in sched.new],
-                rows=[{"request_id": r.request_id, "tier": r.tier,
-                       "token_ids": r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n),
-                       "start_pos": r.num_computed_tokens, "block_tables": r.block_tables,
-                       "sample": r.num_computed_tokens + n == r.num_tokens,
-                       "num_output": len(r.output_ids)} for r, n in sched.rows]
-                + [{"request_id": r.request_id, "tier": r.tier, "token_ids": r.token_slice(a, b),
-                    "start_pos": a, "block_tables": r.block_tables, "sample": False,
-                    "num_output": len(r.output_ids), "enter": seg} for r, seg, a, b in sched.catchups]
+                rows=[P.PlanRow(r.request_id, r.tier, r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n),
+                                r.num_computed_tokens, r.block_tables, r.num_computed_tokens + n == r.num_tokens,
+                                len(r.output_ids)) for r, n in sched.rows]
+                + [P.PlanRow(r.request_id, r.tier, r.token_slice(a, b), a, r.block_tables, False, len(r.output_ids),
+                             enter=seg) for r, seg, a, b in sched.catchups]
                 # Self-speculation: draft rows run the draft tier's segments; verification rows the
                 # segments above it, from the hidden state the drafts stored at its exit.
-                + [{"request_id": r.request_id, "tier": r.params.spec_draft_tier, "token_ids": [x],
-                    "start_pos": pos, "block_tables": r.block_tables, "sample": True,
-                    "num_output": len(r.output_ids), "draft": True} for r, x, pos in sched.drafts]
-                + [{"request_id": r.request_id, "tier": r.tier, "token_ids": toks, "start_pos": a,
-                    "block_tables": r.block_tables, "sample": False, "num_output": len(r.output_ids),
-                    "enter": r.params.spec_draft_tier + 1, "sample_all": True,
-                    "drafts": r.drafts[:len(toks)]} for r, toks, a in sched.verifies],
+                + [P.PlanRow(r.request_id, r.params.spec_draft_tier, [x], pos, r.block_tables, True,
+                             len(r.output_ids), draft=True) for r, x, pos in sched.drafts]
+                + [P.PlanRow(r.request_id, r.tier, toks, a, r.block_tables, False, len(r.output_ids),
+                             enter=r.params.spec_draft_tier + 1, sample_all=True, drafts=r.drafts[:len(toks)])
+                   for r, toks, a in sched.verifies],
                 drop=sched.drop, worker_started=w.started, epoch=self.epoch)
             self.r.xadd(P.plan_stream(w.worker_id), plan.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
             w.inflight, w.sent_at = sched, time.monotonic()

@@ -124,8 +124,9 @@ def test_a_gateway_that_disappears_has_its_requests_cancelled(llama_dir):
         gw = "gw-vanishing"
         r.set(P.gateway_key(gw), "{}", ex=2)  # the test plays a gateway's heartbeat...
         for i in range(12):  # long requests: ~500 tokens each at this context limit
-            r.xadd(P.REQ_STREAM, P.Submit(f"g{i}", gw, [5, 6, 7, 8], i % 3, max_tokens=5000,
-                                          ignore_eos=True, arrival=time.time()).encode())
+            sub = P.Submit(f"g{i}", gw, [5, 6, 7, 8], i % 3, SamplingParams(max_tokens=5000, ignore_eos=True),
+                           arrival=time.time())
+            r.xadd(P.REQ_STREAM, sub.encode())
         rd = Reader(r, gw)
         rd.until(lambda: len(rd.events) == 12)
         t_end = time.monotonic() + 2.2  # ...for a while: the scheduler sees it alive (it looks every 2 s)

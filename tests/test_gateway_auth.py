@@ -231,4 +231,4 @@ def test_bounds_are_400_naming_the_parameter(gateway):
 def test_max_tokens_cap_bounds_the_default(gateway, backend):
     gw = gateway(limits=Limits(max_tokens_cap=48))
     assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT).status_code == 200
-    assert backend.last_submit().max_tokens == 48
+    assert backend.last_submit().params.max_tokens == 48

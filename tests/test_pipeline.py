@@ -23,8 +23,9 @@ def nested_service(llama_dir):
         yield svc
 
 
-def submit(r, rid, prompt, tier, **kw):
-    r.xadd(P.REQ_STREAM, P.Submit(rid, GW, prompt, tier, arrival=time.time(), **kw).encode())
+def submit(r, rid, prompt, tier, session_id=None, **params):
+    sub = P.Submit(rid, GW, prompt, tier, SamplingParams(**params), arrival=time.time(), session_id=session_id)
+    r.xadd(P.REQ_STREAM, sub.encode())
 
 
 class Reader:

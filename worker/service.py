@@ -15,7 +15,7 @@ import structlog
 import torch
 
 from core import protocol as P
-from core.sampling import SamplingParams, finish_reason
+from core.sampling import finish_reason
 from worker.batch import RowInput
 from worker.runner import ModelRunner
 
@@ -166,16 +166,11 @@ class WorkerService:
         self.runner.drop(plan.drop)
         for rid in plan.drop:
             self.live.pop(rid, None)
-        for n in plan.new:
-            nr = P.NewRequest(**n)
-            self.runner.add(nr.request_id, SamplingParams(
-                max_tokens=nr.max_tokens, temperature=nr.temperature, top_p=nr.top_p, top_k=nr.top_k,
-                seed=nr.seed, spec_draft_tier=nr.spec_draft_tier, spec_gamma=nr.spec_gamma,
-                cascade_threshold=nr.cascade_threshold, cascade_window=nr.cascade_window,
-                spec_stop_confidence=nr.spec_stop_confidence))
-            self.live[nr.request_id] = Live(nr.gateway_id, nr.tier, nr.prompt_len, nr.max_tokens,
+        for nr in plan.new:
+            self.runner.add(nr.request_id, nr.params)
+            self.live[nr.request_id] = Live(nr.gateway_id, nr.tier, nr.prompt_len, nr.params.max_tokens,
                                             frozenset(nr.stop_ids), nr.cached_tokens, nr.seq_offset)
-        rows = [P.PlanRow(**d) for d in plan.rows]
+        rows = plan.rows
         out = self.runner.execute([(r.request_id, RowInput(
             r.tier, r.token_ids, r.start_pos, r.block_tables, r.sample, r.enter, sample_all=r.sample_all,
             draft=r.draft, drafts=r.drafts)) for r in rows])
