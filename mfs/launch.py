@@ -195,15 +195,14 @@ class Service:
         raise TimeoutError(f"the service was not ready within {timeout:.0f}s (logs: {self.log_dir})")
 
     def wait_workers(self, timeout: float, n: int) -> None:
-        import msgpack  # noqa: PLC0415
         import redis  # noqa: PLC0415
         from core import protocol as P  # noqa: PLC0415
         r = redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._check_alive()
-            raw = r.hget(P.STATS_KEY, "scheduler")  # the scheduler has seen them, not only Redis
-            if raw and msgpack.unpackb(raw, strict_map_key=False).get("workers", 0) >= n:
+            snap = P.StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
+            if snap is not None and snap.workers >= n:  # the scheduler has seen them, not only Redis
                 return
             time.sleep(0.25)
         raise TimeoutError(f"{n} workers did not register within {timeout:.0f}s (logs: {self.log_dir})")

@@ -26,11 +26,9 @@ import argparse
 import dataclasses
 import os
 import socket
-import struct
 import time
 from dataclasses import dataclass, field
 
-import msgpack
 import redis
 import structlog
 
@@ -91,16 +89,6 @@ return 0
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
-def pack_tokens(tokens: list[int]) -> bytes:
-    return struct.pack(f"<{len(tokens)}i", *tokens)
-
-
-def unpack_tokens(raw: bytes | None) -> list[int]:
-    if not raw:
-        return []
-    return list(struct.unpack(f"<{len(raw) // 4}i", raw[:len(raw) // 4 * 4]))
-
-
 class SchedulerService:
     def __init__(self, redis_url: str, limits: Limits, consumer: str | None = None, lease_s: float = 3.0):
         self.r = redis.Redis.from_url(redis_url)
@@ -146,15 +134,15 @@ class SchedulerService:
     def refresh_workers(self) -> None:
         ids = {m.decode() for m in self.r.smembers(P.WORKERS_SET)}
         for wid in ids:
-            info = self.r.hgetall(P.worker_key(wid))
-            if not info:
+            raw = self.r.hgetall(P.worker_key(wid))
+            if not raw:
                 self.r.srem(P.WORKERS_SET, wid)
                 continue
-            if b"started" not in info:  # a heartbeat after a Redis restart; the full hash follows
+            info = P.WorkerInfo.from_hash(raw)
+            if info is None:  # a heartbeat after a Redis restart; the full hash follows
                 continue
-            started = info[b"started"].decode()
             w = self.workers.get(wid)
-            if w is not None and w.started == started:
+            if w is not None and w.started == info.started:
                 continue
             if w is not None:
                 self.lose_worker(wid, "the worker restarted")
@@ -163,19 +151,18 @@ class SchedulerService:
             if wid not in ids or not self.r.exists(P.worker_key(wid)):
                 self.lose_worker(wid, "the worker stopped answering")
 
-    def _new_worker(self, wid: str, info: dict) -> WorkerState:
-        tiers = msgpack.unpackb(info[b"tiers"])
-        num_tiers = int(info[b"num_tiers"])
-        standalone = len(tiers) == 1 and num_tiers > 1
+    def _new_worker(self, wid: str, info: P.WorkerInfo) -> WorkerState:
+        tiers = info.tiers
+        standalone = len(tiers) == 1 and info.num_tiers > 1
         lim = self.limits
         cfg = SchedulerConfig(
-            num_tiers=num_tiers if not standalone else 1,
-            num_blocks=msgpack.unpackb(info[b"num_blocks"]), block_size=int(info[b"block_size"]),
+            num_tiers=info.num_tiers if not standalone else 1,
+            num_blocks=list(info.num_blocks), block_size=info.block_size,
             max_num_batched_tokens=lim.max_num_batched_tokens, max_num_seqs=lim.max_num_seqs,
-            max_model_len=int(info[b"max_model_len"]), max_tiers_per_step=lim.max_tiers_per_step,
+            max_model_len=info.max_model_len, max_tiers_per_step=lim.max_tiers_per_step,
             path_switches_per_s=lim.path_switches_per_s, kv_quota=dict(lim.kv_quota),
             served_tiers=tuple(tiers) if standalone else None,
-            eos_token_ids=tuple(msgpack.unpackb(info[b"eos"])), vocab_size=int(info[b"vocab_size"]),
+            eos_token_ids=tuple(info.eos), vocab_size=info.vocab_size,
             enable_prefix_caching=lim.prefix_caching, cache_ttl_s=lim.cache_ttl_s,
             spec_min_acceptance=lim.spec_min_acceptance, spec_probe_every=lim.spec_probe_every)
         if standalone:  # a standalone copy keeps global tier numbers for validation, one segment
@@ -185,7 +172,7 @@ class SchedulerService:
         core = StepScheduler(cfg)
         core.cache_log = []
         self.directory.drop_worker(wid)  # whatever a previous life of this id (or scheduler) listed
-        return WorkerState(wid, info[b"started"].decode(), tiers, core)
+        return WorkerState(wid, info.started, tiers, core)
 
     def lose_worker(self, wid: str, why: str) -> None:
         w = self.workers.pop(wid, None)
@@ -351,7 +338,7 @@ class SchedulerService:
                                                  [c[:full] for c in req.block_hashes])
             elif o.new_token_ids:  # what a new leader would resume it from
                 key = P.progress_key(o.request_id)
-                pipe.append(key, pack_tokens(o.new_token_ids))
+                pipe.append(key, P.encode_progress(o.new_token_ids))
                 pipe.expire(key, P.PROGRESS_TTL_S)
         pipe.execute()
         w.inflight = None
@@ -423,15 +410,15 @@ class SchedulerService:
                 for seg, v in enumerate(getattr(w.core.stats, k)):
                     per_seg[seg] = per_seg.get(seg, 0) + v
             held[w.worker_id] = self.directory.num_held(w.worker_id)
-        stats = {"waiting": waiting, "running": running, "kv_blocks_used": used, "kv_blocks_total": total,
-                 "path_switches": sw, "replanned": self.replanned, "preemptions": pre,
-                 "workers": len(self.workers), "updated": time.time(), "steps": self.step_count,
-                 "step_roundtrip_s": self.step_roundtrip_s, "step_forward_s": self.step_forward_s,
-                 **cache, "directory_blocks": held, "affinity_preferred": self.affinity_preferred,
-                 "affinity_yielded": self.affinity_yielded, "leader": self.consumer, "epoch": self.epoch,
-                 "takeovers": self.takeovers, "gateway_cancels": self.gateway_cancels,
-                 "spec": spec, "spec_gated": gated, "escalations_by_pair": escal, "escalations": sum(escal.values())}
-        self.r.hset(P.STATS_KEY, "scheduler", msgpack.packb(stats))
+        snap = P.StatsSnapshot(
+            leader=self.consumer, epoch=self.epoch, takeovers=self.takeovers, updated=time.time(),
+            workers=len(self.workers), waiting=waiting, running=running, kv_blocks_used=used,
+            kv_blocks_total=total, path_switches=sw, preemptions=pre, replanned=self.replanned,
+            gateway_cancels=self.gateway_cancels, steps=self.step_count, step_roundtrip_s=self.step_roundtrip_s,
+            step_forward_s=self.step_forward_s, **cache, directory_blocks=held,
+            affinity_preferred=self.affinity_preferred, affinity_yielded=self.affinity_yielded, spec=spec,
+            spec_gated=gated, escalations_by_pair=escal, escalations=sum(escal.values()))
+        self.r.hset(P.STATS_KEY, "scheduler", snap.encode())
 
     # ---- leadership ----------------------------------------------------------------------------
     def try_lead(self) -> bool:
@@ -513,7 +500,7 @@ class SchedulerService:
             pipe.get(P.progress_key(sub.request_id))
         progress = pipe.execute() if subs else []
         for (entry_id, sub), raw in zip(subs, progress):
-            self.on_submit(sub, entry_id, unpack_tokens(raw))
+            self.on_submit(sub, entry_id, P.decode_progress(raw))
         for entry_id, c in cancels:
             self.on_cancel(c)
             self.r.xack(P.REQ_STREAM, P.SCHEDULER_GROUP, entry_id)

@@ -76,7 +76,7 @@ def test_worker_killed_mid_generation_32_streams_complete_on_the_other(llama_dir
         moved = [rid for rid, evs in rd.events.items() if {e.worker for e in evs} == {"w0", "w1"}]
         assert moved, "no request was in flight on the killed worker"
         dups = sum(len(e.token_ids) for v in rd.events.values() for e in v) - sum(n for *_, n in work)
-        assert stats(r)["replanned"] == len(moved)
+        assert stats(r).replanned == len(moved)
     assert_complete_and_equal(rd, work, expected(llama_dir, work))
     print(f"worker kill: {len(work)} streams, {len(moved)} moved, {dups} duplicate tokens dropped by seq, "
           f"all complete {recovered_in:.1f}s after the kill")
@@ -109,7 +109,7 @@ def test_leading_scheduler_killed_the_standby_takes_over(llama_dir):
         rd.until(lambda: all(rd.finished(rid) for rid, *_ in work), timeout=120)
         done_in = time.monotonic() - killed_at
         s = wait_kv_idle(r)
-        assert s["takeovers"] == 1 and s["epoch"] == epoch + 1
+        assert s.takeovers == 1 and s.epoch == epoch + 1
         # Every submit was acknowledged at its end; no progress record is left behind.
         assert r.xpending(P.REQ_STREAM, P.SCHEDULER_GROUP)["pending"] == 0
         assert not list(r.scan_iter(P.progress_key("*")))
@@ -142,7 +142,7 @@ def test_a_gateway_that_disappears_has_its_requests_cancelled(llama_dir):
         s = wait_kv_idle(r)
         # The fast tier may finish a request (~500 tokens) before the gateway goes; the rest are
         # cancelled, not run to their end.
-        assert s["gateway_cancels"] >= 1, s
+        assert s.gateway_cancels >= 1, s
         assert r.xpending(P.REQ_STREAM, P.SCHEDULER_GROUP)["pending"] == 0
         assert not list(r.scan_iter(P.progress_key("*")))
     print(f"gateway gone: {s['gateway_cancels']} requests in flight cancelled and its stream deleted "

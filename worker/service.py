@@ -9,7 +9,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import msgpack
 import redis
 import structlog
 import torch
@@ -68,14 +67,12 @@ class WorkerService:
         self.epoch = 0  # the newest scheduler generation seen in a plan
 
     # ---- registration ------------------------------------------------------------------------
-    def info(self) -> dict:
+    def info(self) -> P.WorkerInfo:
         cfg = self.model.cfg
-        return {"tiers": msgpack.packb(self.tiers), "num_tiers": self.num_tiers,
-                "num_blocks": msgpack.packb(self.num_blocks), "block_size": self.block_size,
-                "max_model_len": self.max_model_len, "vocab_size": cfg.vocab_size,
-                "eos": msgpack.packb(list(cfg.eos_token_ids)), "started": self.started,
-                "device": str(self.runner.device), "kernels": self.model.ops.name, "pid": os.getpid(),
-                "epoch": self.epoch, "heartbeat": time.time()}
+        return P.WorkerInfo(self.tiers, self.num_tiers, self.num_blocks, self.block_size, self.max_model_len,
+                            cfg.vocab_size, list(cfg.eos_token_ids), self.started, device=str(self.runner.device),
+                            kernels=self.model.ops.name, pid=os.getpid(), epoch=self.epoch,
+                            heartbeat=time.time())
 
     def register(self) -> None:
         stream = P.plan_stream(self.id)
@@ -96,7 +93,7 @@ class WorkerService:
         """The whole registration every time: after a Redis restart that lost it, the next heartbeat
         brings it back complete."""
         p = client.pipeline()
-        p.hset(P.worker_key(self.id), mapping=self.info())
+        p.hset(P.worker_key(self.id), mapping=self.info().to_hash())
         p.expire(P.worker_key(self.id), P.WORKER_TTL_S)
         p.sadd(P.WORKERS_SET, self.id)
         p.execute()
