@@ -145,7 +145,7 @@ def test_a_gateway_that_disappears_has_its_requests_cancelled(llama_dir):
         assert s.gateway_cancels >= 1, s
         assert r.xpending(P.REQ_STREAM, P.SCHEDULER_GROUP)["pending"] == 0
         assert not list(r.scan_iter(P.progress_key("*")))
-    print(f"gateway gone: {s['gateway_cancels']} requests in flight cancelled and its stream deleted "
+    print(f"gateway gone: {s.gateway_cancels} requests in flight cancelled and its stream deleted "
           f"{cancelled_in:.1f}s after its last heartbeat (key TTL 2 s)")
 
 
