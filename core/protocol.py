@@ -188,18 +188,21 @@ class NewRequest:
 
 @dataclass(slots=True)
 class PlanRow:
-    """One row of a step: tokens of one request computed through segments ``enter..tier``."""
+    """One row of a step: tokens of one request computed through segments ``enter..tier``. Built in
+    one place (scheduler/plan.py), run by worker/runner.py as it is."""
     request_id: str
     tier: int
-    token_ids: list[int]
-    start_pos: int
-    block_tables: list[list[int]]
-    sample: bool
+    token_ids: list[int]           # tokens computed this step
+    start_pos: int                 # tokens of this row already in the cache
+    block_tables: list[list[int]]  # one per segment 0..tier
+    sample: bool                   # the row's last token is its newest: sample the next
     num_output: int  # output tokens the request already has (the seq of the token sampled now)
-    enter: int = 0   # first segment computed: > 0 for a cross-tier catch-up row
+    enter: int = 0   # first segment computed: > 0 for a cross-tier catch-up row (from stored hidden)
     draft: bool = False       # a speculation draft row: its token is the scheduler's, never streamed
-    sample_all: bool = False  # a verification row: the worker accepts/rejects `drafts` and streams...
-    drafts: list[int] = field(default_factory=list)  # ...the committed tokens
+    sample_all: bool = False  # a verification row (logits at every position): the worker accepts or
+    #                           rejects `drafts` and streams the committed tokens
+    drafts: list[int] = field(default_factory=list)  # verification: the round's draft tokens, one per
+    #                           position of token_ids ([last committed] + drafts[:-1])
 
 
 @dataclass(slots=True)

@@ -36,6 +36,7 @@ from core import protocol as P
 from core.sampling import finish_reason
 from kvstore.directory import BlockDirectory, common_blocks
 from scheduler.core import InvalidRequest, ScheduledStep, SchedulerConfig, StepScheduler
+from scheduler.plan import build_plan
 
 log = structlog.get_logger(__name__)
 
@@ -351,24 +352,7 @@ class SchedulerService:
             if not (sched.rows or sched.drafts or sched.verifies or sched.catchups):
                 continue
             w.step_id += 1
-            plan = P.StepPlan(
-                w.step_id,
-                new=[P.NewRequest(r.request_id, r.meta.get("gateway_id", ""), r.tier, len(r.prompt_ids),
-                                  r.params, sorted(r.stop_ids), r.num_cached_tokens, r.meta.get("seq_offset", 0))
-                     for r in sched.new],
-                rows=[P.PlanRow(r.request_id, r.tier, r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n),
-                                r.num_computed_tokens, r.block_tables, r.num_computed_tokens + n == r.num_tokens,
-                                len(r.output_ids)) for r, n in sched.rows]
-                + [P.PlanRow(r.request_id, r.tier, r.token_slice(a, b), a, r.block_tables, False, len(r.output_ids),
-                             enter=seg) for r, seg, a, b in sched.catchups]
-                # Self-speculation: draft rows run the draft tier's segments; verification rows the
-                # segments above it, from the hidden state the drafts stored at its exit.
-                + [P.PlanRow(r.request_id, r.params.spec_draft_tier, [x], pos, r.block_tables, True,
-                             len(r.output_ids), draft=True) for r, x, pos in sched.drafts]
-                + [P.PlanRow(r.request_id, r.tier, toks, a, r.block_tables, False, len(r.output_ids),
-                             enter=r.params.spec_draft_tier + 1, sample_all=True, drafts=r.drafts[:len(toks)])
-                   for r, toks, a in sched.verifies],
-                drop=sched.drop, worker_started=w.started, epoch=self.epoch)
+            plan = build_plan(sched, w.step_id, w.started, self.epoch)
             self.r.xadd(P.plan_stream(w.worker_id), plan.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
             w.inflight, w.sent_at = sched, time.monotonic()
 

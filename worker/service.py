@@ -15,7 +15,6 @@ import torch
 
 from core import protocol as P
 from core.sampling import finish_reason
-from worker.batch import RowInput
 from worker.runner import ModelRunner
 
 log = structlog.get_logger(__name__)
@@ -168,9 +167,7 @@ class WorkerService:
             self.live[nr.request_id] = Live(nr.gateway_id, nr.tier, nr.prompt_len, nr.params.max_tokens,
                                             frozenset(nr.stop_ids), nr.cached_tokens, nr.seq_offset)
         rows = plan.rows
-        out = self.runner.execute([(r.request_id, RowInput(
-            r.tier, r.token_ids, r.start_pos, r.block_tables, r.sample, r.enter, sample_all=r.sample_all,
-            draft=r.draft, drafts=r.drafts)) for r in rows])
+        out = self.runner.execute(rows)
         dt = time.perf_counter() - t0
         # What a client sees: plain rows' tokens and verification rows' committed tokens; never drafts.
         emitted = {rid: [tok] for rid, tok in out.tokens.items()}
