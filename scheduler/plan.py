@@ -4,7 +4,7 @@ in a StepPlan."""
 from __future__ import annotations
 
 from core import protocol as P
-from scheduler.core import ScheduledStep
+from scheduler.request import ScheduledStep
 
 
 def plan_rows(step: ScheduledStep) -> list[P.PlanRow]:

@@ -13,7 +13,8 @@ import structlog
 
 from core import protocol as P
 from kvstore.directory import BlockDirectory, common_blocks
-from scheduler.core import InvalidRequest, Request, ScheduledStep, SchedulerConfig, StepScheduler
+from scheduler.core import StepScheduler
+from scheduler.request import InvalidRequest, Request, ScheduledStep, SchedulerConfig
 
 log = structlog.get_logger(__name__)
 

@@ -37,11 +37,11 @@ import structlog
 
 from core import protocol as P
 from core.sampling import finish_reason
-from scheduler.core import InvalidRequest
 from scheduler.housekeeping import GatewayReaper, trim_streams
 from scheduler.leadership import Lease, claim_requests, drop_idle_consumers
 from scheduler.plan import build_plan
 from scheduler.registry import Limits, WorkerRegistry
+from scheduler.request import InvalidRequest
 from scheduler.stats import snapshot
 
 __all__ = ["Limits", "SchedulerService", "main"]
