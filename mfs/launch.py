@@ -80,16 +80,6 @@ class EmbeddedRedis:
         self.proc = None
 
 
-def install_stop_signals() -> None:
-    """SIGINT and SIGTERM both end a service process through KeyboardInterrupt, so its clean-up runs
-    (a scheduler hands its lease over at once, a worker deregisters) even when it was started with
-    SIGINT ignored (from a background job) or is stopped with SIGTERM (`docker compose stop`)."""
-    def _interrupt(signum, frame):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
-
-
 def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
     if proc.poll() is not None:
         return

@@ -36,6 +36,7 @@ import redis
 import structlog
 
 from core import protocol as P
+from core.logs import configure, install_stop_signals
 from core.sampling import finish_reason
 from scheduler.housekeeping import GatewayReaper, trim_streams
 from scheduler.leadership import Lease, claim_requests, drop_idle_consumers
@@ -330,8 +331,6 @@ def parse_quota(spec: str | None) -> dict[int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mfs.launch import install_stop_signals  # noqa: PLC0415
-    from mfs.logs import configure  # noqa: PLC0415
     p = argparse.ArgumentParser(prog="python -m scheduler", description="MFS scheduler process")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")

@@ -220,8 +220,7 @@ def _release_memory() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from mfs.commands import add_model_args  # noqa: PLC0415
-    from mfs.launch import install_stop_signals  # noqa: PLC0415
-    from mfs.logs import configure  # noqa: PLC0415
+    from core.logs import configure, install_stop_signals  # noqa: PLC0415
     p = argparse.ArgumentParser(prog="python -m worker", description="MFS worker process")
     add_model_args(p)
     p.add_argument("--worker-id", default=f"w-{os.getpid()}")
