@@ -181,10 +181,6 @@ class Backend:
         if run_id:
             self.run_id, self._outage_unchecked = run_id, False
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self._queues)
-
     # ---- the reader task -----------------------------------------------------------------------
     async def _tail_id(self) -> str:
         last = await self.redis.xrevrange(self.stream, count=1)
