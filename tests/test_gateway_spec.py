@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from core import protocol as P
+from core.sampling import SamplingParams
 from gateway.app import GatewayConfig, init_app
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture
 from tests.test_gateway import PARIS, ServerThread, _err, backend, rds, register_worker  # noqa: F401
@@ -122,6 +123,16 @@ def test_per_request_speculation_without_server_default(gw_plain, backend):
     assert backend.submits[r.id].params.spec_draft_tier == 0 and backend.submits[r.id].params.temperature == 1.3
 
 
+def test_speculation_stop_confidence_reaches_the_submit(gw_plain, backend):
+    """mfs.speculative.stop_confidence sets SamplingParams.spec_stop_confidence; unset, its default."""
+    r = chat(gw_plain, LARGE, {"speculative": {"draft": "small", "stop_confidence": 0.2}})
+    assert backend.submits[r.id].params.spec_stop_confidence == 0.2
+    r = chat(gw_plain, LARGE, {"speculative": {"draft": "small", "stop_confidence": 0}})
+    assert backend.submits[r.id].params.spec_stop_confidence == 0.0  # always draft gamma
+    r = chat(gw_plain, LARGE, {"speculative": {"draft": "small"}})
+    assert backend.submits[r.id].params.spec_stop_confidence == SamplingParams().spec_stop_confidence
+
+
 def test_cascade_defaults_and_overrides(gw_both, gw_plain, backend):
     # a family request: the default cascade from the scored tier; cascade wins over the default draft
     r = chat(gw_both, FAMILY, prompt=TO_TIER[0])
@@ -182,6 +193,10 @@ BAD = [
     (LARGE, {"speculative": {"draft": "small", "gamma": "4"}}, "mfs.speculative.gamma"),
     (LARGE, {"speculative": {"draft": "small", "gamma": 2.5}}, "mfs.speculative.gamma"),
     (LARGE, {"speculative": {"draft": "small", "gamma": True}}, "mfs.speculative.gamma"),
+    (LARGE, {"speculative": {"draft": "small", "stop_confidence": 1.5}}, "mfs.speculative.stop_confidence"),
+    (LARGE, {"speculative": {"draft": "small", "stop_confidence": -0.1}}, "mfs.speculative.stop_confidence"),
+    (LARGE, {"speculative": {"draft": "small", "stop_confidence": "0.5"}}, "mfs.speculative.stop_confidence"),
+    (LARGE, {"speculative": {"draft": "small", "stop_confidence": True}}, "mfs.speculative.stop_confidence"),
     (LARGE, {"speculative": True}, "mfs.speculative.draft"),                 # no server default draft
     (LARGE, {"speculative": {"gamma": 4}}, "mfs.speculative.draft"),
     (FAMILY, {"cascade": "on"}, "mfs.cascade"),
@@ -244,7 +259,8 @@ def test_bad_server_defaults_stop_the_gateway(frontend, redis_url):  # noqa: F81
 ml_values = st.recursive(st.none() | st.booleans() | st.integers(-3, 70) | st.floats() |
                          st.sampled_from(["small", "medium", "large", SMALL, FAMILY, "", "0", "x"]),
                          lambda c: st.lists(c, max_size=3) | st.dictionaries(
-                             st.sampled_from(["draft", "gamma", "threshold", "window", "x"]), c, max_size=3),
+                             st.sampled_from(["draft", "gamma", "stop_confidence", "threshold", "window", "x"]), c,
+                             max_size=3),
                          max_leaves=6)
 mfs_bodies = st.dictionaries(st.sampled_from(["speculative", "cascade", "other"]), ml_values, max_size=2)
 
