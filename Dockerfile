@@ -3,6 +3,7 @@ FROM python:3.11-slim
 RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY requirements.lock pyproject.toml Makefile README.md ./
+COPY core core
 COPY mfs mfs
 COPY gateway gateway
 COPY scheduler scheduler

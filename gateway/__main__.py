@@ -10,10 +10,10 @@ import structlog
 import uvloop
 from aiohttp import web
 
+from core.logs import configure
 from gateway.app import GatewayConfig, init_app
 from gateway.complexity import ComplexityConfig
 from gateway.openai_api import Limits
-from mfs.logs import configure
 
 log = structlog.get_logger("gateway")
 

@@ -22,6 +22,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError
 
+from core.protocol import gateway_key
 from gateway.auth import KeyStore, auth_middleware, on_prepare
 from gateway.backend import Backend
 from gateway.complexity import ComplexityConfig
@@ -31,7 +32,6 @@ from gateway.openai_api import APIError, Limits
 from gateway.ratelimit import RateLimiter
 from gateway.routes import setup_routes
 from gateway.serving import ClientGone, Service
-from mfs.protocol import gateway_key
 
 log = structlog.get_logger("gateway")
 

@@ -21,7 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from mfs import protocol as P
+from core import protocol as P
 
 log = structlog.get_logger("gateway.backend")
 
@@ -34,7 +34,8 @@ UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 @dataclass(slots=True)
-class WorkerInfo:
+class LiveWorker:
+    """What the gateway reads of a registration (core.protocol.WorkerInfo): one HGET per worker."""
     worker_id: str
     max_model_len: int | None
 
@@ -180,10 +181,6 @@ class Backend:
         if run_id:
             self.run_id, self._outage_unchecked = run_id, False
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self._queues)
-
     # ---- the reader task -----------------------------------------------------------------------
     async def _tail_id(self) -> str:
         last = await self.redis.xrevrange(self.stream, count=1)
@@ -264,7 +261,7 @@ class Backend:
             backoff.reset()
             await asyncio.sleep(self.heartbeat_s)
 
-    async def live_workers(self) -> list[WorkerInfo]:
+    async def live_workers(self) -> list[LiveWorker]:
         """Registered workers whose key still exists (it expires without their heartbeat)."""
         ids = sorted(w.decode() if isinstance(w, bytes) else w
                      for w in await self.redis.smembers(P.WORKERS_SET))
@@ -278,7 +275,7 @@ class Backend:
         out = []
         for i, w in enumerate(ids):
             if res[2 * i]:
-                out.append(WorkerInfo(w, _as_int(res[2 * i + 1])))
+                out.append(LiveWorker(w, _as_int(res[2 * i + 1])))
         return out
 
     async def scheduler_stats(self) -> dict:
@@ -299,7 +296,7 @@ def _as_int(v) -> int | None:
         return None
 
 
-def max_context(workers: list[WorkerInfo]) -> int | None:
+def max_context(workers: list[LiveWorker]) -> int | None:
     """The smallest ``max_model_len`` among live workers: a request must fit wherever it lands."""
     lens = [w.max_model_len for w in workers if w.max_model_len]
     return min(lens) if lens else None

@@ -77,6 +77,7 @@ class Speculative:
     """``mfs.speculative`` as the request asked it (validated for type and range, not yet for tiers)."""
     draft: str | int | None = None   # tier name, model id or index; None: the server's --spec-draft-tier
     gamma: int | None = None         # None: the server's --spec-gamma
+    stop_confidence: float | None = None  # None: SamplingParams' default
 
 
 @dataclass(slots=True, frozen=True)
@@ -250,9 +251,9 @@ def _speculative(v) -> Speculative | bool | None:
     if v is True:
         return Speculative()
     if not isinstance(v, dict):
-        raise invalid(f"'{name}' must be an object {{\"draft\": <tier>, \"gamma\": <int>}} or false, "
-                      f"got {_short(v)}.", name)
-    _only(v, ("draft", "gamma"), name)
+        raise invalid(f"'{name}' must be an object {{\"draft\": <tier>, \"gamma\": <int>, "
+                      f"\"stop_confidence\": <0..1>}} or false, got {_short(v)}.", name)
+    _only(v, ("draft", "gamma", "stop_confidence"), name)
     draft = v.get("draft")
     if isinstance(draft, float) and draft.is_integer():
         draft = int(draft)
@@ -260,7 +261,14 @@ def _speculative(v) -> Speculative | bool | None:
         raise invalid(f"'{name}.draft' must be a tier name, a model id or a tier index, got "
                       f"{_short(draft)}.", f"{name}.draft")
     gamma = _int(v, "gamma", lo=1, hi=MAX_SPEC_GAMMA, param=f"{name}.gamma")
-    return Speculative(draft, gamma)
+    stop = v.get("stop_confidence")
+    if stop is not None:
+        if isinstance(stop, bool) or not isinstance(stop, (int, float)) or not math.isfinite(stop) \
+                or not 0 <= stop <= 1:
+            raise invalid(f"'{name}.stop_confidence' must be a number between 0 and 1, got {_short(stop)}.",
+                          f"{name}.stop_confidence")
+        stop = float(stop)
+    return Speculative(draft, gamma, stop)
 
 
 def _cascade(v) -> Cascade | bool | None:

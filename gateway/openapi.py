@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from importlib import metadata
 
+from core.sampling import SamplingParams
 from gateway.keys import CONFIG, KEYS, SERVICE
 from gateway.openai_api import INT32_MAX, MAX_CASCADE_WINDOW, MAX_SPEC_GAMMA, ROLES, Limits
 
@@ -108,7 +109,12 @@ def _speculative(f: _Facts, top: int | None) -> dict:
             draft = {"type": "null"}
         else:
             draft = _nullable(_draft(f, top)) if has_default else _draft(f, top)
-        alts.append(_obj({"draft": draft, "gamma": gamma}, [] if has_default else ["draft"]))
+        stop = _nullable({"type": "number", "minimum": 0, "maximum": 1,
+                          "description": "A round ends before 'gamma' drafts when the draft tier's top-token "
+                                         "probability for its latest draft falls below this (0: always "
+                                         f"'gamma'; default {SamplingParams().spec_stop_confidence})."})
+        alts.append(_obj({"draft": draft, "gamma": gamma, "stop_confidence": stop},
+                         [] if has_default else ["draft"]))
     default = (f"true: the server's defaults (draft tier '{f.tier_names[f.default_draft]}')" if has_default
                else "this server has no default draft tier: 'draft' is required")
     return {"anyOf": alts, "description": "Self-speculative decoding: a lower tier drafts, the request's tier "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from mfs.protocol import ratelimit_key
+from core.protocol import ratelimit_key
 
 # KEYS[1]: the bucket hash. ARGV: rpm, tpm, request cost, token cost.
 # Returns {allowed (1/0/-1: never fits), requests left, tokens left, wait ms} (floats as strings).

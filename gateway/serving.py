@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import structlog
 from redis.exceptions import RedisError
 
+from core import protocol as P
+from core.sampling import SamplingParams
 from gateway import complexity
 from gateway.auth import admit
 from gateway.backend import Backend, max_context
@@ -34,10 +36,10 @@ from gateway.openai_api import (MAX_CASCADE_WINDOW, MAX_SPEC_GAMMA, APIError, Ca
                                 CompletionRequest, GenParams, MultiLevel, Speculative, context_overflow,
                                 invalid, model_not_found)
 from gateway.ratelimit import RateLimiter
-from mfs import protocol as P
 
 log = structlog.get_logger("gateway")
 AUTO = "auto"
+DEFAULT_PARAMS = SamplingParams()
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -58,6 +60,7 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     spec_draft: int | None = None          # self-speculation: the draft tier (below `tier`), or off
     spec_gamma: int = 4
+    spec_stop_confidence: float = DEFAULT_PARAMS.spec_stop_confidence
     cascade_threshold: float | None = None  # confidence cascade from `tier` up, or off
     cascade_window: int = 4
 
@@ -187,10 +190,12 @@ class Service:
             threshold = self.cascade_threshold
         if tier >= top:
             threshold = None  # nothing above it to escalate to
-        draft, gamma = None, self.spec_gamma
+        draft, gamma, stop = None, self.spec_gamma, DEFAULT_PARAMS.spec_stop_confidence
         if threshold is None and spec is not False:
             if isinstance(spec, Speculative):
                 gamma = spec.gamma or self.spec_gamma
+                if spec.stop_confidence is not None:
+                    stop = spec.stop_confidence
                 if spec.draft is not None:
                     draft = self.resolve_tier(spec.draft, "mfs.speculative.draft")
                     if draft >= tier:
@@ -206,8 +211,8 @@ class Service:
                 draft = self.spec_draft_tier
             if draft is not None and draft >= tier:
                 draft = None  # the server default is not below this request's tier: no speculation
-        return {"spec_draft": draft, "spec_gamma": gamma, "cascade_threshold": threshold,
-                "cascade_window": window}
+        return {"spec_draft": draft, "spec_gamma": gamma, "spec_stop_confidence": stop,
+                "cascade_threshold": threshold, "cascade_window": window}
 
     # ---- preparing --------------------------------------------------------------------------
     @asynccontextmanager
@@ -350,13 +355,14 @@ class Generation:
 
     async def start(self) -> None:
         j, p = self.job, self.job.params
+        params = SamplingParams(max_tokens=j.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                seed=p.seed, stop_token_ids=tuple(sorted(self.stop_ids)), ignore_eos=p.ignore_eos,
+                                spec_draft_tier=j.spec_draft, spec_gamma=j.spec_gamma,
+                                spec_stop_confidence=j.spec_stop_confidence,
+                                cascade_threshold=j.cascade_threshold, cascade_window=j.cascade_window)
         sub = P.Submit(request_id=j.request_id, gateway_id=self.svc.gateway_id, prompt_ids=j.prompt_ids,
-                       tier=j.tier, model_id=self.model, max_tokens=j.max_tokens, temperature=p.temperature,
-                       top_p=p.top_p, top_k=p.top_k, seed=p.seed, stop_token_ids=sorted(self.stop_ids),
-                       ignore_eos=p.ignore_eos, arrival=time.time(),
-                       session_id=self.request.headers.get("X-Session-ID") or p.session_id,
-                       spec_draft_tier=j.spec_draft, spec_gamma=j.spec_gamma,
-                       cascade_threshold=j.cascade_threshold, cascade_window=j.cascade_window)
+                       tier=j.tier, params=params, model_id=self.model, arrival=time.time(),
+                       session_id=self.request.headers.get("X-Session-ID") or p.session_id)
         try:
             self.queue = await self.svc.backend.submit(sub)  # registers nothing when it fails
         except (RedisError, OSError) as e:

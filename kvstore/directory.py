@@ -5,7 +5,7 @@ reuses, so a stale entry (an evicted block, a dead or restarted worker) costs a 
 wrong answer. The scheduler writes it: blocks cached and evicted per worker (one Lua script per batch,
 atomic), a session's worker, tier and block-hash chains when one of its turns finishes (MULTI), and
 drops a worker's entries when the worker (re)joins or leaves. Every entry expires after ``ttl_s``.
-Key names live in mfs/protocol.py.
+Key names live in core/protocol.py.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import msgpack
 import redis
 
-from mfs import protocol as P
+from core import protocol as P
 
 # KEYS: the worker's held set, then one block key per hash; ARGV: worker, ttl, number of additions,
 # then the hashes (hex) in KEYS order: the first `n` are now held, the rest were evicted.

@@ -304,14 +304,15 @@ class _KV:
 
 
 def _decode_batch(model, ctx: int, block_size: int):
-    from worker.batch import RowInput, build_step  # noqa: PLC0415
+    from core.protocol import PlanRow  # noqa: PLC0415
+    from worker.batch import build_step  # noqa: PLC0415
     cfg = model.cfg
     blocks = -(-ctx // block_size)
     shape = (cfg.num_layers, blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     kv = _KV([torch.randn(shape, device="cuda").to(torch.bfloat16)],
              [torch.randn(shape, device="cuda").to(torch.bfloat16)])
-    row = RowInput(tier=0, token_ids=[7], start_pos=ctx - 1, block_tables=[list(range(blocks))],
-                   sample=True)
+    row = PlanRow("r", tier=0, token_ids=[7], start_pos=ctx - 1, block_tables=[list(range(blocks))],
+                  sample=True, num_output=0)
     return build_step([row], 1, block_size, "cuda"), kv
 
 

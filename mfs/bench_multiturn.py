@@ -186,7 +186,7 @@ async def _probes(url: str, ids: list[str], plan: dict, args, tok, mode: str, re
 def _scheduler_stats(redis_url: str) -> dict:
     import msgpack  # noqa: PLC0415
     import redis  # noqa: PLC0415
-    from mfs import protocol as P  # noqa: PLC0415
+    from core import protocol as P  # noqa: PLC0415
     time.sleep(1.0)  # the scheduler writes its stats every 0.5 s
     raw = redis.Redis.from_url(redis_url).hget(P.STATS_KEY, "scheduler")
     s = msgpack.unpackb(raw, strict_map_key=False) if raw else {}

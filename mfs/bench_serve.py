@@ -109,7 +109,7 @@ def report(results: list[dict], wall: float, args) -> dict:
 
 def _worker_peak_rss(redis_url: str) -> int:
     import redis  # noqa: PLC0415
-    from mfs import protocol as P  # noqa: PLC0415
+    from core import protocol as P  # noqa: PLC0415
     r = redis.Redis.from_url(redis_url)
     total = 0
     for w in r.smembers(P.WORKERS_SET):
@@ -124,7 +124,7 @@ def _worker_peak_rss(redis_url: str) -> int:
 
 def _transport(redis_url: str) -> dict:
     import redis  # noqa: PLC0415
-    from mfs import protocol as P  # noqa: PLC0415
+    from core import protocol as P  # noqa: PLC0415
     raw = redis.Redis.from_url(redis_url).hget(P.STATS_KEY, "scheduler")
     s = msgpack.unpackb(raw, strict_map_key=False) if raw else {}
     n, rt, fw = s.get("steps", 0), s.get("step_roundtrip_s", 0.0), s.get("step_forward_s", 0.0)

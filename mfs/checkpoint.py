@@ -85,18 +85,6 @@ def lora_modules(model: NestedModel) -> dict[str, LoRALinear]:
             for n in LINEARS if isinstance(getattr(layer, n), LoRALinear)}
 
 
-def merge_lora(model: NestedModel) -> None:
-    """Folds every adapter into its base linear and unwraps it (serving form)."""
-    with torch.no_grad():
-        for layer in model.layers:
-            for n in LINEARS:
-                m = getattr(layer, n)
-                if isinstance(m, LoRALinear):
-                    a, b = m.delta()
-                    m.base.weight.add_((b.float() @ a.float()).to(m.base.weight.dtype))
-                    setattr(layer, n, m.base)
-
-
 # ---- the two checkpoint kinds ------------------------------------------------------------------
 def plain_state(model: NestedModel) -> dict[str, torch.Tensor]:
     """Every parameter under its serving name (adapters merged into a copy, the model untouched)."""

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mfs.logs import configure  # noqa: PLC0415
+    from core.logs import configure  # noqa: PLC0415
     configure(level=os.environ.get("MFS_LOG_LEVEL", "WARNING"))
     args = build_parser().parse_args(argv)
     try:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from kernels import TORCH_OPS
 from mfs import data as D
-from mfs.family import DEFAULT_FLOOR, Manifest, TierSpec, build_model, parse_tiers
+from mfs.family import DEFAULT_FLOOR, Manifest, TierSpec, build_model, parse_tiers, resolve_base_arg
 from mfs.runtime import autocast_dtype, progress
 from worker.loader import load_base
 from worker.model import NestedModel
@@ -275,8 +275,6 @@ def tier_specs(spec: str, num_layers: int, block_layers: int, init: str) -> list
 
 # ---- the run -----------------------------------------------------------------------------------
 def run(args) -> int:
-    from mfs.precipitate import check_method_options, resolve_base_arg  # noqa: PLC0415
-    check_method_options(args, "exit-blocks")
     args.lr = 3e-4 if args.lr is None else args.lr
     args.ce = 0.1 if args.ce is None else float(args.ce)
     args.steps = 20_000 if args.steps is None else args.steps

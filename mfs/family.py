@@ -155,6 +155,17 @@ def parse_tiers(spec: str | None, num_layers: int) -> list[TierSpec]:
     return out
 
 
+def resolve_base_arg(base: str) -> tuple[Path, dict, str]:
+    """--base -> (path to load, manifest base reference, family name)."""
+    if base == "default":
+        m = Manifest.read(family_dir(DEFAULT_FAMILY))
+        return resolve_base(m.base), m.base, m.family
+    p = Path(base).expanduser().resolve()
+    if not p.exists():
+        raise FileNotFoundError(f"--base {base!r} does not exist (MFS never downloads models)")
+    return p, {"path": str(p)}, p.stem if p.is_file() else p.name
+
+
 def family_dir(name: str) -> Path:
     return FAMILIES_DIR / name
 

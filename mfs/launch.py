@@ -80,16 +80,6 @@ class EmbeddedRedis:
         self.proc = None
 
 
-def install_stop_signals() -> None:
-    """SIGINT and SIGTERM both end a service process through KeyboardInterrupt, so its clean-up runs
-    (a scheduler hands its lease over at once, a worker deregisters) even when it was started with
-    SIGINT ignored (from a background job) or is stopped with SIGTERM (`docker compose stop`)."""
-    def _interrupt(signum, frame):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
-
-
 def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
     if proc.poll() is not None:
         return
@@ -195,15 +185,14 @@ class Service:
         raise TimeoutError(f"the service was not ready within {timeout:.0f}s (logs: {self.log_dir})")
 
     def wait_workers(self, timeout: float, n: int) -> None:
-        import msgpack  # noqa: PLC0415
         import redis  # noqa: PLC0415
-        from mfs import protocol as P  # noqa: PLC0415
+        from core import protocol as P  # noqa: PLC0415
         r = redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._check_alive()
-            raw = r.hget(P.STATS_KEY, "scheduler")  # the scheduler has seen them, not only Redis
-            if raw and msgpack.unpackb(raw, strict_map_key=False).get("workers", 0) >= n:
+            snap = P.StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
+            if snap is not None and snap.workers >= n:  # the scheduler has seen them, not only Redis
                 return
             time.sleep(0.25)
         raise TimeoutError(f"{n} workers did not register within {timeout:.0f}s (logs: {self.log_dir})")

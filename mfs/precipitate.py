@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from kernels import TORCH_OPS
 from mfs import checkpoint as ckpt
 from mfs import data as D
-from mfs.family import DEFAULT_FAMILY, Manifest, build_model, family_dir, parse_tiers, resolve_base
+from mfs.family import Manifest, build_model, parse_tiers, resolve_base_arg
 from worker.loader import BaseWeights, load_base
 from worker.model import NestedModel
 
@@ -41,17 +41,6 @@ class StepLoss:
 
 
 # ---- setup ----------------------------------------------------------------------------------
-def resolve_base_arg(base: str) -> tuple[Path, dict, str]:
-    """--base -> (path to load, manifest base reference, family name)."""
-    if base == "default":
-        m = Manifest.read(family_dir(DEFAULT_FAMILY))
-        return resolve_base(m.base), m.base, m.family
-    p = Path(base).expanduser().resolve()
-    if not p.exists():
-        raise FileNotFoundError(f"--base {base!r} does not exist (MFS never downloads models)")
-    return p, {"path": str(p)}, p.stem if p.is_file() else p.name
-
-
 def trainable_groups(model: NestedModel, args) -> list[dict]:
     exit_ps = list(model.exit_norms.parameters())
     exit_ids = {id(p) for p in exit_ps}
@@ -188,10 +177,10 @@ def prepare(args, log=print) -> tuple[NestedModel, BaseWeights, D.BatchSampler, 
 
 
 def run(args) -> int:
+    check_method_options(args, args.method)
     if args.method == "exit-blocks":
         from mfs import exitblocks  # noqa: PLC0415
         return exitblocks.run(args)
-    check_method_options(args, "lora")
     lora_defaults(args)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

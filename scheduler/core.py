@@ -6,185 +6,44 @@ serves the in-process engine and the scheduler process.
 
 Decode rows (and partly prefilled prompts) are scheduled first so a long prompt never starves them;
 waiting prompts are then admitted in chunks under the per-step token budget. When a segment's pool
-runs out, the latest-arrived running request is preempted (blocks freed) and later recomputed from its
-prompt plus the tokens it already made. Optional limits: how many tiers one step may mix, how often the
-tier mix may change (path-switch budget, per second), and per-tier shares of the KV pool.
+runs out, the running request the policy names (scheduler/policy.py; FCFS: the latest arrival) is
+preempted (blocks freed) and later recomputed from its prompt plus the tokens it already made.
+Optional limits: how many tiers one step may mix, how often the tier mix may change (path-switch
+budget, per second), and per-tier shares of the KV pool.
 
 Prefix caching: every full computed block is registered in its segment's pool under a chained hash
 (scheduler/blocks.py) and outlives its request (delayed reclamation). An admitted request starts from
 the longest prefix of its tokens that is cached in *every* segment it uses (a position's KV must exist
 in all of them before the forward may skip it), always leaving its last token to compute.
 
-Self-speculative decoding: a lower tier drafts `gamma` tokens one row at a time, then one row of the
-target tier verifies them all, entering above the draft tier from its stored hidden states. The runner
-accepts or rejects the drafts (it holds the logits and the draft distributions) and hands back the
-committed tokens; :meth:`StepScheduler.update` commits them.
-
-Confidence cascade: a cascade request starts at its (low) tier. When the runner reports it escalated
-(its recent confidence fell below its threshold, and no token was sampled), the request moves one tier
-up: the new segment's KV for its history is computed from the hidden state stored at the old tier's
-exit (a catch-up row, chunked under the step budget), then decoding goes on at the higher tier.
+Self-speculative decoding (draft rows of a lower tier, then one verification row of the target tier)
+and the confidence cascade (catch-up rows after an escalation) are scheduled here; their rules and
+state live in scheduler/speculation.py. The runner accepts or rejects drafts and reports escalations;
+:meth:`StepScheduler.update` commits what it hands back.
 """
 from __future__ import annotations
 
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from enum import Enum
 
 import structlog
 
+from core.sampling import SamplingParams, finish_reason
 from scheduler.blocks import BlockPool, block_hash
-from worker.sampling import SamplingParams
+from scheduler.policy import FCFS, SchedulingPolicy
+from scheduler.request import (InvalidRequest, Request, RequestOutput, ScheduledStep, SchedulerConfig,
+                               SchedulerStats, Status)
+from scheduler.speculation import Cascade, Speculation
+
+__all__ = ["InvalidRequest", "Request", "RequestOutput", "ScheduledStep", "SchedulerConfig", "SchedulerStats",
+           "Status", "StepScheduler"]
 
 log = structlog.get_logger(__name__)
 
 
-class InvalidRequest(ValueError):
-    """A request the engine refuses; everything else keeps running."""
-
-    def __init__(self, message: str, code: str = "invalid_request", status: int = 400):
-        super().__init__(message)
-        self.code, self.status = code, status
-
-
-class Status(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-def finish_reason(token: int, num_output: int, num_tokens: int, max_tokens: int,
-                  stop_ids, max_model_len: int) -> str | None:
-    """Why a request ends after sampling `token` as its `num_output`-th output (None: it goes on).
-    Shared by the scheduler and the worker so both agree without a round trip."""
-    if token in stop_ids:
-        return "stop"
-    if num_output >= max_tokens or num_tokens >= max_model_len:
-        return "length"
-    return None
-
-
-@dataclass(slots=True)
-class Request:
-    request_id: str
-    prompt_ids: list[int]
-    tier: int
-    params: SamplingParams
-    stop_ids: frozenset[int]
-    arrival: int
-    meta: dict = field(default_factory=dict)
-    output_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    block_tables: list[list[int]] = field(default_factory=list)
-    status: Status = Status.WAITING
-    finish_reason: str | None = None
-    num_preemptions: int = 0
-    announced: bool = False  # the worker has been told about this request
-    num_cached_tokens: int = 0   # tokens reused from the prefix cache at its first admission
-    num_cached_blocks: int = 0   # leading blocks of its tables registered in the prefix cache
-    block_hashes: list[list[bytes]] = field(default_factory=list)  # per segment, of its full blocks
-    # Cross-tier reuse at admission: (first segment, start, end) of cached positions whose lower
-    # segments' KV exists but whose upper segments must still be computed (from the stored hidden
-    # state at that boundary). Scheduled once, in the request's first step.
-    # A running request that escalated (cascade) holds its pending catch-up here too, scheduled in
-    # chunks before its next row.
-    catchup: tuple[int, int, int] | None = None
-    drafts: list[int] = field(default_factory=list)  # this speculation round's draft tokens
-    spec_proposed: int = 0
-    spec_accepted: int = 0
-    spec_rate: float = 1.0   # running acceptance (EMA over rounds), optimistic at the start
-    spec_pause: int = 0      # plain decode steps left before speculating again
-    spec_backoff: int = 8    # the next pause after a poor round; doubles while drafts keep failing
-    spec_stop: bool = False  # the drafter grew unsure: verify the drafts so far instead of drafting on
-    tiers: list[int] = field(default_factory=list)         # tiers that served it, in order
-    escalated_at: list[int] = field(default_factory=list)  # output index of each tier change
-    arrival_time: float = field(default_factory=time.monotonic)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    def token_slice(self, start: int, end: int) -> list[int]:
-        p = len(self.prompt_ids)
-        if end <= p:
-            return self.prompt_ids[start:end]
-        return (self.prompt_ids[start:] if start < p else []) + self.output_ids[max(0, start - p):end - p]
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    tier: int = 0
-    logits: object = None
-    tiers: list[int] = field(default_factory=list)         # cascade: every tier that served it
-    escalated_at: list[int] = field(default_factory=list)  # output index where each escalation happened
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    num_tiers: int
-    num_blocks: list[int]
-    block_size: int = 16
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_model_len: int = 4096
-    max_tiers_per_step: int = 0        # 0: any mix
-    path_switches_per_s: float = 0.0   # 0: unlimited
-    kv_quota: dict[int, float] = field(default_factory=dict)  # tier -> max share of segment-0 blocks
-    served_tiers: tuple[int, ...] | None = None  # None: every tier (nested); else a standalone copy
-    eos_token_ids: tuple[int, ...] = ()
-    vocab_size: int = 0
-    enable_prefix_caching: bool = True
-    cache_ttl_s: float = 0.0           # uncache blocks unused this long (0: only under pressure)
-    # Speculation gate per draft>target tier pair: while the pair's running acceptance (over every
-    # request's rounds) is below this, a round starts only every `spec_probe_every`-th chance; the
-    # other steps decode plainly, so a poor drafter costs a few percent instead of its rounds.
-    spec_min_acceptance: float = 0.3
-    spec_probe_every: int = 16
-
-
-@dataclass(slots=True)
-class ScheduledStep:
-    rows: list[tuple[Request, int]]
-    new: list[Request]
-    drop: list[str]
-    catchups: list[tuple[Request, int, int, int]] = field(default_factory=list)  # req, segment, start, end
-    drafts: list[tuple[Request, int, int]] = field(default_factory=list)   # req, token, position
-    verifies: list[tuple[Request, list[int], int]] = field(default_factory=list)  # req, tokens, start
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    steps: int = 0
-    forward_tokens: int = 0
-    preemptions: int = 0
-    path_switches: int = 0
-    peak_kv_blocks: list[int] = field(default_factory=list)
-    # Per segment: prompt tokens whose KV was computed / taken from the cache, full prompt blocks
-    # looked up / found at admission, cached blocks evicted (pressure or TTL).
-    prefill_computed: list[int] = field(default_factory=list)
-    prefill_reused: list[int] = field(default_factory=list)
-    cache_queries: list[int] = field(default_factory=list)
-    cache_hits: list[int] = field(default_factory=list)
-    evictions: list[int] = field(default_factory=list)
-    spec_rounds: int = 0
-    spec_proposed: int = 0
-    spec_accepted: int = 0
-    spec_gated: int = 0      # decode steps a speculating request ran plainly: its pair was below break-even
-    escalations: dict[str, int] = field(default_factory=dict)  # "from>to" tier pair -> count
-    # "draft>target" tier pair -> [rounds, drafts proposed, drafts accepted, tokens committed]
-    spec_pairs: dict[str, list[int]] = field(default_factory=dict)
-
-
 class StepScheduler:
-    def __init__(self, cfg: SchedulerConfig):
+    def __init__(self, cfg: SchedulerConfig, policy: SchedulingPolicy | None = None):
         if len(cfg.num_blocks) != cfg.num_tiers:
             raise ValueError(f"num_blocks has {len(cfg.num_blocks)} entries for {cfg.num_tiers} segments")
         self.cfg = cfg
@@ -198,11 +57,12 @@ class StepScheduler:
         self._switch_tokens = max(1.0, cfg.path_switches_per_s)
         self._switch_t = time.monotonic()
         n = cfg.num_tiers
-        self._pair_rate: dict[str, float] = {}   # "draft>target" -> acceptance EMA over all rounds
-        self._pair_chances: dict[str, int] = {}  # rounds a gated pair could have started
         self.stats = SchedulerStats(peak_kv_blocks=[0] * n, prefill_computed=[0] * n,
                                     prefill_reused=[0] * n, cache_queries=[0] * n, cache_hits=[0] * n,
                                     evictions=[0] * n)
+        self.policy = policy or FCFS()
+        self.spec = Speculation(cfg, self.stats)
+        self.cascade = Cascade(cfg, self.stats)
         # (hash, cached?) changes for the block directory; None until an owner drains it.
         self.cache_log: list[tuple[bytes, bool]] | None = None
 
@@ -246,10 +106,7 @@ class StepScheduler:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids, tier, params)
-        stop = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop.update(self.cfg.eos_token_ids)
-        req = Request(request_id, list(prompt_ids), tier, params, frozenset(stop),
+        req = Request(request_id, list(prompt_ids), tier, params, params.stop_ids(self.cfg.eos_token_ids),
                       next(self._arrivals), meta or {}, tiers=[tier])
         self.requests[request_id] = req
         self.waiting.append(req)
@@ -405,6 +262,18 @@ class StepScheduler:
         held = sum(len(r.block_tables[0]) for r in self.running if r.tier == req.tier and r.block_tables)
         return held + self.blocks_needed(num_new) <= share * self.pools[0].num_blocks
 
+    def _grow_or_preempt(self, req: Request, num_new: int) -> bool:
+        """Grows a running request's tables by `num_new` tokens, preempting the policy's victim (the
+        request itself, possibly) until they fit. Returns whether anything was preempted."""
+        preempted = False
+        while not self._allocate(req, num_new):
+            victim = self.policy.victim(self.running)
+            self._preempt(victim)
+            preempted = True
+            if victim is req:
+                break
+        return preempted
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release(req)
@@ -424,7 +293,7 @@ class StepScheduler:
         if not cfg.max_tiers_per_step and not cfg.path_switches_per_s:
             return None
         order: list[int] = []
-        for r in sorted(self.running, key=lambda r: r.arrival) + list(self.waiting):
+        for r in self.policy.order(self.running) + list(self.waiting):
             if r.tier not in order:
                 order.append(r.tier)
         if cfg.path_switches_per_s:
@@ -456,24 +325,19 @@ class StepScheduler:
         verify_rows: list[tuple[Request, list[int], int]] = []
         catchups: list[tuple[Request, int, int, int]] = []
         preempted = False
-        for req in sorted(self.running, key=lambda r: r.arrival):
+        for req in self.policy.order(self.running):
             if budget == 0:
                 break
             if req.status is not Status.RUNNING or (allowed is not None and req.tier not in allowed):
                 continue
             if req.catchup is not None:  # escalated (cascade): the new segment's history first
-                while not self._allocate(req, 1):
-                    victim = max(self.running, key=lambda r: r.arrival)
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is req:
-                        break
+                preempted |= self._grow_or_preempt(req, 1)
                 if req.status is not Status.RUNNING:
                     continue
-                budget -= self._plan_catchup(req, budget, catchups)
+                budget -= self.cascade.plan_catchup(req, budget, catchups, self._segments(req))
                 if req.catchup is not None or budget == 0:
                     continue  # its next row waits for the rest of the catch-up
-            spec = self._speculation(req, budget)
+            spec = self.spec.next_row(req, budget, self._allocate)
             if spec is not None:
                 kind, g = spec
                 if kind == "draft":
@@ -487,12 +351,7 @@ class StepScheduler:
                     budget -= g
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self._allocate(req, n):
-                victim = max(self.running, key=lambda r: r.arrival)
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
+            preempted |= self._grow_or_preempt(req, n)
             if req.status is Status.RUNNING:
                 rows.append((req, n))
                 budget -= n
@@ -553,16 +412,13 @@ class StepScheduler:
                 self._register_full_blocks(req)
         for req, _, _ in step.drafts:
             if req.status is Status.RUNNING and req.request_id in drafted:
-                req.drafts.append(drafted[req.request_id])
-                conf = (draft_conf or {}).get(req.request_id)
-                if conf is not None and conf < req.params.spec_stop_confidence:
-                    req.spec_stop = True
+                self.spec.add_draft(req, drafted[req.request_id], (draft_conf or {}).get(req.request_id))
         new: dict[str, list[int]] = {req.request_id: [tokens[req.request_id]] for req, _ in step.rows
                                      if req.request_id in tokens}
         for req, toks, _ in step.verifies:
             if req.status is Status.RUNNING and verified and req.request_id in verified:
-                committed = self._accept(req, verified[req.request_id], len(toks),
-                                         (accepted or {}).get(req.request_id))
+                committed = self.spec.accept(req, verified[req.request_id], len(toks),
+                                             (accepted or {}).get(req.request_id))
                 req.num_computed_tokens += len(committed)
                 self._register_full_blocks(req)
                 new[req.request_id] = committed
@@ -590,105 +446,8 @@ class StepScheduler:
                                       tiers=list(req.tiers), escalated_at=list(req.escalated_at)))
         for req, _ in step.rows:
             if req.request_id in esc and req.status is Status.RUNNING:
-                self._escalate(req)
+                self.cascade.escalate(req)
         return outs
-
-    # ---- the confidence cascade -------------------------------------------------------------
-    def _escalate(self, req: Request) -> None:
-        """Moves a running request one tier up. Its computed positions get the new segment's KV from
-        a catch-up (planned by :meth:`schedule`, which also allocates the new segment's blocks)."""
-        old = req.tier
-        if self.cfg.served_tiers is not None or old + 1 >= self.cfg.num_tiers:
-            return
-        req.tier = old + 1
-        req.block_tables.append([])
-        req.num_cached_blocks = 0  # re-registers every segment's full blocks once the catch-up ran
-        n = req.num_computed_tokens
-        req.catchup = (req.tier, 0, n) if n else None
-        req.tiers.append(req.tier)
-        req.escalated_at.append(len(req.output_ids))
-        key = f"{old}>{req.tier}"
-        self.stats.escalations[key] = self.stats.escalations.get(key, 0) + 1
-        log.debug("escalated", request_id=req.request_id, tier=req.tier, at=len(req.output_ids))
-
-    def _plan_catchup(self, req: Request, budget: int, catchups: list) -> int:
-        """Plans (a chunk of) a running request's pending catch-up under the budget; returns the
-        tokens it takes. Chunks run in order, each attending to the ones before it."""
-        seg, a, b = req.catchup
-        c = min(b - a, budget)
-        catchups.append((req, seg, a, a + c))
-        p = len(req.prompt_ids)
-        for s in range(seg, self._segments(req)):
-            self.stats.prefill_computed[s] += max(0, min(a + c, p) - min(a, p))
-        req.catchup = (seg, a + c, b) if a + c < b else None
-        return c
-
-    # ---- self-speculative decoding ----------------------------------------------------------
-    def _gamma(self, req: Request) -> int:
-        """Drafts per round: the request's gamma while drafts are mostly accepted, fewer otherwise."""
-        if req.spec_stop and req.drafts:
-            return len(req.drafts)
-        left = min(req.params.max_tokens - len(req.output_ids), self.cfg.max_model_len - req.num_tokens)
-        g = req.params.spec_gamma if req.spec_rate >= 0.6 else max(2, req.params.spec_gamma // 2)
-        return min(g, left)
-
-    def _speculation(self, req: Request, budget: int) -> tuple[str, int] | None:
-        """("draft" | "verify", gamma) when a decoding request speculates this step; None for a
-        plain row (prefill, no speculation, too few tokens left, or no blocks for the round)."""
-        if req.params.spec_draft_tier is None or req.num_computed_tokens != req.num_tokens - 1:
-            return None
-        if req.spec_pause > 0 and not req.drafts:
-            req.spec_pause -= 1  # this step decodes plainly
-            return None
-        g = self._gamma(req)
-        if g < 2 and not req.drafts:
-            return None
-        if not req.drafts:
-            pair = f"{req.params.spec_draft_tier}>{req.tier}"
-            rate = self._pair_rate.get(pair)
-            if rate is not None and rate < self.cfg.spec_min_acceptance:
-                n = self._pair_chances[pair] = self._pair_chances.get(pair, 0) + 1
-                if n % self.cfg.spec_probe_every:
-                    self.stats.spec_gated += 1
-                    return None  # the pair is below break-even: decode plainly, probe now and then
-        if not req.drafts and not self._allocate(req, g):  # the round's positions, every segment
-            return None
-        if len(req.drafts) < g:
-            return ("draft", g) if budget >= 1 else None
-        return ("verify", g) if budget >= g else None
-
-    def _accept(self, req: Request, committed: list[int], g: int, k: int | None = None) -> list[int]:
-        """Takes a verification's outcome from the runner: `committed` (the accepted drafts, then the
-        target's replacement at the first rejection; as many tokens as positions now valid) of a
-        round of `g` drafts, `k` of them accepted (derived from the drafts when not given)."""
-        committed = list(committed)[:g]
-        if k is None:
-            k = 0
-            while k < len(committed) and k < len(req.drafts) and committed[k] == req.drafts[k]:
-                k += 1
-        req.spec_proposed += g
-        req.spec_accepted += k
-        self.stats.spec_proposed += g
-        self.stats.spec_accepted += k
-        self.stats.spec_rounds += 1
-        key = f"{req.params.spec_draft_tier}>{req.tier}"
-        rate = self._pair_rate.get(key)
-        self._pair_rate[key] = k / g if rate is None else 0.8 * rate + 0.2 * k / g
-        pair = self.stats.spec_pairs.setdefault(key, [0, 0, 0, 0])
-        pair[0] += 1
-        pair[1] += g
-        pair[2] += k
-        pair[3] += len(committed)
-        req.drafts = []
-        req.spec_stop = False
-        # Adaptive drafting: when the drafter keeps missing, decode plainly for a while (longer each
-        # time), so a poor drafter costs a bounded share of the steps instead of slowing every token.
-        req.spec_rate = 0.5 * req.spec_rate + 0.5 * k / g
-        if req.spec_rate < 0.3:
-            req.spec_pause, req.spec_backoff = req.spec_backoff, min(req.spec_backoff * 2, 512)
-        else:
-            req.spec_backoff = 8
-        return committed
 
     def kv_usage(self) -> tuple[list[int], list[int]]:
         return [p.num_used for p in self.pools], [p.num_blocks for p in self.pools]

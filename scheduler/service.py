@@ -19,86 +19,35 @@ Placement is cache-aware: the worker the KV block directory (kvstore/) lists wit
 prefix of the prompt (its blocks, or its session's chains) wins, unless its load exceeds the least
 loaded worker's by both an absolute and a relative threshold; then the least loaded one. The directory
 keeps learning either way (it is told what each worker caches and evicts), and is only a hint: the
-chosen worker's own block pool decides what is reused."""
+chosen worker's own block pool decides what is reused.
+
+Owners: this module is the main loop and the stream handlers; the lease and takeover claims are
+scheduler/leadership.py, the workers and placement scheduler/registry.py, the published gauges
+scheduler/stats.py, reaping and trimming scheduler/housekeeping.py."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
 import socket
-import struct
 import time
-from dataclasses import dataclass, field
 
-import msgpack
 import redis
 import structlog
 
-from kvstore.directory import BlockDirectory, common_blocks
-from mfs import protocol as P
-from scheduler.core import InvalidRequest, ScheduledStep, SchedulerConfig, StepScheduler, finish_reason
-from worker.sampling import SamplingParams
+from core import protocol as P
+from core.logs import configure, install_stop_signals
+from core.sampling import finish_reason
+from scheduler.housekeeping import GatewayReaper, trim_streams
+from scheduler.leadership import Lease, claim_requests, drop_idle_consumers
+from scheduler.plan import build_plan
+from scheduler.registry import Limits, WorkerRegistry
+from scheduler.request import InvalidRequest
+from scheduler.stats import snapshot
+
+__all__ = ["Limits", "SchedulerService", "main"]
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class WorkerState:
-    worker_id: str
-    started: str
-    tiers: list[int]
-    core: StepScheduler
-    inflight: ScheduledStep | None = None
-    step_id: int = 0
-    sent_at: float = 0.0
-
-
-@dataclass(slots=True)
-class Limits:
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_tiers_per_step: int = 0
-    path_switches_per_s: float = 0.0
-    kv_quota: dict[int, float] = field(default_factory=dict)
-    prefix_caching: bool = True
-    cache_ttl_s: float = 0.0          # uncache a worker's unused blocks after this long (0: never)
-    directory_ttl_s: float = 600.0    # directory entries expire unless refreshed
-    affinity_abs: int = 4             # affinity yields when the preferred worker has more than this many
-    affinity_rel: float = 1.5         # ...requests above the least loaded AND more than this times as many
-    spec_min_acceptance: float = 0.3  # speculation gate: a tier pair below this acceptance...
-    spec_probe_every: int = 16        # ...starts a round only every this many chances
-
-
-# Take the lease and the next epoch (above every epoch a worker has seen: Redis may have lost the counter).
-_ACQUIRE = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  local e = redis.call('INCR', KEYS[2])
-  local floor = tonumber(ARGV[3])
-  if e <= floor then e = floor + 1; redis.call('SET', KEYS[2], e) end
-  return e
-end
-return 0
-"""
-# Extend the lease; if it lapsed and nobody took over since (the epoch is still ours), take it back.
-_RENEW = """
-local v = redis.call('GET', KEYS[1])
-if v == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]); return 1 end
-if (not v) and redis.call('GET', KEYS[2]) == ARGV[3] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]); return 1
-end
-return 0
-"""
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-
-
-def pack_tokens(tokens: list[int]) -> bytes:
-    return struct.pack(f"<{len(tokens)}i", *tokens)
-
-
-def unpack_tokens(raw: bytes | None) -> list[int]:
-    if not raw:
-        return []
-    return list(struct.unpack(f"<{len(raw) // 4}i", raw[:len(raw) // 4 * 4]))
 
 
 class SchedulerService:
@@ -107,26 +56,14 @@ class SchedulerService:
         self.limits = limits
         # unique per process across hosts: two containers both run their scheduler as pid 1
         self.consumer = consumer or f"sched-{socket.gethostname()}-{os.getpid()}"
-        self.lease_ms = int(lease_s * 1000)
+        self.lease = Lease(self.r, self.consumer, lease_s)
         self.leader = False
-        self.epoch = 0
         self.takeovers = 0
-        self._last_renew = 0.0
-        self._last_gc = 0.0
-        self._acquire = self.r.register_script(_ACQUIRE)
-        self._renew = self.r.register_script(_RENEW)
-        self._release_lease = self.r.register_script(_RELEASE)
-        self.gateways_seen: set[str] = set()  # gateways whose heartbeat was seen (their loss cancels)
-        self.gateways_gone: dict[str, float] = {}  # -> when: a step in flight may still write its stream
-        self.gateway_cancels = 0
-        self.workers: dict[str, WorkerState] = {}
-        self.placement: dict[str, str] = {}  # request id -> worker id
+        self.registry = WorkerRegistry(self.r, limits)
+        self.reaper = GatewayReaper(self.r)
         self._last_refresh = 0.0
         self._last_stats = 0.0
-        self.replanned = 0
-        self.directory = BlockDirectory(self.r, limits.directory_ttl_s)
-        self.affinity_preferred = 0   # requests with a worker listed as holding their prefix
-        self.affinity_yielded = 0     # ...that went to a less loaded worker instead
+        self._last_gc = 0.0
         # Transport share of a step: plan sent -> result handled, against the worker's own step time.
         self.step_count = 0
         self.step_roundtrip_s = 0.0
@@ -142,83 +79,11 @@ class SchedulerService:
                 if "BUSYGROUP" not in str(e):
                     raise
 
-    # ---- workers -----------------------------------------------------------------------------
     def refresh_workers(self) -> None:
-        ids = {m.decode() for m in self.r.smembers(P.WORKERS_SET)}
-        for wid in ids:
-            info = self.r.hgetall(P.worker_key(wid))
-            if not info:
-                self.r.srem(P.WORKERS_SET, wid)
-                continue
-            if b"started" not in info:  # a heartbeat after a Redis restart; the full hash follows
-                continue
-            started = info[b"started"].decode()
-            w = self.workers.get(wid)
-            if w is not None and w.started == started:
-                continue
-            if w is not None:
-                self.lose_worker(wid, "the worker restarted")
-            self.workers[wid] = self._new_worker(wid, info)
-        for wid in list(self.workers):
-            if wid not in ids or not self.r.exists(P.worker_key(wid)):
-                self.lose_worker(wid, "the worker stopped answering")
-
-    def _new_worker(self, wid: str, info: dict) -> WorkerState:
-        tiers = msgpack.unpackb(info[b"tiers"])
-        num_tiers = int(info[b"num_tiers"])
-        standalone = len(tiers) == 1 and num_tiers > 1
-        lim = self.limits
-        cfg = SchedulerConfig(
-            num_tiers=num_tiers if not standalone else 1,
-            num_blocks=msgpack.unpackb(info[b"num_blocks"]), block_size=int(info[b"block_size"]),
-            max_num_batched_tokens=lim.max_num_batched_tokens, max_num_seqs=lim.max_num_seqs,
-            max_model_len=int(info[b"max_model_len"]), max_tiers_per_step=lim.max_tiers_per_step,
-            path_switches_per_s=lim.path_switches_per_s, kv_quota=dict(lim.kv_quota),
-            served_tiers=tuple(tiers) if standalone else None,
-            eos_token_ids=tuple(msgpack.unpackb(info[b"eos"])), vocab_size=int(info[b"vocab_size"]),
-            enable_prefix_caching=lim.prefix_caching, cache_ttl_s=lim.cache_ttl_s,
-            spec_min_acceptance=lim.spec_min_acceptance, spec_probe_every=lim.spec_probe_every)
-        if standalone:  # a standalone copy keeps global tier numbers for validation, one segment
-            cfg.num_tiers = max(tiers) + 1
-            cfg.num_blocks = cfg.num_blocks * cfg.num_tiers
-        log.info("worker joined", worker=wid, tiers=tiers, blocks=cfg.num_blocks[:1])
-        core = StepScheduler(cfg)
-        core.cache_log = []
-        self.directory.drop_worker(wid)  # whatever a previous life of this id (or scheduler) listed
-        return WorkerState(wid, info[b"started"].decode(), tiers, core)
-
-    def lose_worker(self, wid: str, why: str) -> None:
-        w = self.workers.pop(wid, None)
-        if w is None:
-            return
-        log.warning("worker lost", worker=wid, reason=why, requests=len(w.core.requests))
-        self.directory.drop_worker(wid)
-        for rid, req in list(w.core.requests.items()):
-            self.placement.pop(rid, None)
-            if not self.replan(req):
-                self.fail(rid, req.meta.get("gateway_id", ""), f"{why}; please retry", "worker_lost", 503,
-                          req.meta.get("entry"))
-
-    def replan(self, req) -> bool:
-        """Moves a lost worker's request to a live one: it is prefilled again from its prompt plus the
-        tokens already streamed, and its token events continue at the next sequence number."""
-        cands = [w for w in self.workers.values() if req.tier in w.tiers]
-        remaining = req.params.max_tokens - len(req.output_ids)
-        if not cands or remaining <= 0:
-            return False
-        w = min(cands, key=lambda w: w.core.num_unfinished())
-        meta = dict(req.meta, seq_offset=req.meta.get("seq_offset", 0) + len(req.output_ids))
-        params = dataclasses.replace(req.params, max_tokens=remaining)
-        try:
-            w.core.add_request(req.request_id, req.prompt_ids + req.output_ids, req.tier, params, meta=meta)
-        except InvalidRequest as e:
-            log.warning("re-plan refused", request_id=req.request_id, error=str(e))
-            return False
-        self.placement[req.request_id] = w.worker_id
-        self.replanned += 1
-        log.info("request re-planned", request_id=req.request_id, worker=w.worker_id,
-                 streamed=len(req.output_ids))
-        return True
+        """Follows the registrations; a lost worker's requests that no live worker can take fail."""
+        for req, why in self.registry.refresh():
+            self.fail(req.request_id, req.meta.get("gateway_id", ""), f"{why}; please retry", "worker_lost",
+                      503, req.meta.get("entry"))
 
     # ---- messages ----------------------------------------------------------------------------
     def end(self, rid: str, entry: str | bytes | None, pipe=None) -> None:
@@ -244,17 +109,17 @@ class SchedulerService:
     def on_submit(self, s: P.Submit, entry: str | bytes | None = None, done: list[int] | None = None) -> None:
         """Places a new request; or, with ``done`` (tokens it already produced under a former leader),
         resumes it from its prompt plus those tokens."""
-        if s.request_id in self.placement:  # the same submit twice (a client retried an XADD that landed)
+        reg = self.registry
+        if s.request_id in reg.placement:  # the same submit twice (a client retried an XADD that landed)
             log.warning("duplicate submit ignored", request_id=s.request_id)
             self.end_entry(entry)
             return
-        cands = [w for w in self.workers.values() if s.tier in w.tiers]
+        cands = reg.serving(s.tier)
         if not cands:  # a worker may have registered since the last refresh
             self.refresh_workers()
-            cands = [w for w in self.workers.values() if s.tier in w.tiers]
+            cands = reg.serving(s.tier)
         if not cands:
-            known = {t for w in self.workers.values() for t in range(w.core.cfg.num_tiers)}
-            if self.workers and s.tier not in known:
+            if reg.workers and s.tier not in reg.known_tiers():
                 self.fail(s.request_id, s.gateway_id, f"unknown tier {s.tier}", "model_not_found", 404, entry)
             else:
                 self.fail(s.request_id, s.gateway_id, "no live worker serves this tier yet; retry shortly",
@@ -262,81 +127,35 @@ class SchedulerService:
             return
         seq_offset = 0
         if done:
-            cfg = cands[0].core.cfg
-            stop = set(s.stop_token_ids) | (set() if s.ignore_eos else set(cfg.eos_token_ids))
-            if finish_reason(done[-1], len(done), len(s.prompt_ids) + len(done), s.max_tokens, stop,
-                             cfg.max_model_len):
+            cfg, max_tokens = cands[0].core.cfg, s.params.max_tokens
+            if finish_reason(done[-1], len(done), len(s.prompt_ids) + len(done), max_tokens,
+                             s.params.stop_ids(cfg.eos_token_ids), cfg.max_model_len):
                 self.end(s.request_id, entry)  # it ended; only the acknowledgement was missing
                 return
-            s = dataclasses.replace(s, prompt_ids=s.prompt_ids + done, max_tokens=s.max_tokens - len(done))
+            s = dataclasses.replace(s, prompt_ids=s.prompt_ids + done,
+                                    params=dataclasses.replace(s.params, max_tokens=max_tokens - len(done)))
             seq_offset = len(done)
-        w = self.place(s, cands)
-        params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                                top_k=s.top_k, seed=s.seed, stop_token_ids=tuple(s.stop_token_ids),
-                                ignore_eos=s.ignore_eos, spec_draft_tier=s.spec_draft_tier,
-                                spec_gamma=s.spec_gamma, cascade_threshold=s.cascade_threshold,
-                                cascade_window=s.cascade_window)
+        w = reg.place(s, cands)
         try:
-            w.core.add_request(s.request_id, s.prompt_ids, s.tier, params,
+            w.core.add_request(s.request_id, s.prompt_ids, s.tier, s.params,
                                meta={"gateway_id": s.gateway_id, "arrival": s.arrival,
                                      "session_id": s.session_id, "entry": entry, "seq_offset": seq_offset})
         except InvalidRequest as e:
             self.fail(s.request_id, s.gateway_id, str(e), e.code, e.status, entry)
             return
-        self.placement[s.request_id] = w.worker_id
-
-    def place(self, s: P.Submit, cands: list[WorkerState]) -> WorkerState:
-        """The worker with the longest reusable prefix of the prompt, unless it is overloaded;
-        otherwise the least loaded one."""
-        def load(w: WorkerState) -> tuple[int, int]:
-            return w.core.num_unfinished(), sum(p.num_used for p in w.core.pools)
-        least = min(cands, key=load)
-        if not self.limits.prefix_caching:
-            return least
-        try:
-            cached = self.cached_blocks(s, cands)
-        except (redis.RedisError, OverflowError) as e:  # a hint only: place by load without it
-            log.warning("no cache-aware placement", request_id=s.request_id, error=str(e))
-            return least
-        best = max(cands, key=lambda w: (cached[w.worker_id], -load(w)[0]))
-        if cached[best.worker_id] == 0:
-            return least
-        self.affinity_preferred += 1
-        lb, ll = load(best)[0], load(least)[0]
-        if lb - ll > self.limits.affinity_abs and lb > self.limits.affinity_rel * ll:
-            self.affinity_yielded += 1
-            log.info("affinity yields to load", request_id=s.request_id, preferred=best.worker_id,
-                     load=lb, chosen=least.worker_id, least_load=ll)
-            return least
-        return best
-
-    def cached_blocks(self, s: P.Submit, cands: list[WorkerState]) -> dict[str, int]:
-        """Per candidate: leading prompt blocks the directory lists it as holding (its blocks, or the
-        chains of the request's session if the session last ran there)."""
-        entry = self.directory.session(s.session_id) if s.session_id else None
-        groups: dict[tuple, list[WorkerState]] = {}
-        for w in cands:  # workers with the same block size and layout hash a prompt alike
-            groups.setdefault((w.core.cfg.block_size, w.core.cfg.served_tiers), []).append(w)
-        out: dict[str, int] = {}
-        for ws in groups.values():
-            chains = ws[0].core.prefix_hashes(s.prompt_ids, s.tier)
-            out.update(self.directory.held_blocks(chains, [w.worker_id for w in ws]))
-            for w in ws:
-                if entry is not None and entry.worker == w.worker_id and entry.started == w.started:
-                    out[w.worker_id] = max(out[w.worker_id], common_blocks(chains, entry.chains))
-        return out
+        reg.placement[s.request_id] = w.worker_id
 
     def on_cancel(self, c: P.Cancel) -> None:
-        wid = self.placement.pop(c.request_id, None)
-        w = self.workers.get(wid)
+        wid = self.registry.placement.pop(c.request_id, None)
+        w = self.registry.workers.get(wid)
         req = w.core.requests.get(c.request_id) if w is not None else None
         if req is not None and w.core.abort_request(c.request_id):
             self.end(c.request_id, req.meta.get("entry"))
             log.info("request cancelled", request_id=c.request_id, reason=c.reason, worker=wid)
 
     def on_result(self, res: P.StepResult) -> None:
-        w = self.workers.get(res.worker)
-        if w is None or w.inflight is None or res.step_id != w.step_id or res.epoch != self.epoch:
+        w = self.registry.workers.get(res.worker)
+        if w is None or w.inflight is None or res.step_id != w.step_id or res.epoch != self.lease.epoch:
             return  # a result for a plan from before a restart, or from a former leader's plan
         self.step_count += 1
         self.step_roundtrip_s += time.monotonic() - w.sent_at
@@ -348,254 +167,86 @@ class SchedulerService:
                                res.draft_conf):
             req = reqs[o.request_id]
             if o.finished:
-                self.placement.pop(o.request_id, None)
+                self.registry.placement.pop(o.request_id, None)
                 self.end(o.request_id, req.meta.get("entry"), pipe)
                 if req.meta.get("session_id") and w.core.cfg.enable_prefix_caching:
                     full = req.num_computed_tokens // w.core.cfg.block_size
-                    self.directory.touch_session(req.meta["session_id"], w.worker_id, w.started, req.tier,
+                    self.registry.directory.touch_session(req.meta["session_id"], w.worker_id, w.started, req.tier,
                                                  [c[:full] for c in req.block_hashes])
             elif o.new_token_ids:  # what a new leader would resume it from
                 key = P.progress_key(o.request_id)
-                pipe.append(key, pack_tokens(o.new_token_ids))
+                pipe.append(key, P.encode_progress(o.new_token_ids))
                 pipe.expire(key, P.PROGRESS_TTL_S)
         pipe.execute()
         w.inflight = None
 
     def dispatch(self) -> None:
-        for w in self.workers.values():
+        for w in self.registry.workers.values():
             if w.inflight is not None or not w.core.has_unfinished():
                 continue
             sched = w.core.schedule()
             if not (sched.rows or sched.drafts or sched.verifies or sched.catchups):
                 continue
             w.step_id += 1
-            plan = P.StepPlan(
-                w.step_id,
-                new=[{"request_id": r.request_id, "gateway_id": r.meta.get("gateway_id", ""),
-                      "tier": r.tier, "prompt_len": len(r.prompt_ids), "max_tokens": r.params.max_tokens,
-                      "stop_ids": sorted(r.stop_ids), "temperature": r.params.temperature,
-                      "top_p": r.params.top_p, "top_k": r.params.top_k, "seed": r.params.seed,
-                      "cached_tokens": r.num_cached_tokens, "seq_offset": r.meta.get("seq_offset", 0),
-                      "spec_draft_tier": r.params.spec_draft_tier, "spec_gamma": r.params.spec_gamma,
-                      "cascade_threshold": r.params.cascade_threshold,
-                      "cascade_window": r.params.cascade_window,
-                      "spec_stop_confidence": r.params.spec_stop_confidence}
-                     for r in sched.new],
-                rows=[{"request_id": r.request_id, "tier": r.tier,
-                       "token_ids": r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n),
-                       "start_pos": r.num_computed_tokens, "block_tables": r.block_tables,
-                       "sample": r.num_computed_tokens + n == r.num_tokens,
-                       "num_output": len(r.output_ids)} for r, n in sched.rows]
-                + [{"request_id": r.request_id, "tier": r.tier, "token_ids": r.token_slice(a, b),
-                    "start_pos": a, "block_tables": r.block_tables, "sample": False,
-                    "num_output": len(r.output_ids), "enter": seg} for r, seg, a, b in sched.catchups]
-                # Self-speculation: draft rows run the draft tier's segments; verification rows the
-                # segments above it, from the hidden state the drafts stored at its exit.
-                + [{"request_id": r.request_id, "tier": r.params.spec_draft_tier, "token_ids": [x],
-                    "start_pos": pos, "block_tables": r.block_tables, "sample": True,
-                    "num_output": len(r.output_ids), "draft": True} for r, x, pos in sched.drafts]
-                + [{"request_id": r.request_id, "tier": r.tier, "token_ids": toks, "start_pos": a,
-                    "block_tables": r.block_tables, "sample": False, "num_output": len(r.output_ids),
-                    "enter": r.params.spec_draft_tier + 1, "sample_all": True,
-                    "drafts": r.drafts[:len(toks)]} for r, toks, a in sched.verifies],
-                drop=sched.drop, worker_started=w.started, epoch=self.epoch)
+            plan = build_plan(sched, w.step_id, w.started, self.lease.epoch)
             self.r.xadd(P.plan_stream(w.worker_id), plan.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
             w.inflight, w.sent_at = sched, time.monotonic()
 
-    def flush_directory(self) -> None:
-        """Tells the directory what each worker's pools cached and evicted since the last flush."""
-        for w in self.workers.values():
-            changes = w.core.drain_cache_log()
-            if changes:
-                self.directory.record(w.worker_id, changes)
-
     def write_stats(self) -> None:
-        waiting: dict[int, int] = {}
-        running: dict[int, int] = {}
-        used, total = {}, {}
-        sw = pre = gated = 0
-        cache = {k: {} for k in ("prefill_computed", "prefill_reused", "cache_queries", "cache_hits",
-                                 "evictions")}
-        held = {}
-        spec: dict[str, dict[str, int]] = {}
-        escal: dict[str, int] = {}
-        for w in self.workers.values():
-            for pair, (rounds, proposed, accepted, committed) in w.core.stats.spec_pairs.items():
-                d = spec.setdefault(pair, {"rounds": 0, "proposed": 0, "accepted": 0, "committed": 0})
-                d["rounds"] += rounds
-                d["proposed"] += proposed
-                d["accepted"] += accepted
-                d["committed"] += committed
-            for pair, n in w.core.stats.escalations.items():
-                escal[pair] = escal.get(pair, 0) + n
-            for r in w.core.waiting:
-                waiting[r.tier] = waiting.get(r.tier, 0) + 1
-            for r in w.core.running:
-                running[r.tier] = running.get(r.tier, 0) + 1
-            used[w.worker_id], total[w.worker_id] = w.core.kv_usage()
-            sw += w.core.stats.path_switches
-            pre += w.core.stats.preemptions
-            gated += w.core.stats.spec_gated
-            for k, per_seg in cache.items():
-                for seg, v in enumerate(getattr(w.core.stats, k)):
-                    per_seg[seg] = per_seg.get(seg, 0) + v
-            held[w.worker_id] = self.directory.num_held(w.worker_id)
-        stats = {"waiting": waiting, "running": running, "kv_blocks_used": used, "kv_blocks_total": total,
-                 "path_switches": sw, "replanned": self.replanned, "preemptions": pre,
-                 "workers": len(self.workers), "updated": time.time(), "steps": self.step_count,
-                 "step_roundtrip_s": self.step_roundtrip_s, "step_forward_s": self.step_forward_s,
-                 **cache, "directory_blocks": held, "affinity_preferred": self.affinity_preferred,
-                 "affinity_yielded": self.affinity_yielded, "leader": self.consumer, "epoch": self.epoch,
-                 "takeovers": self.takeovers, "gateway_cancels": self.gateway_cancels,
-                 "spec": spec, "spec_gated": gated, "escalations_by_pair": escal, "escalations": sum(escal.values())}
-        self.r.hset(P.STATS_KEY, "scheduler", msgpack.packb(stats))
+        snap = snapshot(self.registry, leader=self.consumer, epoch=self.lease.epoch, takeovers=self.takeovers,
+                        gateway_cancels=self.reaper.gateway_cancels, steps=self.step_count,
+                        step_roundtrip_s=self.step_roundtrip_s, step_forward_s=self.step_forward_s)
+        self.r.hset(P.STATS_KEY, "scheduler", snap.encode())
 
     # ---- leadership ----------------------------------------------------------------------------
     def try_lead(self) -> bool:
-        floor = 0
-        for wid in self.r.smembers(P.WORKERS_SET):
-            e = self.r.hget(P.worker_key(wid.decode()), "epoch")
-            floor = max(floor, int(e or 0))
-        epoch = int(self._acquire(keys=[P.LEADER_KEY, P.EPOCH_KEY], args=[self.consumer, self.lease_ms, floor]))
-        if not epoch:
+        if not self.lease.acquire():
             return False
-        self.leader, self.epoch = True, epoch
-        self._last_renew = time.monotonic()
+        self.leader = True
         self.takeover()
         return True
 
     def renew(self) -> bool:
         """Keeps the lease; False (and the state dropped) when another scheduler has taken over."""
-        if time.monotonic() - self._last_renew < 0.5:
-            return True
-        if self._renew(keys=[P.LEADER_KEY, P.EPOCH_KEY], args=[self.consumer, self.lease_ms, self.epoch]):
-            self._last_renew = time.monotonic()
+        if self.lease.renew():
             return True
         self.step_down("another scheduler took over")
         return False
 
     def step_down(self, why: str) -> None:
-        log.warning("no longer leading", consumer=self.consumer, epoch=self.epoch, reason=why,
-                    requests=len(self.placement))
-        try:
-            self._release_lease(keys=[P.LEADER_KEY], args=[self.consumer])
-        except redis.RedisError:
-            pass
+        log.warning("no longer leading", consumer=self.consumer, epoch=self.lease.epoch, reason=why,
+                    requests=len(self.registry.placement))
+        self.lease.release()
         self.leader = False
-        self.workers.clear()
-        self.placement.clear()
-
-    def _claim(self, stream: str):
-        """Every entry pending in the group (whoever read it), now this consumer's."""
-        start = "0-0"
-        while True:
-            res = self.r.xautoclaim(stream, P.SCHEDULER_GROUP, self.consumer, 0, start_id=start, count=500)
-            start, entries = res[0], res[1]
-            yield from entries
-            if start in (b"0-0", "0-0"):
-                return
+        self.registry.clear()
 
     def takeover(self) -> None:
         """Rebuilds the state from Redis: the live workers, and every request whose submit is pending."""
         self.setup()
-        self.workers.clear()
-        self.placement.clear()
+        self.registry.clear()
         self.refresh_workers()
         self._last_refresh = time.monotonic()
-        stale = 0
-        for entry_id, _ in self._claim(P.DONE_STREAM):  # results of a former leader's plans
-            self.r.xack(P.DONE_STREAM, P.SCHEDULER_GROUP, entry_id)
-            stale += 1
-        subs, cancels = [], []
-        for entry_id, fields in self._claim(P.REQ_STREAM):
-            try:
-                rec = P.decode(fields) if fields else None
-            except (ValueError, TypeError, KeyError):
-                rec = None
-            if isinstance(rec, P.Submit):
-                subs.append((entry_id, rec))
-            elif isinstance(rec, P.Cancel):
-                cancels.append((entry_id, rec))
-            else:  # trimmed away or unreadable
-                self.r.xack(P.REQ_STREAM, P.SCHEDULER_GROUP, entry_id)
+        subs, cancels, stale = claim_requests(self.r, self.consumer)
         # Workers re-register within a heartbeat after Redis comes back: wait for them (up to their
         # TTL) rather than failing the requests in flight for want of a worker.
         deadline = time.monotonic() + P.WORKER_TTL_S + 1
-        while subs and not self.workers and time.monotonic() < deadline:
+        while subs and not self.registry.workers and time.monotonic() < deadline:
             time.sleep(0.25)
-            self._renew(keys=[P.LEADER_KEY, P.EPOCH_KEY], args=[self.consumer, self.lease_ms, self.epoch])
+            self.lease.renew_now()
             self.refresh_workers()
         pipe = self.r.pipeline(transaction=False)
         for _, sub in subs:
             pipe.get(P.progress_key(sub.request_id))
         progress = pipe.execute() if subs else []
         for (entry_id, sub), raw in zip(subs, progress):
-            self.on_submit(sub, entry_id, unpack_tokens(raw))
+            self.on_submit(sub, entry_id, P.decode_progress(raw))
         for entry_id, c in cancels:
             self.on_cancel(c)
             self.r.xack(P.REQ_STREAM, P.SCHEDULER_GROUP, entry_id)
-        for stream in (P.REQ_STREAM, P.DONE_STREAM):  # former leaders' consumers hold nothing now
-            for c in self.r.xinfo_consumers(stream, P.SCHEDULER_GROUP):
-                name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
-                if name != self.consumer and not c["pending"]:
-                    self.r.xgroup_delconsumer(stream, P.SCHEDULER_GROUP, name)
+        drop_idle_consumers(self.r, self.consumer)
         self.takeovers += 1
-        log.info("leading", consumer=self.consumer, epoch=self.epoch, workers=sorted(self.workers),
-                 resumed=len(self.placement), submits_pending=len(subs), stale_results=stale)
-
-    # ---- housekeeping --------------------------------------------------------------------------
-    def reap_gateways(self) -> None:
-        """Requests of a gateway whose heartbeat stopped (it died or restarted under a new id) are
-        cancelled: their KV is freed and their submits acknowledged; its output stream is deleted."""
-        by_gw: dict[str, list[tuple[WorkerState, str]]] = {}
-        for w in self.workers.values():
-            for rid, req in w.core.requests.items():
-                gw = req.meta.get("gateway_id")
-                if gw:
-                    by_gw.setdefault(gw, []).append((w, rid))
-        now = time.monotonic()
-        for gw, t in list(self.gateways_gone.items()):
-            self.r.delete(P.out_stream(gw))
-            if now - t > 30:
-                del self.gateways_gone[gw]
-        ids = sorted(set(by_gw) | self.gateways_seen)
-        pipe = self.r.pipeline(transaction=False)
-        for gw in ids:
-            pipe.exists(P.gateway_key(gw))
-        for gw, alive in zip(ids, pipe.execute() if ids else []):
-            if alive:
-                self.gateways_seen.add(gw)
-                continue
-            if gw not in self.gateways_seen:
-                continue  # never seen alive: a client of the streams that keeps no heartbeat
-            self.gateways_seen.discard(gw)
-            gone = by_gw.get(gw, [])
-            for w, rid in gone:
-                req = w.core.requests.get(rid)
-                if req is not None and w.core.abort_request(rid):
-                    self.placement.pop(rid, None)
-                    self.end(rid, req.meta.get("entry"))
-            self.gateway_cancels += len(gone)
-            self.r.delete(P.out_stream(gw))
-            self.gateways_gone[gw] = now
-            log.warning("gateway gone: its requests cancelled", gateway=gw, cancelled=len(gone))
-
-    def trim_streams(self) -> None:
-        """``mfs:req`` keeps what is pending (requests in flight) or unread; ``mfs:done`` what is unread."""
-        for stream in (P.REQ_STREAM, P.DONE_STREAM):
-            try:
-                groups = {g["name"].decode() if isinstance(g["name"], bytes) else g["name"]: g
-                          for g in self.r.xinfo_groups(stream)}
-            except redis.ResponseError:  # no such stream (yet): nothing to trim
-                continue
-            g = groups.get(P.SCHEDULER_GROUP)
-            if g is None:
-                continue
-            minid = g["last-delivered-id"]
-            pend = self.r.xpending(stream, P.SCHEDULER_GROUP)
-            if pend["pending"]:
-                minid = pend["min"]
-            self.r.xtrim(stream, minid=minid, approximate=False)
+        log.info("leading", consumer=self.consumer, epoch=self.lease.epoch, workers=sorted(self.registry.workers),
+                 resumed=len(self.registry.placement), submits_pending=len(subs), stale_results=stale)
 
     # ---- the loop ----------------------------------------------------------------------------
     def run_once(self) -> None:
@@ -603,7 +254,7 @@ class SchedulerService:
         if now - self._last_refresh > 0.5:
             self.refresh_workers()
             self._last_refresh = now
-        busy = any(w.inflight is not None for w in self.workers.values())
+        busy = any(w.inflight is not None for w in self.registry.workers.values())
         # Results first: placement then sees the load and cache they leave behind.
         resp = self.r.xreadgroup(P.SCHEDULER_GROUP, self.consumer, {P.DONE_STREAM: ">", P.REQ_STREAM: ">"},
                                  count=256, block=100 if busy else 250)
@@ -625,13 +276,13 @@ class SchedulerService:
                 if not pending:
                     self.r.xack(stream, P.SCHEDULER_GROUP, entry_id)
         self.dispatch()
-        self.flush_directory()
+        self.registry.flush_directory()
         if now - self._last_stats > 0.5:
             self.write_stats()
             self._last_stats = now
         if now - self._last_gc > 2.0:
-            self.reap_gateways()
-            self.trim_streams()
+            self.reaper.reap_gateways(self.registry, self.end)
+            trim_streams(self.r)
             self._last_gc = now
 
     def run(self, standby_poll_s: float = 0.5) -> None:
@@ -669,6 +320,7 @@ class SchedulerService:
             self.step_down("stopping")
 
 
+
 def parse_quota(spec: str | None) -> dict[int, float]:
     out = {}
     for part in (spec or "").split(","):
@@ -679,8 +331,6 @@ def parse_quota(spec: str | None) -> dict[int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mfs.launch import install_stop_signals  # noqa: PLC0415
-    from mfs.logs import configure  # noqa: PLC0415
     p = argparse.ArgumentParser(prog="python -m scheduler", description="MFS scheduler process")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")

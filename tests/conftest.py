@@ -1,6 +1,6 @@
 import pytest
 
-from mfs.logs import configure
+from core.logs import configure
 
 configure(level="WARNING")
 

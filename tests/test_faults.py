@@ -10,7 +10,7 @@ import time
 import pytest
 import redis
 
-from mfs import protocol as P
+from core import protocol as P
 from mfs.family import load_family
 from mfs.launch import Service
 from tests.test_pipeline import Reader, stats, submit, wait_kv_idle
@@ -76,7 +76,7 @@ def test_worker_killed_mid_generation_32_streams_complete_on_the_other(llama_dir
         moved = [rid for rid, evs in rd.events.items() if {e.worker for e in evs} == {"w0", "w1"}]
         assert moved, "no request was in flight on the killed worker"
         dups = sum(len(e.token_ids) for v in rd.events.values() for e in v) - sum(n for *_, n in work)
-        assert stats(r)["replanned"] == len(moved)
+        assert stats(r).replanned == len(moved)
     assert_complete_and_equal(rd, work, expected(llama_dir, work))
     print(f"worker kill: {len(work)} streams, {len(moved)} moved, {dups} duplicate tokens dropped by seq, "
           f"all complete {recovered_in:.1f}s after the kill")
@@ -109,7 +109,7 @@ def test_leading_scheduler_killed_the_standby_takes_over(llama_dir):
         rd.until(lambda: all(rd.finished(rid) for rid, *_ in work), timeout=120)
         done_in = time.monotonic() - killed_at
         s = wait_kv_idle(r)
-        assert s["takeovers"] == 1 and s["epoch"] == epoch + 1
+        assert s.takeovers == 1 and s.epoch == epoch + 1
         # Every submit was acknowledged at its end; no progress record is left behind.
         assert r.xpending(P.REQ_STREAM, P.SCHEDULER_GROUP)["pending"] == 0
         assert not list(r.scan_iter(P.progress_key("*")))
@@ -124,8 +124,9 @@ def test_a_gateway_that_disappears_has_its_requests_cancelled(llama_dir):
         gw = "gw-vanishing"
         r.set(P.gateway_key(gw), "{}", ex=2)  # the test plays a gateway's heartbeat...
         for i in range(12):  # long requests: ~500 tokens each at this context limit
-            r.xadd(P.REQ_STREAM, P.Submit(f"g{i}", gw, [5, 6, 7, 8], i % 3, max_tokens=5000,
-                                          ignore_eos=True, arrival=time.time()).encode())
+            sub = P.Submit(f"g{i}", gw, [5, 6, 7, 8], i % 3, SamplingParams(max_tokens=5000, ignore_eos=True),
+                           arrival=time.time())
+            r.xadd(P.REQ_STREAM, sub.encode())
         rd = Reader(r, gw)
         rd.until(lambda: len(rd.events) == 12)
         t_end = time.monotonic() + 2.2  # ...for a while: the scheduler sees it alive (it looks every 2 s)
@@ -141,10 +142,10 @@ def test_a_gateway_that_disappears_has_its_requests_cancelled(llama_dir):
         s = wait_kv_idle(r)
         # The fast tier may finish a request (~500 tokens) before the gateway goes; the rest are
         # cancelled, not run to their end.
-        assert s["gateway_cancels"] >= 1, s
+        assert s.gateway_cancels >= 1, s
         assert r.xpending(P.REQ_STREAM, P.SCHEDULER_GROUP)["pending"] == 0
         assert not list(r.scan_iter(P.progress_key("*")))
-    print(f"gateway gone: {s['gateway_cancels']} requests in flight cancelled and its stream deleted "
+    print(f"gateway gone: {s.gateway_cancels} requests in flight cancelled and its stream deleted "
           f"{cancelled_in:.1f}s after its last heartbeat (key TTL 2 s)")
 
 

@@ -1,7 +1,7 @@
 """The gateway against a real redis-server, with the test playing scheduler + worker.
 
 The fake backend reads the Submit/Cancel records the gateway XADDs to ``mfs:req`` and answers with
-TokenEvent records on ``mfs:out:{gateway}``, exactly as mfs/protocol.py describes; clients are the
+TokenEvent records on ``mfs:out:{gateway}``, exactly as core/protocol.py describes; clients are the
 official ``openai`` package and ``httpx`` (for raw bodies and disconnects) against a real port.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ import redis
 import uvloop
 from aiohttp import web
 
+from core import protocol as P
 from gateway.app import GatewayConfig, init_app
-from mfs import protocol as P
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture
 
 MAX_LEN = 4096
@@ -116,10 +116,10 @@ class FakeBackend(threading.Thread):
         """``text``: a string, or a function of the Submit that returns one."""
         def script(sub: P.Submit):
             ids = self.tok.encode(text(sub) if callable(text) else text, add_special_tokens=False)
-            toks = ids + ([] if sub.ignore_eos else [self.tok.eos_token_id])
+            toks = ids + ([] if sub.params.ignore_eos else [self.tok.eos_token_id])
             finish = "stop"
-            if len(toks) >= sub.max_tokens:
-                toks, finish = toks[:sub.max_tokens], "length"
+            if len(toks) >= sub.params.max_tokens:
+                toks, finish = toks[:sub.params.max_tokens], "length"
             out = []
             for s in range(0, len(toks), chunk):
                 last = s + chunk >= len(toks)
@@ -211,9 +211,10 @@ def test_chat_non_stream(gw, backend, frontend):
     assert r.choices[0].finish_reason == "stop"
     assert r.model == "smollm2-135m-medium"
     sub = backend.submits[r.id]
-    assert (sub.tier, sub.max_tokens, sub.temperature, sub.top_p, sub.top_k, sub.seed) == (1, 50, 0.7, 0.9, 20, 7)
+    p = sub.params
+    assert (sub.tier, p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (1, 50, 0.7, 0.9, 20, 7)
     assert sub.gateway_id == "gw-test" and sub.model_id == "smollm2-135m-medium"
-    assert frontend.tokenizer.eos_token_id in sub.stop_token_ids
+    assert frontend.tokenizer.eos_token_id in sub.params.stop_token_ids
     expect = frontend.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True,
         tokenize=True)["input_ids"]
@@ -235,7 +236,7 @@ def test_chat_stream_with_usage(gw, backend):
     assert finals == ["stop"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
     assert all(c.model == "smollm2-135m-large" for c in chunks)
-    assert backend.last_submit().max_tokens == 40
+    assert backend.last_submit().params.max_tokens == 40
 
 
 def test_completions_length_and_stream(gw, backend):
@@ -247,14 +248,14 @@ def test_completions_length_and_stream(gw, backend):
     chunks = list(c.completions.create(model="smollm2-135m-small", prompt="Once upon a time", stream=True,
                                        max_tokens=100, extra_body={"ignore_eos": True}))
     assert "".join(ch.choices[0].text for ch in chunks) == PARIS
-    assert backend.last_submit().ignore_eos is True
+    assert backend.last_submit().params.ignore_eos is True
     r = c.completions.create(model="smollm2-135m-small", prompt=[504, 3458], max_tokens=5)  # token ids
     assert backend.submits[r.id].prompt_ids == [504, 3458]
 
 
 def test_completions_default_max_tokens_is_16(gw, backend):
     gw.client().completions.create(model="smollm2-135m-small", prompt="Hi")
-    assert backend.last_submit().max_tokens == 16
+    assert backend.last_submit().params.max_tokens == 16
 
 
 def test_unicode_streams_whole_characters(gw, backend):

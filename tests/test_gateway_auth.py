@@ -16,11 +16,11 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
+from core import protocol as P
 from gateway.__main__ import parse_args
 from gateway.app import GatewayConfig, init_app
 from gateway.openai_api import Limits
 from gateway.ratelimit import RateLimiter, duration
-from mfs import protocol as P
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture (this module's own server)
 from tests.test_gateway import rds_worker, CHAT, PARIS, FakeBackend, ServerThread, _err, register_worker
 
@@ -231,4 +231,4 @@ def test_bounds_are_400_naming_the_parameter(gateway):
 def test_max_tokens_cap_bounds_the_default(gateway, backend):
     gw = gateway(limits=Limits(max_tokens_cap=48))
     assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT).status_code == 200
-    assert backend.last_submit().max_tokens == 48
+    assert backend.last_submit().params.max_tokens == 48

@@ -593,14 +593,16 @@ def edges(schema: dict) -> list:
 
 def mfs_edges(doc: dict) -> list:
     """``mfs`` values around what the description allows: every way to name a tier and a few that name
-    none, gamma / threshold / window at and past their bounds, both at once, unknown fields."""
+    none, gamma / stop_confidence / threshold / window at and past their bounds, both at once, unknown
+    fields."""
     names = at(doc, "#/components/schemas/TierModelId")["enum"]
     family = [m for m in at(doc, "#/components/schemas/ModelId")["enum"] if m not in names and m != "auto"]
     tiers = [n.removeprefix(family[0] + "-") for n in names]  # mfs.family: "<family>-<tier name>"
     refs = [*tiers, *names, *range(-1, len(names) + 1), *(str(i) for i in range(len(names) + 1)), "00", "01",
             "000001", "0x1", "", None, 1.0, True, [0]]
     spec = [None, True, False, 1, "x", {}, {"x": 1}, *({"draft": r} for r in refs),
-            *({"draft": 0, "gamma": g} for g in (0, 1, 16, 17, 1.5, 2.0, "4", None))]
+            *({"draft": 0, "gamma": g} for g in (0, 1, 16, 17, 1.5, 2.0, "4", None)),
+            *({"draft": 0, "stop_confidence": c} for c in (0, 0.5, 1, -0.1, 1.1, "0.5", True, None))]
     casc = [None, True, False, 1, {}, {"x": 1},
             *({"threshold": t} for t in (0, 1e-9, 0.5, 1 - 1e-9, 1, -0.1, "0.5", None)),
             *({"threshold": 0.5, "window": w} for w in (0, 1, 64, 65, 2.0, None))]

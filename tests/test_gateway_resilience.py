@@ -15,8 +15,8 @@ import httpx2 as httpx
 import pytest
 import redis
 
+from core import protocol as P
 from gateway.app import GatewayConfig
-from mfs import protocol as P
 from mfs.launch import EmbeddedRedis
 from tests.test_gateway import CHAT, ServerThread, _err, register_worker
 

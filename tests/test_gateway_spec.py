@@ -17,8 +17,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from core import protocol as P
+from core.sampling import SamplingParams
 from gateway.app import GatewayConfig, init_app
-from mfs import protocol as P
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture
 from tests.test_gateway import PARIS, ServerThread, _err, backend, rds, register_worker  # noqa: F401
 
@@ -67,7 +68,8 @@ def chat(gw, model: str, mfs=None, prompt: str = "hi", **kw):
 
 
 def multilevel(sub: P.Submit) -> tuple:
-    return sub.spec_draft_tier, sub.spec_gamma, sub.cascade_threshold, sub.cascade_window
+    p = sub.params
+    return p.spec_draft_tier, p.spec_gamma, p.cascade_threshold, p.cascade_window
 
 
 # ---- defaults and overrides reach the Submit ------------------------------------------------------
@@ -81,13 +83,13 @@ def test_default_draft_applies_only_below_the_request_tier(gw_spec, backend):
     r = chat(gw_spec, LARGE)
     assert multilevel(backend.submits[r.id]) == (0, 6, None, 4)
     r = chat(gw_spec, MEDIUM)
-    assert backend.submits[r.id].spec_draft_tier == 0
+    assert backend.submits[r.id].params.spec_draft_tier == 0
     r = chat(gw_spec, SMALL)  # the default draft is not below small: no speculation, no error
-    assert backend.submits[r.id].spec_draft_tier is None
+    assert backend.submits[r.id].params.spec_draft_tier is None
     r = chat(gw_spec, FAMILY, prompt=TO_TIER[2])  # no default cascade here: a family request speculates
-    assert (backend.submits[r.id].tier, backend.submits[r.id].spec_draft_tier) == (2, 0)
+    assert (backend.submits[r.id].tier, backend.submits[r.id].params.spec_draft_tier) == (2, 0)
     r = chat(gw_spec, FAMILY, prompt=TO_TIER[0])  # routed to small: nothing below it
-    assert (backend.submits[r.id].tier, backend.submits[r.id].spec_draft_tier) == (0, None)
+    assert (backend.submits[r.id].tier, backend.submits[r.id].params.spec_draft_tier) == (0, None)
     r = gw_spec.client().completions.create(model=LARGE, prompt="Once", max_tokens=5)
     assert multilevel(backend.submits[r.id]) == (0, 6, None, 4)
 
@@ -107,7 +109,7 @@ def test_default_draft_applies_only_below_the_request_tier(gw_spec, backend):
 def test_per_request_speculation(gw_spec, backend, mfs, expect):
     r = chat(gw_spec, LARGE, mfs)
     sub = backend.submits[r.id]
-    assert (sub.spec_draft_tier, sub.spec_gamma) == expect and sub.cascade_threshold is None
+    assert (sub.params.spec_draft_tier, sub.params.spec_gamma) == expect and sub.params.cascade_threshold is None
 
 
 def test_per_request_speculation_without_server_default(gw_plain, backend):
@@ -118,7 +120,17 @@ def test_per_request_speculation_without_server_default(gw_plain, backend):
     assert multilevel(backend.submits[r.id]) == (1, 4, None, 4)
     # temperature does not matter
     r = chat(gw_plain, LARGE, {"speculative": {"draft": 0}}, temperature=1.3, top_p=0.8)
-    assert backend.submits[r.id].spec_draft_tier == 0 and backend.submits[r.id].temperature == 1.3
+    assert backend.submits[r.id].params.spec_draft_tier == 0 and backend.submits[r.id].params.temperature == 1.3
+
+
+def test_speculation_stop_confidence_reaches_the_submit(gw_plain, backend):
+    """mfs.speculative.stop_confidence sets SamplingParams.spec_stop_confidence; unset, its default."""
+    r = chat(gw_plain, LARGE, {"speculative": {"draft": "small", "stop_confidence": 0.2}})
+    assert backend.submits[r.id].params.spec_stop_confidence == 0.2
+    r = chat(gw_plain, LARGE, {"speculative": {"draft": "small", "stop_confidence": 0}})
+    assert backend.submits[r.id].params.spec_stop_confidence == 0.0  # always draft gamma
+    r = chat(gw_plain, LARGE, {"speculative": {"draft": "small"}})
+    assert backend.submits[r.id].params.spec_stop_confidence == SamplingParams().spec_stop_confidence
 
 
 def test_cascade_defaults_and_overrides(gw_both, gw_plain, backend):
@@ -181,6 +193,10 @@ BAD = [
     (LARGE, {"speculative": {"draft": "small", "gamma": "4"}}, "mfs.speculative.gamma"),
     (LARGE, {"speculative": {"draft": "small", "gamma": 2.5}}, "mfs.speculative.gamma"),
     (LARGE, {"speculative": {"draft": "small", "gamma": True}}, "mfs.speculative.gamma"),
+    (LARGE, {"speculative": {"draft": "small", "stop_confidence": 1.5}}, "mfs.speculative.stop_confidence"),
+    (LARGE, {"speculative": {"draft": "small", "stop_confidence": -0.1}}, "mfs.speculative.stop_confidence"),
+    (LARGE, {"speculative": {"draft": "small", "stop_confidence": "0.5"}}, "mfs.speculative.stop_confidence"),
+    (LARGE, {"speculative": {"draft": "small", "stop_confidence": True}}, "mfs.speculative.stop_confidence"),
     (LARGE, {"speculative": True}, "mfs.speculative.draft"),                 # no server default draft
     (LARGE, {"speculative": {"gamma": 4}}, "mfs.speculative.draft"),
     (FAMILY, {"cascade": "on"}, "mfs.cascade"),
@@ -243,7 +259,8 @@ def test_bad_server_defaults_stop_the_gateway(frontend, redis_url):  # noqa: F81
 ml_values = st.recursive(st.none() | st.booleans() | st.integers(-3, 70) | st.floats() |
                          st.sampled_from(["small", "medium", "large", SMALL, FAMILY, "", "0", "x"]),
                          lambda c: st.lists(c, max_size=3) | st.dictionaries(
-                             st.sampled_from(["draft", "gamma", "threshold", "window", "x"]), c, max_size=3),
+                             st.sampled_from(["draft", "gamma", "stop_confidence", "threshold", "window", "x"]), c,
+                             max_size=3),
                          max_leaves=6)
 mfs_bodies = st.dictionaries(st.sampled_from(["speculative", "cascade", "other"]), ml_values, max_size=2)
 
@@ -334,7 +351,7 @@ def test_usage_reports_draft_tokens(gw_spec, backend, frontend):
     # no draft counts on the events: no draft fields
     backend.script = backend.reply(PARIS)
     r = chat(gw_spec, LARGE)
-    assert backend.submits[r.id].spec_draft_tier == 0
+    assert backend.submits[r.id].params.spec_draft_tier == 0
     assert r.usage.completion_tokens_details is None and "mfs_draft" not in (r.usage.model_extra or {})
     raw = httpx.post(gw_spec.url + "/v1/completions", json={"model": LARGE, "prompt": "x"}).json()
     assert set(raw["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}

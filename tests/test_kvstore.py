@@ -2,12 +2,11 @@
 scheduler and two worker processes: a session follows its KV, yields to load, survives a restart."""
 import time
 
-import msgpack
 import pytest
 import redis
 
+from core import protocol as P
 from kvstore.directory import BlockDirectory, common_blocks
-from mfs import protocol as P
 from mfs.launch import Service
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture
 from tests.test_pipeline import Reader, submit
@@ -67,9 +66,8 @@ def cold(llama_family):
     return run
 
 
-def stats(r):
-    raw = r.hget(P.STATS_KEY, "scheduler")
-    return msgpack.unpackb(raw, strict_map_key=False) if raw else {}
+def stats(r) -> P.StatsSnapshot | None:
+    return P.StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
 
 
 def wait_idle(r, timeout=10):
@@ -78,7 +76,7 @@ def wait_idle(r, timeout=10):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         s = stats(r)
-        if s and s["updated"] > t0 and not s["running"] and not s["waiting"]:
+        if s and s.updated > t0 and not s.running and not s.waiting:
             return s
         time.sleep(0.1)
     raise AssertionError(f"the scheduler is still busy: {stats(r)}")
@@ -106,8 +104,8 @@ def test_a_session_follows_its_kv_until_that_worker_is_overloaded(service, cold)
     out3, w3, cached = turn(r, rd, "s1-t3", p3, 2, 4, "s1")
     assert w3 == home and cached == 24 and out3 == cold(p3, 2, 4)
     s = wait_idle(r)
-    assert s["prefill_reused"][0] >= 40 and s["directory_blocks"][home] > 0
-    assert s["affinity_preferred"] >= 2 and s["affinity_yielded"] == 0
+    assert s.prefill_reused[0] >= 40 and s.directory_blocks[home] > 0
+    assert s.affinity_preferred >= 2 and s.affinity_yielded == 0
 
     # A long request sharing the session's prefix lands on `home` too; the session's next turn then
     # finds it busier than the other worker and goes there, computing from scratch.
@@ -120,7 +118,7 @@ def test_a_session_follows_its_kv_until_that_worker_is_overloaded(service, cold)
     assert rd.events["hog"][0].worker == home
     r.xadd(P.REQ_STREAM, P.Cancel("hog").encode())
     s = wait_idle(r)
-    assert s["affinity_yielded"] >= 1
+    assert s.affinity_yielded >= 1
 
 
 def test_a_restarted_worker_loses_its_directory_entries_and_sessions_still_work(service, cold):

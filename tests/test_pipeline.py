@@ -3,11 +3,10 @@
 import random
 import time
 
-import msgpack
 import pytest
 import redis
 
-from mfs import protocol as P
+from core import protocol as P
 from mfs.family import load_family
 from mfs.launch import Service
 from worker.engine import Engine
@@ -23,8 +22,9 @@ def nested_service(llama_dir):
         yield svc
 
 
-def submit(r, rid, prompt, tier, **kw):
-    r.xadd(P.REQ_STREAM, P.Submit(rid, GW, prompt, tier, arrival=time.time(), **kw).encode())
+def submit(r, rid, prompt, tier, session_id=None, **params):
+    sub = P.Submit(rid, GW, prompt, tier, SamplingParams(**params), arrival=time.time(), session_id=session_id)
+    r.xadd(P.REQ_STREAM, sub.encode())
 
 
 class Reader:
@@ -56,16 +56,15 @@ class Reader:
         return {k: (len(v), v[-1].finish_reason) for k, v in self.events.items()}
 
 
-def stats(r):
-    raw = r.hget(P.STATS_KEY, "scheduler")
-    return msgpack.unpackb(raw, strict_map_key=False) if raw else {}
+def stats(r) -> P.StatsSnapshot | None:
+    return P.StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
 
 
 def wait_kv_idle(r, timeout=10):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         s = stats(r)
-        if s and all(sum(v) == 0 for v in s["kv_blocks_used"].values()) and not s["running"]:
+        if s and all(sum(v) == 0 for v in s.kv_blocks_used.values()) and not s.running:
             return s
         time.sleep(0.2)
     raise AssertionError(f"KV blocks still in use: {stats(r)}")
@@ -194,6 +193,6 @@ def test_speculation_and_cascade_over_the_protocol(nested_service, llama_dir):
     assert tiers == [0] * k + [1] * (16 - k), tiers
     assert len(rd.tokens("sampled-spec")) == 40
     s = wait_kv_idle(r)
-    assert {"0>1", "0>2", "1>2"} <= set(s["spec"]) and s["escalations_by_pair"].get("0>1", 0) >= 1, s
-    for pair in s["spec"].values():
+    assert {"0>1", "0>2", "1>2"} <= set(s.spec) and s.escalations_by_pair.get("0>1", 0) >= 1, s
+    for pair in s.spec.values():
         assert pair["accepted"] <= pair["proposed"] and pair["rounds"] <= pair["committed"]

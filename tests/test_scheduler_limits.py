@@ -1,6 +1,7 @@
 """The step scheduler's tier-mix limits and KV quotas, driven directly (it is pure bookkeeping: the
 test plays the worker by handing back one token per sampled row)."""
 from scheduler.core import SchedulerConfig, StepScheduler
+from scheduler.policy import FCFS
 from worker.sampling import SamplingParams
 
 
@@ -86,3 +87,37 @@ def test_kv_quota_holds_a_tier_back_without_blocking_others():
     assert tiers.count(0) == 1 and 2 in tiers  # one small request fits its quota; large still runs
     s.update(step, {r.request_id: 7 for r, n in step.rows})
     run(s)
+
+
+class NewestFirst(FCFS):
+    """A policy that serves the newest request first and preempts the oldest."""
+    name = "newest-first"
+
+    def order(self, running):
+        return sorted(running, key=lambda r: -r.arrival)
+
+    def victim(self, running):
+        return min(running, key=lambda r: r.arrival)
+
+
+def _preempted_under(policy) -> list[str]:
+    """Two tier-0 requests that cannot both grow in a 5-block pool: which one is preempted?"""
+    cfg = SchedulerConfig(num_tiers=1, num_blocks=[5], block_size=4, max_model_len=128, vocab_size=1000,
+                          enable_prefix_caching=False)
+    s = StepScheduler(cfg, policy)
+    p = SamplingParams(max_tokens=8, ignore_eos=True)
+    s.add_request("old", [5, 6, 7, 8, 9, 10, 11], 0, p)
+    s.add_request("new", [15, 16, 17, 18, 19, 20, 21], 0, p)
+    first = []
+    while s.has_unfinished():
+        step = s.schedule()
+        s.update(step, {r.request_id: 7 for r, n in step.rows if r.num_computed_tokens + n == r.num_tokens})
+        if s.stats.preemptions and not first:
+            first = [r for r in ("old", "new") if s.requests[r].num_preemptions]
+    assert all(p.num_used == 0 for p in s.pools)
+    return first
+
+
+def test_the_policy_names_the_preemption_victim():
+    assert _preempted_under(None) == ["new"]              # FCFS, the default: the latest arrival yields
+    assert _preempted_under(NewestFirst()) == ["old"]

@@ -12,7 +12,7 @@ import openai
 import pytest
 import redis
 
-from mfs import protocol as P
+from core import protocol as P
 from mfs.launch import Service
 from tests.test_pipeline import stats, wait_kv_idle
 

@@ -1,27 +1,16 @@
 """Turning a step's rows into the tensors of one group-batched forward.
 
 Rows are ordered by tier, highest first, so the rows still running in segment ``s`` (tier >= s) are a
-prefix of the batch and the rows leaving at exit ``s`` are its tail.
+prefix of the batch and the rows leaving at exit ``s`` are its tail. A row is the plan's own record
+(core.protocol.PlanRow), whether it came over Redis or from the in-process engine.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(slots=True)
-class RowInput:
-    tier: int
-    token_ids: list[int]          # tokens computed this step
-    start_pos: int                # tokens of this row already in the cache
-    block_tables: list[list[int]]  # one per segment 0..tier
-    sample: bool                  # the row's last token is its newest: sample the next
-    enter: int = 0                # first segment computed (> 0: cross-tier catch-up from stored hidden)
-    sample_all: bool = False      # logits at every position (speculative verification)
-    draft: bool = False           # a speculation draft row: the runner keeps the draft distribution
-    drafts: list[int] = field(default_factory=list)  # verification: the round's draft tokens, one
-    #                               per position of token_ids ([last committed] + drafts[:-1])
+from core.protocol import PlanRow
 
 
 @dataclass(slots=True)
@@ -50,12 +39,12 @@ class StepTensors:
     general: bool = False    # some row enters past segment 0: index the batch per segment
 
 
-def order_rows(rows: list[RowInput]) -> list[int]:
+def order_rows(rows: list[PlanRow]) -> list[int]:
     """Indices of rows sorted by tier, highest first (stable)."""
     return sorted(range(len(rows)), key=lambda i: -rows[i].tier)
 
 
-def build_step(rows: list[RowInput], num_segments: int, block_size: int,
+def build_step(rows: list[PlanRow], num_segments: int, block_size: int,
                device: torch.device | str = "cpu") -> StepTensors:
     """rows must already be sorted by tier, highest first (see :func:`order_rows`)."""
     assert all(rows[i].tier >= rows[i + 1].tier for i in range(len(rows) - 1)), "rows not tier-sorted"
@@ -70,7 +59,7 @@ def build_step(rows: list[RowInput], num_segments: int, block_size: int,
     for n in q_lens:
         starts.append(starts[-1] + n)
 
-    def slots_of(r: RowInput, s: int) -> list[int]:
+    def slots_of(r: PlanRow, s: int) -> list[int]:
         table = r.block_tables[s]
         return [table[p // block_size] * block_size + p % block_size
                 for p in range(r.start_pos, r.start_pos + len(r.token_ids))]

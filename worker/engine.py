@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import itertools
 
-from scheduler.core import (InvalidRequest, RequestOutput, SchedulerConfig, StepScheduler)
-from worker.batch import RowInput
+from core.sampling import SamplingParams
+from scheduler.core import InvalidRequest, RequestOutput, SchedulerConfig, StepScheduler
+from scheduler.plan import plan_rows
 from worker.model import NestedModel
 from worker.runner import ModelRunner
-from worker.sampling import SamplingParams
 
 __all__ = ["Engine", "InvalidRequest", "RequestOutput"]
 
@@ -76,23 +76,7 @@ class Engine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("engine stalled: a waiting request fits in no pool")
             return []
-        rows = [(r.request_id, RowInput(r.tier, r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n),
-                                        r.num_computed_tokens, r.block_tables,
-                                        r.num_computed_tokens + n == r.num_tokens))
-                for r, n in sched.rows]
-        # Cross-tier catch-up rows: cached positions (or, after a cascade escalation, the history)
-        # whose upper segments are computed this step.
-        rows += [(r.request_id, RowInput(r.tier, r.token_slice(a, b), a, r.block_tables, False, enter=seg))
-                 for r, seg, a, b in sched.catchups]
-        # Self-speculation: draft rows run the lower tier's segments, verification rows the segments
-        # above it from the hidden state the drafts stored at its exit, carrying the round's drafts.
-        rows += [(r.request_id, RowInput(r.params.spec_draft_tier, [x], pos, r.block_tables, True,
-                                         draft=True))
-                 for r, x, pos in sched.drafts]
-        rows += [(r.request_id, RowInput(r.tier, toks, a, r.block_tables, False,
-                                         enter=r.params.spec_draft_tier + 1, sample_all=True,
-                                         drafts=r.drafts[:len(toks)]))
-                 for r, toks, a in sched.verifies]
+        rows = plan_rows(sched)
         out = self.runner.execute(rows)
         outs = self.scheduler.update(sched, out.tokens, out.verified, out.accepted, out.escalate,
                                      out.drafts, out.draft_conf)

@@ -14,11 +14,12 @@ Two decisions are made here because they need the logits and must precede any to
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from worker.batch import RowInput, build_step, order_rows
+from core.protocol import PlanRow
+from worker.batch import build_step, order_rows
 from worker.kv_tensors import SegmentedKVCache
 from worker.model import NestedModel
 from worker.sampling import (SamplingParams, accept_greedy, accept_sampled, confidences, draw,
@@ -70,13 +71,11 @@ class ModelRunner:
             self.draft_probs.pop(rid, None)
             self.windows.pop(rid, None)
 
-    def execute(self, rows: list[tuple[str, RowInput]]) -> StepOutput:
-        if self.tier_map is not None:
-            for _, r in rows:
-                r.tier = self.tier_map[r.tier]
-        order = order_rows([r for _, r in rows])
-        rows = [rows[i] for i in order]
-        batch = build_step([r for _, r in rows], self.model.num_segments, self.block_size, self.device)
+    def execute(self, rows: list[PlanRow]) -> StepOutput:
+        if self.tier_map is not None:  # copies: the caller keeps the global tiers (it streams them)
+            rows = [replace(r, tier=self.tier_map[r.tier]) for r in rows]
+        rows = [rows[i] for i in order_rows(rows)]
+        batch = build_step(rows, self.model.num_segments, self.block_size, self.device)
         logits = self.model.forward_step(batch, self.kv)
         out = StepOutput({}, None, int(batch.input_ids.shape[0]))
         # The logits of each sampled row (several, in position order, for a verification row).
@@ -84,9 +83,10 @@ class ModelRunner:
         for k, i in enumerate(batch.sampled_rows):
             per_row.setdefault(i, []).append(k)
         plain: list[tuple[int, str]] = []    # (logits index, request) of rows sampling one token
-        watched: list[tuple[int, str, RowInput]] = []  # the cascade requests among them
+        watched: list[tuple[int, str, PlanRow]] = []  # the cascade requests among them
         for i, ks in per_row.items():
-            rid, r = rows[i]
+            r = rows[i]
+            rid = r.request_id
             if r.sample_all:
                 committed, k = self._verify(rid, r, logits[ks[0]:ks[-1] + 1])
                 out.verified[rid], out.accepted[rid] = committed, k
@@ -112,11 +112,11 @@ class ModelRunner:
             out.tokens.update(zip((rid for _, rid in plain), toks))
         if self.keep_logits:
             out.logits = {rid: logits[ks[0]].clone() for i, ks in per_row.items()
-                          for rid in [rows[i][0]] if rid in out.tokens}
+                          for rid in [rows[i].request_id] if rid in out.tokens}
         return out
 
     # ---- self-speculative decoding ----------------------------------------------------------
-    def _draft(self, rid: str, r: RowInput, row_logits: torch.Tensor) -> int:
+    def _draft(self, rid: str, r: PlanRow, row_logits: torch.Tensor) -> int:
         """A draft token: greedy, the draft tier's argmax; sampled, a draw from the draft tier's
         distribution q, which is kept (per input position) for the verification that follows."""
         params, gen = self.sampling[rid]
@@ -126,7 +126,7 @@ class ModelRunner:
         self.draft_probs.setdefault(rid, {})[r.start_pos + len(r.token_ids) - 1] = q.float()
         return draw(q, gen)
 
-    def _verify(self, rid: str, r: RowInput, lg: torch.Tensor) -> tuple[list[int], int]:
+    def _verify(self, rid: str, r: PlanRow, lg: torch.Tensor) -> tuple[list[int], int]:
         """lg [g, V]: the target's logits at the round's g positions; r.drafts the g drafts."""
         params, gen = self.sampling[rid]
         kept = self.draft_probs.pop(rid, {})  # this round's, and any stale ones: all dropped now
@@ -140,7 +140,7 @@ class ModelRunner:
         return accept_sampled(p, q, drafts, gen)
 
     # ---- the confidence cascade -------------------------------------------------------------
-    def _escalations(self, watched: list[tuple[int, str, RowInput]], logits: torch.Tensor) -> set[str]:
+    def _escalations(self, watched: list[tuple[int, str, PlanRow]], logits: torch.Tensor) -> set[str]:
         """Adds each watched row's confidence to its request's window; the requests whose full window
         averages below their threshold (and that have a tier above them) escalate, window reset."""
         idx = torch.tensor([k for k, _, _ in watched], dtype=torch.long, device=logits.device)

@@ -9,16 +9,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-import msgpack
 import redis
 import structlog
 import torch
 
-from mfs import protocol as P
-from scheduler.core import finish_reason
-from worker.batch import RowInput
+from core import protocol as P
+from core.sampling import finish_reason
 from worker.runner import ModelRunner
-from worker.sampling import SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -77,15 +74,12 @@ class WorkerService:
         self.epoch = 0  # the newest scheduler generation seen in a plan
 
     # ---- registration ------------------------------------------------------------------------
-    def info(self) -> dict:
+    def info(self) -> P.WorkerInfo:
         cfg = self.model.cfg
-        return {"tiers": msgpack.packb(self.tiers), "num_tiers": self.num_tiers,
-                "num_blocks": msgpack.packb(self.num_blocks), "block_size": self.block_size,
-                "max_model_len": self.max_model_len, "vocab_size": cfg.vocab_size,
-                "eos": msgpack.packb(list(cfg.eos_token_ids)), "started": self.started,
-                "device": str(self.runner.device), "kernels": self.model.ops.name, "weights": self.weights,
-                "pid": os.getpid(),
-                "epoch": self.epoch, "heartbeat": time.time()}
+        return P.WorkerInfo(self.tiers, self.num_tiers, self.num_blocks, self.block_size, self.max_model_len,
+                            cfg.vocab_size, list(cfg.eos_token_ids), self.started, device=str(self.runner.device),
+                            kernels=self.model.ops.name, weights=self.weights, pid=os.getpid(),
+                            epoch=self.epoch, heartbeat=time.time())
 
     def register(self) -> None:
         stream = P.plan_stream(self.id)
@@ -106,7 +100,7 @@ class WorkerService:
         """The whole registration every time: after a Redis restart that lost it, the next heartbeat
         brings it back complete."""
         p = client.pipeline()
-        p.hset(P.worker_key(self.id), mapping=self.info())
+        p.hset(P.worker_key(self.id), mapping=self.info().to_hash())
         p.expire(P.worker_key(self.id), P.WORKER_TTL_S)
         p.sadd(P.WORKERS_SET, self.id)
         p.execute()
@@ -176,19 +170,12 @@ class WorkerService:
         self.runner.drop(plan.drop)
         for rid in plan.drop:
             self.live.pop(rid, None)
-        for n in plan.new:
-            nr = P.NewRequest(**n)
-            self.runner.add(nr.request_id, SamplingParams(
-                max_tokens=nr.max_tokens, temperature=nr.temperature, top_p=nr.top_p, top_k=nr.top_k,
-                seed=nr.seed, spec_draft_tier=nr.spec_draft_tier, spec_gamma=nr.spec_gamma,
-                cascade_threshold=nr.cascade_threshold, cascade_window=nr.cascade_window,
-                spec_stop_confidence=nr.spec_stop_confidence))
-            self.live[nr.request_id] = Live(nr.gateway_id, nr.tier, nr.prompt_len, nr.max_tokens,
+        for nr in plan.new:
+            self.runner.add(nr.request_id, nr.params)
+            self.live[nr.request_id] = Live(nr.gateway_id, nr.tier, nr.prompt_len, nr.params.max_tokens,
                                             frozenset(nr.stop_ids), nr.cached_tokens, nr.seq_offset)
-        rows = [P.PlanRow(**d) for d in plan.rows]
-        out = self.runner.execute([(r.request_id, RowInput(
-            r.tier, r.token_ids, r.start_pos, r.block_tables, r.sample, r.enter, sample_all=r.sample_all,
-            draft=r.draft, drafts=r.drafts)) for r in rows])
+        rows = plan.rows
+        out = self.runner.execute(rows)
         dt = time.perf_counter() - t0
         # What a client sees: plain rows' tokens and verification rows' committed tokens; never drafts.
         emitted = {rid: [tok] for rid, tok in out.tokens.items()}
@@ -241,8 +228,7 @@ def _release_memory() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from mfs.commands import add_model_args  # noqa: PLC0415
-    from mfs.launch import install_stop_signals  # noqa: PLC0415
-    from mfs.logs import configure  # noqa: PLC0415
+    from core.logs import configure, install_stop_signals  # noqa: PLC0415
     p = argparse.ArgumentParser(prog="python -m worker", description="MFS worker process")
     add_model_args(p)
     p.add_argument("--worker-id", default=f"w-{os.getpid()}")

@@ -37,9 +37,12 @@ XADD carries ``MAXLEN ~`` as a backstop.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import asdict, dataclass, field, fields
 
 import msgpack
+
+from core.sampling import SamplingParams
 
 REQ_STREAM = "mfs:req"
 DONE_STREAM = "mfs:done"
@@ -95,44 +98,50 @@ def progress_key(request_id: str) -> str:
     return f"mfs:progress:{request_id}"
 
 
+def to_wire(record) -> dict:
+    """A record (nested records included) as the plain dict msgpack packs."""
+    return asdict(record)
+
+
+def from_wire(cls, raw: dict):
+    """The plain dict off the wire -> ``cls``, its nested records (``cls.NESTED``: field -> record
+    type, or ``[record type]`` for a list of them) rebuilt too; unknown keys are ignored, so a newer
+    sender's extra fields do not break an older reader."""
+    names = {f.name for f in fields(cls)}
+    kw = {k: v for k, v in raw.items() if k in names}
+    for name, sub in getattr(cls, "NESTED", {}).items():
+        v = kw.get(name)
+        if v is None:
+            continue
+        kw[name] = [from_wire(sub[0], x) for x in v] if isinstance(sub, list) else from_wire(sub, v)
+    return cls(**kw)
+
+
 class Record:
     """Typed msgpack record: ``encode()`` -> stream fields, ``decode(fields)`` -> record."""
     TYPE = ""
 
     def encode(self) -> dict[str, bytes]:
-        return {"t": self.TYPE, "d": msgpack.packb(asdict(self), use_bin_type=True)}
+        return {"t": self.TYPE, "d": msgpack.packb(to_wire(self), use_bin_type=True)}
 
     @classmethod
     def from_body(cls, body: bytes):
-        raw = msgpack.unpackb(body, raw=False, strict_map_key=False)
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in names})
+        return from_wire(cls, msgpack.unpackb(body, raw=False, strict_map_key=False))
 
 
 @dataclass(slots=True)
 class Submit(Record):
+    """A new request, as the gateway validated it: the prompt, the routed tier and its sampling."""
     TYPE = "submit"
+    NESTED = {"params": SamplingParams}
     request_id: str
     gateway_id: str
     prompt_ids: list[int]
     tier: int
+    params: SamplingParams = field(default_factory=SamplingParams)
     model_id: str = ""
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
     arrival: float = 0.0
     session_id: str | None = None
-    # Multi-level sampling (issue 6): draft with this lower tier, verify with `tier`, gamma at a time...
-    spec_draft_tier: int | None = None
-    spec_gamma: int = 4
-    # ...or a confidence cascade: start at `tier`, escalate one tier up whenever the mean max-probability
-    # of the last `cascade_window` tokens falls below `cascade_threshold`.
-    cascade_threshold: float | None = None
-    cascade_window: int = 4
 
 
 @dataclass(slots=True)
@@ -166,46 +175,43 @@ class TokenEvent(Record):
 @dataclass(slots=True)
 class NewRequest:
     """What a worker must know of a request to sample it and to notice its end."""
+    NESTED = {"params": SamplingParams}
     request_id: str
     gateway_id: str
     tier: int
     prompt_len: int
-    max_tokens: int
-    stop_ids: list[int]
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
+    params: SamplingParams  # max_tokens is what is left of it (after a re-plan)
+    stop_ids: list[int]     # params' stop ids and, unless ignored, the model's EOS
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     seq_offset: int = 0     # output tokens streamed before a re-plan (after a worker was lost)
-    spec_draft_tier: int | None = None
-    spec_gamma: int = 4
-    cascade_threshold: float | None = None
-    cascade_window: int = 4
-    spec_stop_confidence: float = 0.5
 
 
 @dataclass(slots=True)
 class PlanRow:
+    """One row of a step: tokens of one request computed through segments ``enter..tier``. Built in
+    one place (scheduler/plan.py), run by worker/runner.py as it is."""
     request_id: str
     tier: int
-    token_ids: list[int]
-    start_pos: int
-    block_tables: list[list[int]]
-    sample: bool
+    token_ids: list[int]           # tokens computed this step
+    start_pos: int                 # tokens of this row already in the cache
+    block_tables: list[list[int]]  # one per segment 0..tier
+    sample: bool                   # the row's last token is its newest: sample the next
     num_output: int  # output tokens the request already has (the seq of the token sampled now)
-    enter: int = 0   # first segment computed: > 0 for a cross-tier catch-up row
+    enter: int = 0   # first segment computed: > 0 for a cross-tier catch-up row (from stored hidden)
     draft: bool = False       # a speculation draft row: its token is the scheduler's, never streamed
-    sample_all: bool = False  # a verification row: the worker accepts/rejects `drafts` and streams...
-    drafts: list[int] = field(default_factory=list)  # ...the committed tokens
+    sample_all: bool = False  # a verification row (logits at every position): the worker accepts or
+    #                           rejects `drafts` and streams the committed tokens
+    drafts: list[int] = field(default_factory=list)  # verification: the round's draft tokens, one per
+    #                           position of token_ids ([last committed] + drafts[:-1])
 
 
 @dataclass(slots=True)
 class StepPlan(Record):
     TYPE = "plan"
+    NESTED = {"new": [NewRequest], "rows": [PlanRow]}
     step_id: int
-    new: list[dict] = field(default_factory=list)    # NewRequest as dicts
-    rows: list[dict] = field(default_factory=list)   # PlanRow as dicts
+    new: list[NewRequest] = field(default_factory=list)  # requests the worker sees for the first time
+    rows: list[PlanRow] = field(default_factory=list)    # this step's rows, any order
     drop: list[str] = field(default_factory=list)    # requests the worker may forget
     worker_started: str = ""  # the worker life it was made for: block tables of another life are stale
     epoch: int = 0            # the leading scheduler's generation: a newer one resets the worker's requests
@@ -238,3 +244,108 @@ def decode(entry_fields: dict) -> Record:
     if t not in RECORDS:
         raise ValueError(f"unknown record type {t!r}")
     return RECORDS[t].from_body(d)
+
+
+# ---- records that are not stream entries -------------------------------------------------------
+def encode_progress(tokens: list[int]) -> bytes:
+    """Output tokens as ``mfs:progress:{request}`` holds them: int32 little-endian, appended per step."""
+    return struct.pack(f"<{len(tokens)}i", *tokens)
+
+
+def decode_progress(raw: bytes | None) -> list[int]:
+    """``mfs:progress:{request}`` -> its tokens (a torn trailing int, if any, is ignored)."""
+    if not raw:
+        return []
+    return list(struct.unpack(f"<{len(raw) // 4}i", raw[:len(raw) // 4 * 4]))
+
+
+_SCALARS = {"int": int, "float": float, "str": str}
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    """A worker's registration, the hash ``mfs:worker:{worker}``, written whole with every heartbeat
+    (so a Redis restart that lost it gets it back complete). Lists are msgpack in the hash; scalars stay
+    plain so ``HGET`` reads one (the gateway reads ``max_model_len``, a new leader ``epoch``)."""
+    LISTS = ("tiers", "num_blocks", "eos")
+    tiers: list[int]        # tiers served (one, for a standalone copy)
+    num_tiers: int          # tiers of the family
+    num_blocks: list[int]   # KV blocks per segment pool
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos: list[int]
+    started: str            # this life of the worker id: block tables of another life are stale
+    device: str = ""
+    kernels: str = ""
+    weights: str = "fp32"   # the weight format it serves (--weights)
+    pid: int = 0
+    epoch: int = 0          # the newest scheduler epoch it has seen in a plan
+    heartbeat: float = 0.0
+
+    def to_hash(self) -> dict[str, bytes | str | int | float]:
+        d = asdict(self)
+        for k in self.LISTS:
+            d[k] = msgpack.packb(d[k])
+        return d
+
+    @classmethod
+    def from_hash(cls, h: dict) -> WorkerInfo | None:
+        """``HGETALL`` -> the registration; None when it is incomplete (only a heartbeat's fields
+        reached a restarted Redis: the full hash follows)."""
+        h = {(k.decode() if isinstance(k, bytes) else k): v for k, v in h.items()}
+        if "started" not in h:
+            return None
+        kw = {}
+        for f in fields(cls):
+            if f.name not in h:
+                continue
+            v = h[f.name]
+            if f.name in cls.LISTS:
+                kw[f.name] = list(msgpack.unpackb(v))
+            else:
+                kw[f.name] = _SCALARS[f.type](v.decode() if isinstance(v, bytes) else v)
+        return cls(**kw)
+
+
+@dataclass(slots=True)
+class StatsSnapshot:
+    """The leading scheduler's gauges and counters, field ``scheduler`` of the hash ``mfs:stats``
+    (msgpack), written every half second; ``/metrics``, the launcher and the benchmarks read it."""
+    leader: str = ""                  # the leading scheduler's consumer name
+    epoch: int = 0
+    takeovers: int = 0
+    updated: float = 0.0              # wall clock of the write
+    workers: int = 0
+    waiting: dict[int, int] = field(default_factory=dict)  # tier -> requests
+    running: dict[int, int] = field(default_factory=dict)
+    kv_blocks_used: dict[str, list[int]] = field(default_factory=dict)   # worker -> per segment
+    kv_blocks_total: dict[str, list[int]] = field(default_factory=dict)
+    path_switches: int = 0
+    preemptions: int = 0
+    replanned: int = 0                # requests moved off a lost worker
+    gateway_cancels: int = 0          # requests cancelled because their gateway went away
+    steps: int = 0                    # results handled; with the next two, the transport share
+    step_roundtrip_s: float = 0.0     # plan sent -> result handled, summed
+    step_forward_s: float = 0.0       # the workers' own step time, summed
+    # per segment, summed over workers
+    prefill_computed: dict[int, int] = field(default_factory=dict)
+    prefill_reused: dict[int, int] = field(default_factory=dict)
+    cache_queries: dict[int, int] = field(default_factory=dict)
+    cache_hits: dict[int, int] = field(default_factory=dict)
+    evictions: dict[int, int] = field(default_factory=dict)
+    directory_blocks: dict[str, int] = field(default_factory=dict)  # worker -> blocks listed
+    affinity_preferred: int = 0
+    affinity_yielded: int = 0
+    # "draft>target" -> {"rounds", "proposed", "accepted", "committed"}
+    spec: dict[str, dict[str, int]] = field(default_factory=dict)
+    spec_gated: int = 0
+    escalations_by_pair: dict[str, int] = field(default_factory=dict)  # "from>to" -> count
+    escalations: int = 0
+
+    def encode(self) -> bytes:
+        return msgpack.packb(asdict(self))
+
+    @classmethod
+    def decode(cls, raw: bytes | None) -> StatsSnapshot | None:
+        return from_wire(cls, msgpack.unpackb(raw, raw=False, strict_map_key=False)) if raw else None

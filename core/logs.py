@@ -1,8 +1,10 @@
-"""Logging set-up: structlog to stderr (stdout belongs to command output), JSON lines for services."""
+"""What every process does at start: logging (structlog to stderr, since stdout belongs to command
+output; JSON lines for services) and how a service process stops."""
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 import structlog
@@ -19,3 +21,13 @@ def configure(json_lines: bool | None = None, level: str | None = None) -> None:
                         wrapper_class=structlog.make_filtering_bound_logger(lvl),
                         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
                         cache_logger_on_first_use=False)
+
+
+def install_stop_signals() -> None:
+    """SIGINT and SIGTERM both end a service process through KeyboardInterrupt, so its clean-up runs
+    (a scheduler hands its lease over at once, a worker deregisters) even when it was started with
+    SIGINT ignored (from a background job) or is stopped with SIGTERM (`docker compose stop`)."""
+    def _interrupt(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)

@@ -1,0 +1,74 @@
+"""What a request asks of sampling, and when it ends: shared by the gateway, the scheduler and the
+worker, so it imports nothing heavy (the sampling math itself is worker/sampling.py)."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0            # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    # Self-speculative decoding: draft with this lower tier, verify `spec_gamma` tokens at a time.
+    spec_draft_tier: int | None = None
+    spec_gamma: int = 4
+    # Early stop (Kangaroo/EESD style): a round ends before gamma drafts when the draft tier's max
+    # softmax probability for its latest draft falls below this (0: always draft gamma). 0.5 measured
+    # best of {0, 0.5} on the default family (docs/BENCHMARKS.md).
+    spec_stop_confidence: float = 0.5
+    # Confidence cascade: start at the request's tier and move up one tier whenever the mean max
+    # softmax probability of the last `cascade_window` sampled tokens falls below the threshold.
+    cascade_threshold: float | None = None
+    cascade_window: int = 4
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = tuple(self.stop_token_ids)  # a list off the wire: keep it hashable
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.spec_draft_tier is not None and self.spec_gamma < 1:
+            raise ValueError(f"spec_gamma must be >= 1, got {self.spec_gamma}")
+        if self.cascade_threshold is not None:
+            if self.spec_draft_tier is not None:
+                raise ValueError("a request either cascades or speculates, not both")
+            if not 0.0 <= self.cascade_threshold <= 1.0:
+                raise ValueError(f"cascade_threshold must be in [0, 1], got {self.cascade_threshold}")
+            if not isinstance(self.cascade_window, int) or self.cascade_window < 1:
+                raise ValueError(f"cascade_window must be a positive integer, got {self.cascade_window!r}")
+        if not 0.0 <= self.spec_stop_confidence <= 1.0:
+            raise ValueError(f"spec_stop_confidence must be in [0, 1], got {self.spec_stop_confidence}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def stop_ids(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
+        """The tokens that end this request: its own stop ids, and the model's EOS unless ignored."""
+        stop = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            stop.update(eos_token_ids)
+        return frozenset(stop)
+
+
+def finish_reason(token: int, num_output: int, num_tokens: int, max_tokens: int,
+                  stop_ids, max_model_len: int) -> str | None:
+    """Why a request ends after sampling `token` as its `num_output`-th output (None: it goes on).
+    Shared by the scheduler and the worker so both agree without a round trip."""
+    if token in stop_ids:
+        return "stop"
+    if num_output >= max_tokens or num_tokens >= max_model_len:
+        return "length"
+    return None

@@ -1,0 +1,80 @@
+"""Housekeeping of the leading scheduler (every 2 s): requests of a gateway that went away are
+cancelled and its output stream deleted; ``mfs:req`` and ``mfs:done`` are trimmed below what is still
+pending or unread."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import redis
+import structlog
+
+from core import protocol as P
+from scheduler.registry import WorkerRegistry, WorkerState
+
+log = structlog.get_logger(__name__)
+
+
+class GatewayReaper:
+    """Watches the heartbeats of the gateways whose requests are in flight."""
+
+    def __init__(self, r: redis.Redis):
+        self.r = r
+        self.gateways_seen: set[str] = set()  # gateways whose heartbeat was seen (their loss cancels)
+        self.gateways_gone: dict[str, float] = {}  # -> when: a step in flight may still write its stream
+        self.gateway_cancels = 0
+
+    def reap_gateways(self, registry: WorkerRegistry, end: Callable[[str, object], None]) -> None:
+        """Requests of a gateway whose heartbeat stopped (it died or restarted under a new id) are
+        cancelled: their KV is freed and their submits acknowledged (``end``); its output stream is
+        deleted."""
+        by_gw: dict[str, list[tuple[WorkerState, str]]] = {}
+        for w in registry.workers.values():
+            for rid, req in w.core.requests.items():
+                gw = req.meta.get("gateway_id")
+                if gw:
+                    by_gw.setdefault(gw, []).append((w, rid))
+        now = time.monotonic()
+        for gw, t in list(self.gateways_gone.items()):
+            self.r.delete(P.out_stream(gw))
+            if now - t > 30:
+                del self.gateways_gone[gw]
+        ids = sorted(set(by_gw) | self.gateways_seen)
+        pipe = self.r.pipeline(transaction=False)
+        for gw in ids:
+            pipe.exists(P.gateway_key(gw))
+        for gw, alive in zip(ids, pipe.execute() if ids else []):
+            if alive:
+                self.gateways_seen.add(gw)
+                continue
+            if gw not in self.gateways_seen:
+                continue  # never seen alive: a client of the streams that keeps no heartbeat
+            self.gateways_seen.discard(gw)
+            gone = by_gw.get(gw, [])
+            for w, rid in gone:
+                req = w.core.requests.get(rid)
+                if req is not None and w.core.abort_request(rid):
+                    registry.placement.pop(rid, None)
+                    end(rid, req.meta.get("entry"))
+            self.gateway_cancels += len(gone)
+            self.r.delete(P.out_stream(gw))
+            self.gateways_gone[gw] = now
+            log.warning("gateway gone: its requests cancelled", gateway=gw, cancelled=len(gone))
+
+
+def trim_streams(r: redis.Redis) -> None:
+    """``mfs:req`` keeps what is pending (requests in flight) or unread; ``mfs:done`` what is unread."""
+    for stream in (P.REQ_STREAM, P.DONE_STREAM):
+        try:
+            groups = {g["name"].decode() if isinstance(g["name"], bytes) else g["name"]: g
+                      for g in r.xinfo_groups(stream)}
+        except redis.ResponseError:  # no such stream (yet): nothing to trim
+            continue
+        g = groups.get(P.SCHEDULER_GROUP)
+        if g is None:
+            continue
+        minid = g["last-delivered-id"]
+        pend = r.xpending(stream, P.SCHEDULER_GROUP)
+        if pend["pending"]:
+            minid = pend["min"]
+        r.xtrim(stream, minid=minid, approximate=False)

@@ -1,0 +1,72 @@
+"""The wire records round-trip through their msgpack encoding as the same typed records."""
+import msgpack
+import redis
+
+from core import protocol as P
+from core.sampling import SamplingParams
+from tests.redis_server import redis_url  # noqa: F401 - the session fixture
+
+
+def roundtrip(rec):
+    fields = {k.encode(): (v.encode() if isinstance(v, str) else v) for k, v in rec.encode().items()}
+    return P.decode(fields)  # what XREAD hands a reader: bytes keys and values
+
+
+def test_submit_carries_one_sampling_params():
+    params = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=11, stop_token_ids=(2, 9),
+                            ignore_eos=True, spec_draft_tier=0, spec_gamma=3, spec_stop_confidence=0.25)
+    sub = P.Submit("r1", "gw", [5, 6], 2, params, model_id="m", arrival=1.5, session_id="s")
+    back = roundtrip(sub)
+    assert isinstance(back, P.Submit) and isinstance(back.params, SamplingParams)
+    assert back == sub
+    assert back.params.stop_token_ids == (2, 9)  # a tuple again, as the scheduler hashes it
+
+
+def test_step_plan_rows_and_new_requests_are_records():
+    new = P.NewRequest("r1", "gw", 1, 4, SamplingParams(max_tokens=3, cascade_threshold=0.4), [0, 2],
+                       cached_tokens=4, seq_offset=2)
+    rows = [P.PlanRow("r1", 1, [5, 6], 0, [[3], [4]], True, 0),
+            P.PlanRow("r2", 2, [7, 8], 9, [[1], [2], [3]], False, 5, enter=1, sample_all=True, drafts=[7, 8])]
+    plan = P.StepPlan(4, new=[new], rows=rows, drop=["old"], worker_started="t-1", epoch=3)
+    back = roundtrip(plan)
+    assert back == plan
+    assert all(isinstance(r, P.PlanRow) for r in back.rows) and isinstance(back.new[0], P.NewRequest)
+    assert isinstance(back.new[0].params, SamplingParams)
+
+
+def test_a_reader_ignores_fields_it_does_not_know():
+    body = msgpack.packb({"request_id": "r", "reason": "deadline", "added_later": 1})
+    assert P.decode({b"t": b"cancel", b"d": body}) == P.Cancel("r", "deadline")
+
+
+def test_worker_registration_through_a_real_hash(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    info = P.WorkerInfo([0, 1, 2], 3, [64, 64, 64], 4, 512, 1000, [2], "1.5-42", device="cpu", kernels="torch",
+                        pid=42, epoch=3, heartbeat=2.5)
+    r.hset(P.worker_key("w-proto"), mapping=info.to_hash())
+    assert P.WorkerInfo.from_hash(r.hgetall(P.worker_key("w-proto"))) == info
+    assert int(r.hget(P.worker_key("w-proto"), "max_model_len")) == 512  # a scalar reads with one HGET
+    r.delete(P.worker_key("w-proto"))
+    r.hset(P.worker_key("w-proto"), mapping={"heartbeat": 1.0, "epoch": 3})  # only a heartbeat's fields
+    assert P.WorkerInfo.from_hash(r.hgetall(P.worker_key("w-proto"))) is None
+    r.delete(P.worker_key("w-proto"))
+
+
+def test_progress_appends_decode_to_the_tokens(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    key = P.progress_key("r-proto")
+    r.delete(key)
+    for toks in ([5, 70000], [], [-1, 2**31 - 1]):
+        r.append(key, P.encode_progress(toks))
+    assert P.decode_progress(r.get(key)) == [5, 70000, -1, 2**31 - 1]
+    assert P.decode_progress(r.get(key) + b"\x01\x02") == [5, 70000, -1, 2**31 - 1]  # a torn tail
+    assert P.decode_progress(None) == []
+    r.delete(key)
+
+
+def test_stats_snapshot_decodes_typed():
+    snap = P.StatsSnapshot(leader="s1", epoch=2, workers=1, waiting={0: 1}, kv_blocks_used={"w0": [3, 1]},
+                           prefill_reused={0: 40}, spec={"0>2": {"rounds": 1, "proposed": 4, "accepted": 3,
+                                                                 "committed": 4}})
+    assert P.StatsSnapshot.decode(snap.encode()) == snap
+    assert P.StatsSnapshot.decode(None) is None
