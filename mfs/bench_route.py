@@ -87,7 +87,8 @@ def run(args) -> int:
     t0 = time.perf_counter()
     fam = load_family(args.model)
     model, tok = fam.model, fam.tokenizer
-    top, usable = model.num_segments - 1, fam.usable_tiers()
+    top = model.num_segments - 1
+    usable = list(range(top + 1)) if args.ignore_floor else fam.usable_tiers()
     layers = [t.layers + t.block for t in model.tiers]
     qs = D.EVAL_QUESTIONS_LARGE[: args.num_prompts] if args.num_prompts else D.EVAL_QUESTIONS_LARGE
     prompts = [D.chat_ids(tok, q) for q in qs]
@@ -134,7 +135,8 @@ def run(args) -> int:
         p["cost_vs_top"] = p["layers_per_token"] / top_cost
         p["agreement_vs_top"] = p["agreement"] / max(points[0]["agreement"], 1e-9)
         p["meets_target"] = p["agreement_vs_top"] >= 0.9 and p["cost_vs_top"] <= 0.6
-    out = {"model": args.model, "usable_tiers": [model.tiers[t].name for t in usable],
+    out = {"model": args.model, "ignore_floor": args.ignore_floor,
+           "usable_tiers": [model.tiers[t].name for t in usable],
            "prompts": n, "max_tokens": args.max_tokens, "points": points,
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "seconds": round(time.perf_counter() - t0, 1)}
@@ -179,6 +181,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--num-prompts", type=int, default=0, help="first N prompts only (0: all)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ignore-floor", action="store_true",
+                   help="let every policy use every tier (the curve the quality floor cuts off)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     p.set_defaults(func=run)

@@ -236,7 +236,33 @@ def run(args) -> int:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     if args.plot:
         plot(runs[0], args.plot) if len(runs) == 1 else plot_compare(runs, args.plot)
+    if args.record_quality:
+        for res in runs:
+            print(f"quality recorded in {record_quality(res)}/mfs.json")
     return 0
+
+
+def record_quality(res: dict) -> Path:
+    """Writes an evaluation's per-tier figures into the evaluated checkpoint's manifest (``quality``):
+    held-out perplexity / top, greedy agreement, the larger question set's first-sentence agreement
+    and the fixed questions answered correctly. The family id's routing reads them (quality floor)."""
+    from mfs.family import DEFAULT_FLOOR, Manifest  # noqa: PLC0415
+    if res["model"] == "default-raw":
+        raise ValueError("default-raw has no checkpoint of its own to record quality in")
+    manifest, mdir = manifest_for(res["model"])
+    if mdir is None:
+        raise ValueError(f"{res['model']} is not a nested checkpoint directory: nothing to record into")
+    top = res["tiers"][-1]["ppl"]["all"]
+    q = dict(manifest.quality or {})
+    q.setdefault("floor", dict(DEFAULT_FLOOR))
+    for t in res["tiers"][:-1]:
+        q[t["name"]] = {"ppl_vs_top": round(t["ppl"]["all"] / top, 3), "agree_top": round(t["agree_top"], 3),
+                        "answer_agree": round(t["agree_first_sentence"], 3),
+                        "fixed_correct": t["fixed_correct"]}
+    raw = Manifest.read(mdir)
+    raw.quality = q
+    raw.write(mdir)
+    return mdir
 
 
 def plot_compare(runs: list[dict], path: str | Path) -> None:
@@ -280,4 +306,7 @@ def add_parser(sub) -> None:
     p.add_argument("--heldout-tokens", type=int, default=8192, help="pydoc tokens (chat: a quarter)")
     p.add_argument("--max-tokens", type=int, default=24, help="answer length")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--record-quality", action="store_true",
+                   help="write each tier's figures into the evaluated checkpoint's mfs.json (the "
+                        "quality floor of the family id's routing reads them)")
     p.set_defaults(func=lambda a: run(argparse.Namespace(**{**vars(a), "model": a.model or ["default"]})))

@@ -87,9 +87,10 @@ class Manifest:
 
 
 # The quality floor a lower tier must pass for the family id to route to it, unless the manifest's
-# quality record sets its own ("floor"): held-out perplexity at most 5x the top tier's and greedy
-# agreement with the top tier at least 35%.
-DEFAULT_FLOOR = {"max_ppl_vs_top": 5.0, "min_agree_top": 0.35}
+# quality record sets its own ("floor"): held-out perplexity at most 5x the top tier's, greedy
+# agreement with the top tier at least 35%, and (where `mfs eval --record-quality` recorded it) at
+# least half of the larger question set answered with the top tier's first sentence.
+DEFAULT_FLOOR = {"max_ppl_vs_top": 5.0, "min_agree_top": 0.35, "min_answer_agree": 0.5}
 
 
 def usable_tiers(manifest: Manifest) -> list[int]:
@@ -105,7 +106,8 @@ def usable_tiers(manifest: Manifest) -> list[int]:
     for i, t in enumerate(manifest.tiers):
         r = q.get(t.name)
         if i == n - 1 or (r and r["ppl_vs_top"] <= floor["max_ppl_vs_top"]
-                          and r["agree_top"] >= floor["min_agree_top"]):
+                          and r["agree_top"] >= floor["min_agree_top"]
+                          and r.get("answer_agree", 1.0) >= floor["min_answer_agree"]):
             out.append(i)
     return out
 

@@ -19,9 +19,13 @@ def llama_family(llama_dir):
 
 @pytest.fixture(scope="session")
 def frontend():
-    """The default family's names and tokenizer (no weights): what a gateway loads."""
+    """The default family's names and tokenizer (no weights): what a gateway loads. Its quality record
+    is dropped, so every tier is routable: the gateway tests exercise routing by complexity on every
+    tier, and the quality floor has tests of its own (test_gateway.py)."""
     from mfs.family import load_frontend
-    return load_frontend("default")
+    fe = load_frontend("default")
+    fe.manifest.quality = None
+    return fe
 
 
 @pytest.fixture(scope="session")

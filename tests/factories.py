@@ -58,3 +58,20 @@ def tiny_mistral(path: Path, *, layers: int = 6, seed: int = 0, window: int | No
     _spread_norms(model)
     model.save_pretrained(path)
     return path
+
+
+def default_family_every_tier_routable(path: Path) -> Path:
+    """A nested checkpoint directory serving exactly the default family (same base package, the same
+    exit-block weights by symlink) whose manifest has no quality record, so the family id may route
+    to every tier: service tests of routing and the cascade need the lower tiers reachable."""
+    import json  # noqa: PLC0415
+
+    from mfs.family import DEFAULT_FAMILY, family_dir  # noqa: PLC0415
+    src = family_dir(DEFAULT_FAMILY)
+    path.mkdir(parents=True, exist_ok=True)
+    m = json.loads((src / "mfs.json").read_text())
+    m["quality"] = None
+    (path / "mfs.json").write_text(json.dumps(m))
+    if m.get("weights"):
+        (path / m["weights"]["file"]).symlink_to(src / m["weights"]["file"])
+    return path

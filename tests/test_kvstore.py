@@ -152,6 +152,7 @@ def gateway(tmp_path_factory):
     from tests.redis_server import redis_server
     from tests.test_gateway import FakeBackend, ServerThread, register_worker
     frontend = load_frontend("default")
+    frontend.manifest.quality = None  # every tier routable, as in the other gateway tests
     with redis_server(tmp_path_factory.mktemp("redis-gw")) as url:
         fb = FakeBackend(url, frontend.tokenizer)
         fb.start()
