@@ -198,7 +198,7 @@ def test_independent_workers_quantize_their_standalone_tier(llama_dir):
             submit(r, rid, p, t, max_tokens=6, ignore_eos=True)
         rd = Reader(r)
         rd.until(lambda: all(rd.finished(rid) for rid in prompts))
-        from mfs import protocol as P
+        from core import protocol as P
         workers = {w.decode() for w in r.smembers(P.WORKERS_SET)}
         assert len(workers) == 3
         assert all(r.hget(P.worker_key(w), "weights") == b"int8" for w in workers)

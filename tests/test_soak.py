@@ -85,7 +85,7 @@ def test_soak_redis_memory_and_kv_pools_return_to_baseline():
             wait_kv_idle(r, timeout=30)  # every block back (cached prefixes are evictable, not in use)
             time.sleep(2.5)  # one housekeeping pass of the scheduler (trims, cancels)
             rounds.append({**redis_figures(r), **counts})
-        total_blocks = sum(sum(v) for v in stats(r)["kv_blocks_total"].values())
+        total_blocks = sum(sum(v) for v in stats(r).kv_blocks_total.values())
         for f in rounds:
             assert f["pending"] == 0 and f["progress_keys"] == 0, f
             assert f["stream_entries"] < 200, f  # trimmed below what is pending or unread
