@@ -220,7 +220,7 @@ def plot(res: dict, path: str | Path) -> None:
 
 def run(args) -> int:
     torch.set_num_threads(args.threads)
-    runs = [evaluate(m, args.seq_len, args.heldout_tokens, args.max_tokens) for m in args.model]
+    runs = [evaluate(m, args.seq_len, args.heldout_tokens, args.max_tokens) for m in args.model or ["default"]]
     table = [format_table(r).splitlines() for r in runs]
     print("\n".join(table[0] + [line for t in table[1:] for line in t[2:]]))
     for res in runs:
@@ -309,4 +309,4 @@ def add_parser(sub) -> None:
     p.add_argument("--record-quality", action="store_true",
                    help="write each tier's figures into the evaluated checkpoint's mfs.json (the "
                         "quality floor of the family id's routing reads them)")
-    p.set_defaults(func=lambda a: run(argparse.Namespace(**{**vars(a), "model": a.model or ["default"]})))
+    p.set_defaults(func=run)

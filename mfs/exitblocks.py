@@ -134,16 +134,15 @@ def training_windows(docs: list[tuple[str, list]], tok, eos: int, seq_len: int, 
             per[name] = stream[: n * seq_len].view(n, seq_len)
     g = torch.Generator().manual_seed(seed)
     budget = max_tokens // seq_len
-    chosen, counts = [], {}
-    order = sorted(per, key=lambda k: (k != "self", k))
-    others = [k for k in order if k != "self"]
-    for name in order:
+    chosen, counts, left = [], {}, budget
+    order = sorted(per, key=lambda k: (k != "self", k))  # 'self' first, then the text sources
+    for i, name in enumerate(order):
         w = per[name][torch.randperm(per[name].shape[0], generator=g)]
-        share = budget if name == "self" else max(0, budget - sum(c for c in counts.values())) // max(
-            1, len(others) - others.index(name))
-        take = w[: min(share, budget - sum(counts.values()))]
+        # 'self' takes what it has; each text source an equal share of what is left
+        take = w[: left if name == "self" else left // (len(order) - i)]
         chosen.append(take)
         counts[name] = int(take.shape[0])
+        left -= counts[name]
     allw = torch.cat(chosen)
     allw = allw[torch.randperm(allw.shape[0], generator=g)]
     return allw, {k: v * seq_len for k, v in counts.items()}
