@@ -153,6 +153,11 @@ def add_up(sub) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores - 1)")
     p.add_argument("--schedulers", type=int, default=2,
                    help="scheduler processes: one leads, the others stand by to take over (1: no standby)")
+    p.add_argument("--log-dir", default=None, help="one log file per process (default: a new temp dir)")
+    p.add_argument("--restart-limit", type=int, default=5,
+                   help="a process that exits is restarted with backoff; more than this many restarts of "
+                        "one process within --restart-window stops everything (0: never restart)")
+    p.add_argument("--restart-window", type=float, default=120.0, help="seconds (see --restart-limit)")
     p.set_defaults(func=run_up)
 
 

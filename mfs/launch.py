@@ -1,5 +1,7 @@
 """`mfs up`: Redis (embedded unless REDIS_URL is set), the scheduler, the workers and the gateway as
-separate processes; ready when the gateway's /health says so; Ctrl-C stops everything it started."""
+separate processes; ready when the gateway's /health says so. While it serves, a child that exits is
+started again (exponential backoff, a crash-loop limit); only SIGINT/SIGTERM to `mfs up` itself, or the
+crash-loop limit, stops everything it started."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,6 +15,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -111,7 +115,9 @@ class Service:
         self.with_gateway = gateway
         self.schedulers = schedulers  # one leads; the others stand by to take over
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="mfs-logs-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.commands: dict[str, tuple[str, list[str]]] = {}  # name -> (module, args): how to restart it
 
     @property
     def url(self) -> str:
@@ -126,11 +132,33 @@ class Service:
         return a
 
     def _spawn(self, name: str, module: str, args: list[str]) -> None:
-        out = open(self.log_dir / f"{name}.log", "ab")
+        self.commands[name] = (module, args)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", module] + args, stdout=out,
-                                            stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
+        with open(self.log_dir / f"{name}.log", "ab") as out:  # the child keeps its own descriptor
+            self.procs[name] = subprocess.Popen([sys.executable, "-m", module] + args, stdout=out,
+                                                stderr=subprocess.STDOUT, env=env,
+                                                start_new_session=True)
+
+    def children(self) -> dict[str, subprocess.Popen]:
+        """Every process this service started, the embedded Redis included (as "redis")."""
+        out = dict(self.procs)
+        if self.redis is not None and self.redis.proc is not None:
+            out["redis"] = self.redis.proc
+        return out
+
+    def restart(self, name: str) -> subprocess.Popen:
+        """Starts the child `name` again with the command it was first started with (the embedded
+        Redis on its own port and data directory, so its AOF comes back)."""
+        if name == "redis":
+            if self.redis is None:
+                raise KeyError("this service uses an external Redis")
+            self.redis.proc = None
+            return self.redis.start().proc
+        module, args = self.commands[name]
+        with open(self.log_dir / f"{name}.log", "ab") as out:
+            out.write(f"--- mfs up: restarting {name} at {time.strftime('%H:%M:%S')} ---\n".encode())
+        self._spawn(name, module, args)
+        return self.procs[name]
 
     def worker_plan(self) -> list[tuple[str, list[str]]]:
         if self.layout == "nested":
@@ -216,37 +244,119 @@ class Service:
         self.stop()
 
 
+def exit_text(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+@dataclass
+class RestartPolicy:
+    """A child that exits is started again after `backoff_s`, doubled for each restart of the same
+    child within `window_s` (at most `max_backoff_s`); a child that would need more than `limit`
+    restarts within `window_s` is crash-looping, and the supervisor gives up. limit=0: never restart."""
+    limit: int = 5
+    window_s: float = 120.0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.limit < 0 or self.window_s <= 0 or self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError(f"bad restart policy {self}: limit >= 0, window > 0, 0 <= backoff <= max backoff")
+
+    def delay(self, recent: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** recent)
+
+
+@dataclass
+class Supervisor:
+    """Watches a started Service's children and restarts the ones that exit (see RestartPolicy).
+    `poll()` is called from one loop; it never blocks on a backoff."""
+    svc: Service
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    say: Callable[[str], None] = print
+    clock: Callable[[], float] = time.monotonic
+    restarts: dict[str, list[float]] = field(default_factory=dict)  # name -> when it was restarted
+    due: dict[str, float] = field(default_factory=dict)             # name -> when to restart it
+
+    def poll(self) -> str | None:
+        """Restarts what is due; returns why to stop everything (a crash loop), else None."""
+        now = self.clock()
+        for name, p in self.svc.children().items():
+            if name in self.due or p.poll() is None:
+                continue
+            recent = [t for t in self.restarts.get(name, []) if now - t < self.policy.window_s]
+            self.restarts[name] = recent
+            log_file = self.svc.log_dir / ("redis/redis.log" if name == "redis" else f"{name}.log")
+            if len(recent) >= self.policy.limit:
+                return (f"{name} {exit_text(p.returncode)} after {len(recent)} restart(s) within "
+                        f"{self.policy.window_s:.0f}s: crash loop, giving up (see {log_file})")
+            delay = self.policy.delay(len(recent))
+            self.due[name] = now + delay
+            self.say(f"mfs up: {name} {exit_text(p.returncode)}; restarting it in {delay:.0f}s "
+                     f"(restart {len(recent) + 1} of at most {self.policy.limit} within "
+                     f"{self.policy.window_s:.0f}s; log: {log_file})")
+        for name, when in list(self.due.items()):
+            if now < when:
+                continue
+            del self.due[name]
+            self.restarts.setdefault(name, []).append(now)
+            try:
+                proc = self.svc.restart(name)
+            except (OSError, RuntimeError) as e:  # e.g. Redis could not bind its port yet
+                recent = len(self.restarts[name])
+                if recent >= self.policy.limit:
+                    return f"{name} could not be restarted ({e}): giving up"
+                self.due[name] = now + self.policy.delay(recent)
+                self.say(f"mfs up: restarting {name} failed ({e}); trying again in "
+                         f"{self.policy.delay(recent):.0f}s")
+                continue
+            self.say(f"mfs up: {name} restarted (pid {proc.pid})")
+        return None
+
+
 def up(args) -> int:
+    from core.logs import install_stop_signals  # noqa: PLC0415
     worker_args = ["--threads", str(args.threads)] if args.threads else []
     if getattr(args, "weights", "fp32") != "fp32":
         worker_args += ["--weights", args.weights]
+    for flag in ("device", "kernels"):
+        if getattr(args, flag, None):
+            worker_args += [f"--{flag}", getattr(args, flag)]
+    policy = RestartPolicy(limit=args.restart_limit, window_s=args.restart_window)
     svc = Service(args.model, tiers=args.tiers, workers=args.workers, layout=args.layout,
                   host=args.host, port=args.port, worker_args=worker_args, dtype=args.dtype,
-                  schedulers=args.schedulers)
+                  schedulers=args.schedulers, log_dir=args.log_dir)
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
     print(f"mfs up: starting {args.layout} layout of {args.model!r} with {args.workers} worker(s); "
           f"logs in {svc.log_dir}", flush=True)
-    stop = {"now": False}
-
-    def _sig(*_):
-        stop["now"] = True
-
-    signal.signal(signal.SIGTERM, _sig)
+    # Both signals stop it, even when it was started with SIGINT ignored (a script's background job).
+    install_stop_signals()
+    status = 0
     try:
         svc.start()
         print(f"mfs up: serving at {svc.url}/v1  (redis {svc.redis_url}); Ctrl-C stops everything",
               flush=True)
-        while not stop["now"]:
-            for name, p in svc.procs.items():
-                if p.poll() is not None:
-                    print(f"mfs up: {name} exited with {p.returncode}; see {svc.log_dir}/{name}.log",
-                          file=sys.stderr)
-                    stop["now"] = True
-            time.sleep(0.5)
+        sup = Supervisor(svc, policy, say=say)
+        while True:
+            why = sup.poll()
+            if why:
+                say(f"mfs up: {why}")
+                status = 1
+                break
+            time.sleep(0.25)
     except KeyboardInterrupt:
         pass
     finally:
-        # A second Ctrl-C must not cut the clean-up short and leave workers running.
+        # A second signal must not cut the clean-up short and leave workers running.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("mfs up: stopping", flush=True)
         svc.stop()
-    return 0
+    return status

@@ -22,6 +22,8 @@ def test_compose_services_and_commands_exist():
         for dep in services[name].get("depends_on", {}):
             assert dep in services
     assert services["gateway"]["ports"] == ["8000:8000"]
+    # a service that dies comes back, as under `mfs up`
+    assert all(s.get("restart") == "unless-stopped" for s in services.values()), services
 
 
 def test_dockerfile_copies_every_package_it_runs():

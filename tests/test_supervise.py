@@ -1,0 +1,247 @@
+"""`mfs up` as a user runs it (the real command, the default family, the `openai` client): a child that
+dies is restarted and the service keeps serving; a crash loop stops everything; SIGINT and SIGTERM stop
+it cleanly even when it was started as a script's background job (SIGINT ignored)."""
+import concurrent.futures as cf
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import redis
+
+from core import protocol as P
+from mfs.launch import RestartPolicy, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+MODEL = "smollm2-135m-medium"
+PROMPTS = [f"Write one sentence about the number {i} and the colour {c}."
+           for i, c in zip(range(16), ["red", "green", "blue", "amber"] * 4)]
+
+
+class Up:
+    """`python -m mfs.cli up …` in the background (optionally behind `bash -c 'cmd & wait'`, as a script
+    starts it); its stderr is collected; `pids()` names its children from /proc."""
+
+    def __init__(self, tmp: Path, *extra: str, workers: int = 1, script: bool = False):
+        self.port, self.log_dir = free_port(), tmp / "logs"
+        cmd = [sys.executable, "-m", "mfs.cli", "up", "--model", "default", "--workers", str(workers),
+               "--schedulers", "1", "--threads", "1", "--port", str(self.port),
+               "--log-dir", str(self.log_dir), *extra]
+        if script:  # a non-interactive shell starts background jobs with SIGINT ignored
+            cmd = ["bash", "-c", '"$@" & wait $!; exit $?', "_"] + cmd
+        self.outer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True)
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        for stream, sink in ((self.outer.stdout, self.stdout), (self.outer.stderr, self.stderr)):
+            threading.Thread(target=lambda s=stream, k=sink: k.extend(iter(s.readline, "")), daemon=True).start()
+        self.pid = self._find_up(script)
+
+    def _find_up(self, script: bool) -> int:
+        if not script:
+            return self.outer.pid
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            kids = [p for p, _ in children_of(self.outer.pid)]
+            if kids:
+                return kids[0]
+            time.sleep(0.1)
+        raise AssertionError("bash did not start mfs up")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def workers(self) -> int:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return json.loads(r.read()).get("workers", 0)
+        except (urllib.error.URLError, OSError, ValueError):
+            return 0
+
+    def wait_workers(self, n: int, timeout: float) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            assert self.outer.poll() is None, f"mfs up exited early:\n{''.join(self.stderr)[-3000:]}"
+            if self.workers() >= n:
+                return time.monotonic() - t0
+            time.sleep(0.2)
+        raise AssertionError(f"{n} workers not registered in {timeout}s:\n{''.join(self.stderr)[-3000:]}")
+
+    def pids(self) -> dict[str, int]:
+        return dict((name, pid) for pid, name in children_of(self.pid))
+
+    def redis(self) -> redis.Redis:
+        line = next(ln for ln in self.stdout if "(redis " in ln)
+        return redis.Redis.from_url(line.split("(redis ", 1)[1].split(")", 1)[0])
+
+    def close(self) -> None:
+        if self.outer.poll() is None:
+            os.killpg(self.outer.pid, signal.SIGTERM)
+            try:
+                self.outer.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.outer.pid, signal.SIGKILL)
+                self.outer.wait(10)
+
+
+def children_of(ppid: int) -> list[tuple[int, str]]:
+    """(pid, name) of the live children of `ppid`: worker-<id>, scheduler, gateway, redis, or the argv."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            argv = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) != ppid or fields[0] == "Z":
+            continue
+        if "-m" in argv and argv.index("-m") + 1 < len(argv):
+            mod = argv[argv.index("-m") + 1]
+            name = f"worker-{argv[argv.index('--worker-id') + 1]}" if mod == "worker" else mod
+        else:
+            name = "redis" if "redis-server" in argv[0] else " ".join(argv)
+        out.append((int(d.name), name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return not Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
+def stream_all(url: str, on_token=None) -> list[str]:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def one(prompt: str) -> str:
+        parts = []
+        for chunk in client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=40,
+                temperature=0, stream=True):
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+                if on_token:
+                    on_token()
+        return "".join(parts)
+
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as ex:
+        return list(ex.map(one, PROMPTS))
+
+
+@pytest.fixture
+def up(tmp_path):
+    made: list[Up] = []
+
+    def start(*extra, **kw) -> Up:
+        made.append(Up(tmp_path, *extra, **kw))
+        return made[-1]
+
+    yield start
+    for u in made:
+        u.close()
+
+
+def test_a_killed_worker_is_restarted_and_all_16_streams_complete_equal(up):
+    svc = up(workers=2)
+    svc.wait_workers(2, 300)
+    want = stream_all(svc.url)  # fault-free run, same service
+    assert all(want)
+    r = svc.redis()
+    replanned_before = P.StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler")).replanned
+
+    def life(wid: str) -> str | None:
+        info = P.WorkerInfo.from_hash(r.hgetall(P.worker_key(wid)))
+        return info.started if info else None
+
+    first_life = life("w1")
+    tokens = [0]
+    lock = threading.Lock()
+    killed: dict[str, float] = {}
+
+    def watch_replacement():  # when does a new life of w1 register?
+        while time.monotonic() - killed["at"] < 60:
+            now_life = life("w1")
+            if now_life not in (None, first_life):
+                killed["back"] = time.monotonic() - killed["at"]
+                return
+            time.sleep(0.1)
+
+    def on_token():
+        with lock:
+            tokens[0] += 1
+            if tokens[0] == 16 * 8 and not killed:  # every stream is well under way
+                os.kill(svc.pids()["worker-w1"], signal.SIGKILL)
+                killed["at"] = time.monotonic()
+                threading.Thread(target=watch_replacement, daemon=True).start()
+
+    got = stream_all(svc.url, on_token)
+    assert killed, "the kill never happened"
+    assert got == want  # 16/16 complete, equal to the fault-free run
+    while "back" not in killed and time.monotonic() - killed["at"] < 60:
+        time.sleep(0.2)
+    assert killed.get("back", 99.0) < 30, "no replacement worker registered within 30 s"
+    replanned = P.StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler")).replanned - replanned_before
+    assert replanned >= 1, "no stream was on the killed worker"
+    assert svc.outer.poll() is None, "mfs up stopped"
+    err = "".join(svc.stderr)
+    assert "worker-w1 was killed by SIGKILL; restarting it in 1s" in err
+    assert "worker-w1 restarted (pid" in err
+    svc.wait_workers(2, 30)
+    print(f"worker SIGKILL under mfs up: 16/16 streams equal to the fault-free run, {replanned} re-planned, "
+          f"the replacement registered {killed['back']:.1f}s after the kill")
+
+
+def test_a_crash_loop_stops_everything_with_a_clear_message(up):
+    svc = up("--restart-limit", "1", "--restart-window", "300")
+    svc.wait_workers(1, 300)
+    before = svc.pids()
+    assert set(before) == {"redis", "scheduler", "worker-w0", "gateway"}, before
+    os.kill(before["worker-w0"], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while "worker-w0 restarted" not in "".join(svc.stderr):
+        assert time.monotonic() < deadline and svc.outer.poll() is None, "".join(svc.stderr)
+        time.sleep(0.2)
+    os.kill(svc.pids()["worker-w0"], signal.SIGKILL)  # the second crash within the window
+    assert svc.outer.wait(60) == 1
+    err = "".join(svc.stderr)
+    assert "crash loop, giving up" in err and "worker-w0 was killed by SIGKILL after 1 restart(s)" in err
+    assert not [n for n, p in before.items() if alive(p)], "a child outlived mfs up"
+    assert not children_of(svc.pid)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_started_from_a_script_it_stops_cleanly_on_sigint_and_sigterm(up, sig):
+    svc = up(script=True)
+    svc.wait_workers(1, 300)
+    kids = svc.pids()
+    assert set(kids) == {"redis", "scheduler", "worker-w0", "gateway"}, kids
+    # The harness is what it claims: bash started `mfs up` as a background job, with SIGINT and SIGQUIT
+    # ignored; mfs up installs its own SIGINT handler, SIGQUIT stays ignored and shows it.
+    sig_ign = int(next(ln for ln in Path(f"/proc/{svc.pid}/status").read_text().splitlines()
+                       if ln.startswith("SigIgn:")).split()[1], 16)
+    assert sig_ign & (1 << (signal.SIGQUIT - 1))
+    os.kill(svc.pid, sig)
+    assert svc.outer.wait(60) == 0
+    assert "mfs up: stopping" in "".join(svc.stdout)
+    assert not [n for n, p in kids.items() if alive(p)], "a child outlived mfs up"
+
+
+def test_restart_policy_backoff_doubles_up_to_its_cap_and_rejects_nonsense():
+    p = RestartPolicy(backoff_s=1, max_backoff_s=8)
+    assert [p.delay(k) for k in range(6)] == [1, 2, 4, 8, 8, 8]
+    for bad in ({"limit": -1}, {"window_s": 0}, {"backoff_s": 5, "max_backoff_s": 1}):
+        with pytest.raises(ValueError):
+            RestartPolicy(**bad)
