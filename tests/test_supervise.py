@@ -204,6 +204,32 @@ def test_a_killed_worker_is_restarted_and_all_16_streams_complete_equal(up):
           f"the replacement registered {killed['back']:.1f}s after the kill")
 
 
+def test_killed_redis_and_gateway_are_restarted_and_serve_again(up):
+    svc = up()
+    svc.wait_workers(1, 300)
+    client = openai.OpenAI(base_url=svc.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def ask() -> str:
+        return client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                         temperature=0).choices[0].text
+
+    want = ask()
+    for name in ("redis", "gateway"):
+        old = svc.pids()[name]
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:  # back (a new process), and answering the same as before
+            assert time.monotonic() < deadline, f"{name} did not come back:\n{''.join(svc.stderr)[-2000:]}"
+            try:
+                if svc.pids().get(name, old) != old and ask() == want:
+                    break
+            except openai.APIError:
+                pass
+            time.sleep(0.5)
+        assert f"{name} was killed by SIGKILL; restarting it" in "".join(svc.stderr)
+    assert svc.outer.poll() is None
+
+
 def test_a_crash_loop_stops_everything_with_a_clear_message(up):
     svc = up("--restart-limit", "1", "--restart-window", "300")
     svc.wait_workers(1, 300)
