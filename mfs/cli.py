@@ -24,6 +24,7 @@ BENCHES = [
     ("mfs.bench_serve", "add_parser"),
     ("mfs.bench_spec", "add_parser"),
     ("mfs.bench_route", "add_parser"),
+    ("mfs.bench_control_plane", "add_parser"),
 ]
 
 
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mfs", description="Serve an LLM model family from one nested model.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _register(sub, COMMANDS)
-    bench = sub.add_parser("bench", help="benchmarks (engine, kernels, serve, spec)")
+    bench = sub.add_parser("bench", help="benchmarks (engine, kernels, serve, spec, control-plane, ...)")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     _register(bsub, BENCHES)
     return p

@@ -30,6 +30,12 @@ def test_process_modules_without_torch(module):
     assert "worker" not in loaded
 
 
+@pytest.mark.parametrize("module", ["worker.loop", "worker.null"])
+def test_worker_protocol_and_null_workers_without_torch(module):
+    """The worker protocol is torch-free, so 32 null workers per process stay small."""
+    assert "torch" not in loaded_by(module)
+
+
 # ---- the import rule (docs/ARCHITECTURE.md, "Layers") --------------------------------------------
 PACKAGES = ["core", "kernels", "kvstore", "scheduler", "worker", "gateway", "mfs"]
 # Which project packages each package may import (besides itself). mfs/ is the top layer: anything.

@@ -1,0 +1,290 @@
+"""`mfs bench control-plane`: how many workers one leading scheduler can drive.
+
+Null workers (worker/null.py: the real worker protocol, no model, a fixed simulated step time) and a
+closed-loop synthetic client (it submits to `mfs:req` as a gateway does, with a gateway heartbeat, and
+reads its `mfs:out:` stream; each finished request is replaced at once) drive the real scheduler and a
+real Redis. For each worker count, after a warm-up, one measured window reports:
+
+* steps/s the workers completed, against the ideal (workers / step time): "keeps up" means >= 90 %;
+* tokens/s streamed to the client;
+* the gap each null worker saw between publishing a step's results and receiving its next plan (p50,
+  p99): what the control plane adds to every step;
+* the leader's CPU (share of one core, and CPU ms per step), Redis's CPU, the null workers' and the
+  client's CPU (they share this machine: on a small machine they compete with the leader);
+* Redis commands and network bytes per generated token.
+
+The gateway's HTTP/SSE work is not in the loop (a gateway scales out by adding gateways); the scheduler,
+Redis and the worker protocol are the real ones."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import redis
+
+from core import protocol as P
+from core.sampling import SamplingParams
+
+WORKERS_PER_PROCESS = 32
+GATEWAY_ID = "bench-cp"
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(p / 100 * len(xs)) - 1))]
+
+
+def _redis_counters(r: redis.Redis) -> dict[str, float]:
+    s, c = r.info("stats"), r.info("cpu")
+    return {"commands": s["total_commands_processed"],
+            "bytes": s["total_net_input_bytes"] + s["total_net_output_bytes"],
+            "cpu_s": c["used_cpu_user"] + c["used_cpu_sys"]}
+
+
+class Client:
+    """Keeps `concurrency` requests in flight: submits, reads token events, replaces each finished one."""
+
+    def __init__(self, r: redis.Redis, concurrency: int, prompt_tokens: int, max_tokens: int, tiers: int):
+        self.r, self.concurrency = r, concurrency
+        self.prompt_tokens, self.max_tokens, self.tiers = prompt_tokens, max_tokens, tiers
+        self.next_id = 0
+        self.tokens = 0
+        self.finished = 0
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+
+    def submit(self, pipe) -> None:
+        i = self.next_id
+        self.next_id += 1
+        prompt = [3 + (i * 7 + k) % 40000 for k in range(self.prompt_tokens)]  # distinct: no prefix reuse
+        s = P.Submit(f"cp-{i}", GATEWAY_ID, prompt, i % self.tiers,
+                     SamplingParams(max_tokens=self.max_tokens, ignore_eos=True), arrival=time.time())
+        pipe.xadd(P.REQ_STREAM, s.encode())
+
+    def heartbeat(self) -> None:
+        while not self.stop.wait(P.HEARTBEAT_S):
+            self.r.set(P.gateway_key(GATEWAY_ID), b"bench", ex=P.WORKER_TTL_S)
+
+    def run(self) -> None:
+        self.r.set(P.gateway_key(GATEWAY_ID), b"bench", ex=P.WORKER_TTL_S)
+        threading.Thread(target=self.heartbeat, daemon=True).start()
+        pipe = self.r.pipeline(transaction=False)
+        for _ in range(self.concurrency):
+            self.submit(pipe)
+        pipe.execute()
+        stream, last = P.out_stream(GATEWAY_ID), "0"
+        while not self.stop.is_set():
+            resp = self.r.xread({stream: last}, count=1000, block=200)
+            pipe = self.r.pipeline(transaction=False)
+            n_new = 0
+            for _, entries in resp or []:
+                for eid, f in entries:
+                    last = eid
+                    ev = P.decode(f)
+                    self.tokens += len(ev.token_ids)
+                    if ev.error:
+                        self.errors.append(ev.error)
+                    if ev.finished:
+                        self.finished += 1
+                        self.submit(pipe)
+                        n_new += 1
+            if n_new:
+                pipe.execute()
+            if resp:
+                self.r.xtrim(stream, minid=last, approximate=True)
+
+
+def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, max_tokens: int,
+                  warmup_s: float, seconds: float, log_dir: Path, say) -> dict:
+    from mfs.launch import EmbeddedRedis  # noqa: PLC0415
+    rs = EmbeddedRedis(data_dir=str(log_dir / f"redis-{workers}")).start()
+    procs: list[subprocess.Popen] = []
+    stats_files: list[Path] = []
+    client = None
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+
+    def spawn(name: str, args: list[str]) -> subprocess.Popen:
+        with open(log_dir / f"{name}.log", "ab") as out:
+            p = subprocess.Popen([sys.executable, "-m"] + args, stdout=out, stderr=subprocess.STDOUT,
+                                 env=env, start_new_session=True)
+        procs.append(p)
+        return p
+
+    try:
+        r = redis.Redis.from_url(rs.url)
+        sched = spawn(f"scheduler-{workers}", ["scheduler", "--redis-url", rs.url,
+                                              "--max-num-seqs", str(max(rows, 1))])
+        nulls = []
+        for k in range(math.ceil(workers / WORKERS_PER_PROCESS)):
+            n = min(WORKERS_PER_PROCESS, workers - k * WORKERS_PER_PROCESS)
+            f = log_dir / f"null-{workers}-{k}.json"
+            stats_files.append(f)
+            nulls.append(spawn(f"null-{workers}-{k}", [
+                "worker.null", "--redis-url", rs.url, "--workers", str(n), "--prefix", f"n{k}-",
+                "--step-ms", str(step_ms), "--stats-file", str(f)]))
+        deadline = time.monotonic() + 120
+        while True:
+            snap = P.StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
+            if snap is not None and snap.workers >= workers:
+                break
+            for p in procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{p.args[2]} exited with {p.returncode} (logs: {log_dir})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{workers} null workers did not register within 120 s (logs: {log_dir})")
+            time.sleep(0.2)
+        client = Client(redis.Redis.from_url(rs.url), workers * rows, prompt_tokens, max_tokens, 3)
+        ct = threading.Thread(target=client.run, daemon=True)
+        ct.start()
+        time.sleep(warmup_s)
+
+        def sample():
+            snap = P.StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
+            return {"t": time.monotonic(), "wall": time.time(), "tokens": client.tokens,
+                    "leader_cpu": _cpu_s(sched.pid), "null_cpu": sum(_cpu_s(p.pid) for p in nulls),
+                    "client_cpu": time.process_time(), "steps": snap.steps,
+                    "roundtrip": snap.step_roundtrip_s, "forward": snap.step_forward_s,
+                    **_redis_counters(r)}
+
+        a = sample()
+        time.sleep(seconds)
+        b = sample()
+        # stats snapshots are written every 0.5 s: the step counters lag by up to that much at both ends
+        dt = b["t"] - a["t"]
+        client.stop.set()
+        ct.join(5)
+        for p in nulls:
+            p.send_signal(2)
+        for p in nulls:
+            p.wait(20)
+        gaps = []
+        for f in stats_files:
+            for w in json.loads(f.read_text()).values():
+                gaps += [g for wall, g in w["gaps"] if a["wall"] <= wall <= b["wall"]]
+        d = {k: b[k] - a[k] for k in a if k not in ("t", "wall")}
+        steps = d["steps"]
+        ideal = workers / (step_ms / 1000)
+        tokens = d["tokens"]
+        point = {
+            "workers": workers, "step_ms": step_ms, "rows_per_worker": rows, "seconds": round(dt, 2),
+            "steps_per_s": round(steps / dt, 1), "ideal_steps_per_s": round(ideal, 1),
+            "keeps_up": steps / dt >= 0.9 * ideal, "efficiency": round(steps / dt / ideal, 3),
+            "tokens_per_s": round(tokens / dt, 1),
+            "gap_ms_p50": round(_pct(gaps, 50) * 1000, 2), "gap_ms_p99": round(_pct(gaps, 99) * 1000, 2),
+            "gap_samples": len(gaps),
+            "overhead_ms_per_step_mean": round((d["roundtrip"] - d["forward"]) / max(steps, 1) * 1000, 2),
+            "leader_cpu_share": round(d["leader_cpu"] / dt, 3),
+            "leader_cpu_ms_per_step": round(d["leader_cpu"] / max(steps, 1) * 1000, 3),
+            "redis_cpu_share": round(d["cpu_s"] / dt, 3),
+            "null_workers_cpu_share": round(d["null_cpu"] / dt, 3),
+            "client_cpu_share": round(d["client_cpu"] / dt, 3),
+            "redis_commands_per_token": round(d["commands"] / max(tokens, 1), 2),
+            "redis_bytes_per_token": round(d["bytes"] / max(tokens, 1), 1),
+            "client_errors": len(client.errors),
+        }
+        say(f"{workers:4d} null workers @ {step_ms:g} ms: {point['steps_per_s']:8.1f} steps/s of "
+            f"{ideal:8.1f} ideal ({point['efficiency']:.0%}), {point['tokens_per_s']:8.1f} tok/s, gap p50 "
+            f"{point['gap_ms_p50']:.2f} / p99 {point['gap_ms_p99']:.2f} ms, leader CPU "
+            f"{point['leader_cpu_share']:.0%} ({point['leader_cpu_ms_per_step']:.2f} ms/step), "
+            f"{point['redis_commands_per_token']:.1f} Redis cmds and {point['redis_bytes_per_token']:.0f} B/token")
+        return point
+    finally:
+        if client is not None:
+            client.stop.set()
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(2)
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        rs.stop()
+
+
+def plot(out: dict, path: str) -> None:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    from mfs.runtime import save_figure  # noqa: PLC0415
+    pts = out["points"]
+    ws = [p["workers"] for p in pts]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(ws, [p["steps_per_s"] for p in pts], "o-", label="achieved")
+    ax1.plot(ws, [p["ideal_steps_per_s"] for p in pts], "k--", label="ideal (workers / step time)")
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("null workers (one shard)")
+    ax1.set_ylabel("steps/s")
+    ax1.legend()
+    ax1.set_title(f"step time {pts[0]['step_ms']:g} ms, {pts[0]['rows_per_worker']} rows/worker")
+    ax2.plot(ws, [p["gap_ms_p50"] for p in pts], "o-", label="gap p50")
+    ax2.plot(ws, [p["gap_ms_p99"] for p in pts], "s-", label="gap p99")
+    ax2.plot(ws, [p["leader_cpu_share"] * 100 for p in pts], "^-", label="leader CPU % of a core")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("null workers (one shard)")
+    ax2.set_ylabel("ms  /  %")
+    ax2.legend()
+    ax2.set_title("what the control plane adds per step")
+    save_figure(fig, path)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("control-plane", help="one scheduler leader driving null workers: steps/s, "
+                                             "latency added per step, CPU, Redis cost per token")
+    p.add_argument("--workers", default="8,32,128", help="comma-separated null-worker counts")
+    p.add_argument("--step-ms", type=float, default=15.0, help="simulated step time of every worker")
+    p.add_argument("--rows", type=int, default=8, help="requests in flight per worker (its batch)")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--warmup", type=float, default=5.0, help="seconds before the measured window")
+    p.add_argument("--seconds", type=float, default=15.0, help="the measured window")
+    p.add_argument("--log-dir", default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="PNG: steps/s and the added latency against workers")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    try:
+        counts = [int(x) for x in args.workers.split(",")]
+    except ValueError:
+        raise ValueError(f"--workers must be comma-separated integers, got {args.workers!r}") from None
+    if not counts or min(counts) < 1 or args.rows < 1 or args.step_ms <= 0 or args.seconds <= 0:
+        raise ValueError("--workers >= 1 each, --rows >= 1, --step-ms > 0, --seconds > 0")
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="mfs-cp-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+
+    say(f"mfs bench control-plane: {os.cpu_count()} CPUs here (leader, Redis, null workers and the client "
+        f"share them); logs in {log_dir}")
+    points = [measure_point(n, args.step_ms, args.rows, args.prompt_tokens, args.max_tokens, args.warmup,
+                            args.seconds, log_dir, say) for n in counts]
+    out = {"benchmark": "control-plane", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "cpus": os.cpu_count(), "shards": 1, "prompt_tokens": args.prompt_tokens,
+           "max_tokens": args.max_tokens, "points": points}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    if args.plot:
+        plot(out, args.plot)
+    return 0

@@ -1,0 +1,219 @@
+"""The worker protocol, whatever computes the steps: register (``mfs:worker:{id}``, renewed by a
+heartbeat), read step plans from ``mfs:plan:{id}``, hand their rows to a runner, stream each sampled token
+straight to the requesting gateway and the step result back to the scheduler. Torch-free: the model's
+runner (worker/runner.py) and the null runner of the control-plane bench (worker/null.py) plug in."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import redis
+import structlog
+
+from core import protocol as P
+from core.sampling import SamplingParams, finish_reason
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Live:
+    """What the worker keeps of a request between steps."""
+    gateway_id: str
+    tier: int
+    prompt_len: int
+    max_tokens: int
+    stop_ids: frozenset[int]
+    cached_tokens: int = 0
+    seq_offset: int = 0  # tokens the client already has from a previous worker
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """What a worker registers besides its life and epoch (core.protocol.WorkerInfo)."""
+    tiers: list[int]
+    num_tiers: int
+    num_blocks: list[int]
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos: list[int]
+    device: str = ""
+    kernels: str = ""
+    weights: str = "fp32"
+
+
+class Runner(Protocol):
+    """What the loop needs of a runner (worker/runner.py: ModelRunner)."""
+    def add(self, request_id: str, params: SamplingParams) -> None: ...
+    def drop(self, request_ids) -> None: ...
+    def execute(self, rows: list[P.PlanRow]): ...  # -> an object shaped like runner.StepOutput
+
+
+class WorkerLoop:
+    def __init__(self, worker_id: str, r: redis.Redis, runner: Runner, spec: WorkerSpec):
+        self.id = worker_id
+        self.r = r
+        self.runner = runner
+        self.spec = spec
+        self.max_model_len = spec.max_model_len
+        self.live: dict[str, Live] = {}
+        self.started = f"{time.time():.6f}-{os.getpid()}"
+        self.stop = threading.Event()
+        self.steps = 0
+        self.epoch = 0  # the newest scheduler generation seen in a plan
+
+    # ---- registration ------------------------------------------------------------------------
+    def info(self) -> P.WorkerInfo:
+        s = self.spec
+        return P.WorkerInfo(s.tiers, s.num_tiers, s.num_blocks, s.block_size, s.max_model_len, s.vocab_size,
+                            list(s.eos), self.started, device=s.device, kernels=s.kernels, weights=s.weights,
+                            pid=os.getpid(), epoch=self.epoch, heartbeat=time.time())
+
+    def register(self) -> None:
+        stream = P.plan_stream(self.id)
+        self.r.delete(stream)  # plans for a previous life of this id refer to blocks it no longer has
+        self._ensure_group()
+        self._announce(self.r)
+        log.info("worker registered", worker=self.id, tiers=self.spec.tiers, blocks=self.spec.num_blocks,
+                 kernels=self.spec.kernels)
+
+    def deregister(self) -> None:
+        """Stops the heartbeat and removes the registration: a clean stop is seen at once."""
+        self.stop.set()
+        try:
+            self.r.srem(P.WORKERS_SET, self.id)
+            self.r.delete(P.worker_key(self.id))
+        except redis.RedisError:
+            pass
+
+    def _ensure_group(self) -> None:
+        try:
+            self.r.xgroup_create(P.plan_stream(self.id), P.WORKER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def _announce(self, client: redis.Redis) -> None:
+        """The whole registration every time: after a Redis restart that lost it, the next heartbeat
+        brings it back complete."""
+        p = client.pipeline()
+        p.hset(P.worker_key(self.id), mapping=self.info().to_hash())
+        p.expire(P.worker_key(self.id), P.WORKER_TTL_S)
+        p.sadd(P.WORKERS_SET, self.id)
+        p.execute()
+
+    def _heartbeat(self) -> None:
+        hb = redis.Redis(connection_pool=self.r.connection_pool)
+        down_since = None
+        while not self.stop.wait(P.HEARTBEAT_S):
+            try:
+                self._announce(hb)
+                if down_since is not None:
+                    log.info("redis reachable again", worker=self.id, down_s=round(time.monotonic() - down_since, 1))
+                    down_since = None
+            except redis.RedisError as e:
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.warning("heartbeat failed", worker=self.id, error=str(e))
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        self.register()
+        threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
+        stream = P.plan_stream(self.id)
+        consumer = f"{self.id}-{os.getpid()}"
+        backoff, last_id, trimmed = 0.1, None, time.monotonic()
+        while not self.stop.is_set():
+            try:
+                resp = self.r.xreadgroup(P.WORKER_GROUP, consumer, {stream: ">"}, count=8, block=1000)
+                for _, entries in resp or []:
+                    for entry_id, fields in entries:
+                        try:
+                            self.execute(P.decode(fields))
+                        except (ValueError, TypeError, KeyError) as e:
+                            log.error("bad plan dropped", worker=self.id, entry=entry_id, error=str(e))
+                        self.r.xack(stream, P.WORKER_GROUP, entry_id)
+                        last_id = entry_id
+                if last_id is not None and time.monotonic() - trimmed > 5.0:
+                    self.r.xtrim(stream, minid=last_id, approximate=True)  # executed plans can go
+                    trimmed = time.monotonic()
+                backoff = 0.1
+            except redis.ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                log.warning("plan stream lost (Redis restarted without it); recreating", worker=self.id)
+                self._ensure_group()
+            except redis.RedisError as e:
+                log.warning("plan read failed; retrying", worker=self.id, error=str(e), retry_in_s=backoff)
+                time.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+
+    def execute(self, plan: P.StepPlan) -> None:
+        if plan.worker_started and plan.worker_started != self.started:
+            log.warning("plan for a previous life dropped", worker=self.id, step=plan.step_id)
+            return  # its block tables may point at cached KV this life never computed
+        if plan.epoch < self.epoch:
+            log.warning("plan from a former scheduler leader dropped", worker=self.id, epoch=plan.epoch,
+                        current=self.epoch)
+            return
+        if plan.epoch > self.epoch:
+            if self.live:  # the new leader re-plans them from what it knows; forget this life's copies
+                log.info("new scheduler leader: requests reset", worker=self.id, epoch=plan.epoch,
+                         dropped=len(self.live))
+            self.runner.drop(list(self.live))
+            self.live.clear()
+            self.epoch = plan.epoch
+        t0 = time.perf_counter()
+        self.runner.drop(plan.drop)
+        for rid in plan.drop:
+            self.live.pop(rid, None)
+        for nr in plan.new:
+            self.runner.add(nr.request_id, nr.params)
+            self.live[nr.request_id] = Live(nr.gateway_id, nr.tier, nr.prompt_len, nr.params.max_tokens,
+                                            frozenset(nr.stop_ids), nr.cached_tokens, nr.seq_offset)
+        rows = plan.rows
+        out = self.runner.execute(rows)
+        dt = time.perf_counter() - t0
+        # What a client sees: plain rows' tokens and verification rows' committed tokens; never drafts.
+        emitted = {rid: [tok] for rid, tok in out.tokens.items()}
+        emitted.update(out.verified)
+        # the row each emitting request sampled from: its plain row or its verification row (not a
+        # draft row, not a catch-up row)
+        row_of = {r.request_id: r for r in rows if r.sample_all or (r.enter == 0 and not r.draft)}
+        pipe = self.r.pipeline(transaction=False)
+        for rid, toks in emitted.items():
+            live, row = self.live.get(rid), row_of.get(rid)
+            if live is None or row is None:
+                continue
+            live.tier = row.tier  # a cascade moves a request up
+            if row.sample_all:
+                live.draft_proposed += len(row.drafts)
+                live.draft_accepted += out.accepted.get(rid, 0)
+            sent, reason = [], None
+            for tok in toks:
+                sent.append(tok)
+                n = row.num_output + len(sent)
+                reason = finish_reason(tok, n, live.prompt_len + n, live.max_tokens, live.stop_ids,
+                                       self.max_model_len)
+                if reason:
+                    break
+            first = row.num_output == 0
+            ev = P.TokenEvent(rid, live.seq_offset + row.num_output, sent, reason is not None, reason,
+                              live.tier, self.id, live.prompt_len - live.seq_offset,
+                              live.cached_tokens if first else 0, draft_proposed=live.draft_proposed,
+                              draft_accepted=live.draft_accepted)
+            pipe.xadd(P.out_stream(live.gateway_id), ev.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
+            if reason:
+                self.live.pop(rid, None)
+                self.runner.drop([rid])
+        res = P.StepResult(self.id, plan.step_id, out.tokens, dt, out.num_tokens, plan.epoch, out.drafts,
+                           out.verified, out.accepted, out.escalate, out.draft_conf)
+        pipe.xadd(P.DONE_STREAM, res.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
+        pipe.execute()
+        self.steps += 1
