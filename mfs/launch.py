@@ -24,6 +24,16 @@ import structlog
 log = structlog.get_logger(__name__)
 
 
+def _die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when the process that started it dies, even by SIGKILL
+    (Linux PR_SET_PDEATHSIG), so a killed `mfs up` leaves nothing running."""
+    import ctypes  # noqa: PLC0415
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -46,10 +56,11 @@ def redis_server_binary() -> str:
 class EmbeddedRedis:
     """Its own port and data directory; AOF every second so a restart loses at most a second."""
 
-    def __init__(self, port: int | None = None, data_dir: str | None = None):
+    def __init__(self, port: int | None = None, data_dir: str | None = None, die_with_parent: bool = False):
         self.port = port or free_port()
         self.dir = Path(data_dir or tempfile.mkdtemp(prefix="mfs-redis-"))
         self.proc: subprocess.Popen | None = None
+        self.die_with_parent = die_with_parent
 
     @property
     def url(self) -> str:
@@ -63,7 +74,8 @@ class EmbeddedRedis:
              "--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--daemonize", "no",
              "--logfile", str(self.dir / "redis.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True)  # a terminal's Ctrl-C reaches `mfs up`, which stops Redis last
+            start_new_session=True,  # a terminal's Ctrl-C reaches `mfs up`, which stops Redis last
+            preexec_fn=_die_with_parent if self.die_with_parent else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -103,7 +115,7 @@ class Service:
                  redis_url: str | None = None, worker_args: list[str] | None = None,
                  scheduler_args: list[str] | None = None, gateway_args: list[str] | None = None,
                  log_dir: str | None = None, dtype: str | None = None, gateway: bool = True,
-                 schedulers: int = 1):
+                 schedulers: int = 1, die_with_parent: bool = False):
         self.model, self.tiers, self.workers, self.layout = model, tiers, workers, layout
         self.host, self.port = host, port or free_port()
         self.redis_url = redis_url or os.environ.get("REDIS_URL")
@@ -114,6 +126,8 @@ class Service:
         self.dtype = dtype
         self.with_gateway = gateway
         self.schedulers = schedulers  # one leads; the others stand by to take over
+        # children get SIGTERM if this process dies (`mfs up`; only from the thread that starts them)
+        self.die_with_parent = die_with_parent
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="mfs-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
@@ -137,7 +151,8 @@ class Service:
         with open(self.log_dir / f"{name}.log", "ab") as out:  # the child keeps its own descriptor
             self.procs[name] = subprocess.Popen([sys.executable, "-m", module] + args, stdout=out,
                                                 stderr=subprocess.STDOUT, env=env,
-                                                start_new_session=True)
+                                                start_new_session=True,
+                                                preexec_fn=_die_with_parent if self.die_with_parent else None)
 
     def children(self) -> dict[str, subprocess.Popen]:
         """Every process this service started, the embedded Redis included (as "redis")."""
@@ -170,7 +185,8 @@ class Service:
 
     def start(self, timeout: float = 240.0) -> "Service":
         if not self.redis_url:
-            self.redis = EmbeddedRedis(data_dir=str(self.log_dir / "redis")).start()
+            self.redis = EmbeddedRedis(data_dir=str(self.log_dir / "redis"),
+                                       die_with_parent=self.die_with_parent).start()
             self.redis_url = self.redis.url
         r = ["--redis-url", self.redis_url]
         for i in range(self.schedulers):
@@ -329,7 +345,7 @@ def up(args) -> int:
     policy = RestartPolicy(limit=args.restart_limit, window_s=args.restart_window)
     svc = Service(args.model, tiers=args.tiers, workers=args.workers, layout=args.layout,
                   host=args.host, port=args.port, worker_args=worker_args, dtype=args.dtype,
-                  schedulers=args.schedulers, log_dir=args.log_dir)
+                  schedulers=args.schedulers, log_dir=args.log_dir, die_with_parent=True)
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

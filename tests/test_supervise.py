@@ -271,3 +271,15 @@ def test_restart_policy_backoff_doubles_up_to_its_cap_and_rejects_nonsense():
     for bad in ({"limit": -1}, {"window_s": 0}, {"backoff_s": 5, "max_backoff_s": 1}):
         with pytest.raises(ValueError):
             RestartPolicy(**bad)
+
+
+def test_a_sigkilled_mfs_up_leaves_no_child_running(up):
+    svc = up()
+    svc.wait_workers(1, 300)
+    kids = svc.pids()
+    assert set(kids) == {"redis", "scheduler", "worker-w0", "gateway"}, kids
+    os.kill(svc.pid, signal.SIGKILL)  # no clean-up can run: the children must notice on their own
+    deadline = time.monotonic() + 30
+    while [n for n, p in kids.items() if alive(p)]:
+        assert time.monotonic() < deadline, [n for n, p in kids.items() if alive(p)]
+        time.sleep(0.2)
