@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import asdict, dataclass, field, fields
+from functools import cache
 
 import msgpack
 
@@ -98,9 +99,22 @@ def progress_key(request_id: str) -> str:
     return f"mfs:progress:{request_id}"
 
 
+@cache
+def _field_names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
 def to_wire(record) -> dict:
-    """A record (nested records included) as the plain dict msgpack packs."""
-    return asdict(record)
+    """A record (its ``NESTED`` records included) as the plain dict msgpack packs. Shallow: lists and
+    dicts are packed as they are, not copied (``dataclasses.asdict`` deep-copied every block table of
+    every plan row, a third of the leader's CPU in `mfs bench control-plane`, docs/SCALING.md)."""
+    cls = type(record)
+    out = {name: getattr(record, name) for name in _field_names(cls)}
+    for name, sub in getattr(cls, "NESTED", {}).items():
+        v = out[name]
+        if v is not None:
+            out[name] = [to_wire(x) for x in v] if isinstance(sub, list) else to_wire(v)
+    return out
 
 
 def from_wire(cls, raw: dict):

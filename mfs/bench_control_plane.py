@@ -111,7 +111,7 @@ class Client:
 
 
 def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, max_tokens: int,
-                  warmup_s: float, seconds: float, log_dir: Path, say) -> dict:
+                  warmup_s: float, seconds: float, log_dir: Path, say, profile: Path | None = None) -> dict:
     from mfs.launch import EmbeddedRedis  # noqa: PLC0415
     rs = EmbeddedRedis(data_dir=str(log_dir / f"redis-{workers}")).start()
     procs: list[subprocess.Popen] = []
@@ -128,8 +128,9 @@ def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, m
 
     try:
         r = redis.Redis.from_url(rs.url)
-        sched = spawn(f"scheduler-{workers}", ["scheduler", "--redis-url", rs.url,
-                                              "--max-num-seqs", str(max(rows, 1))])
+        prof = ["cProfile", "-o", str(profile), "-m"] if profile else []
+        sched = spawn(f"scheduler-{workers}", prof + ["scheduler", "--redis-url", rs.url,
+                                                     "--max-num-seqs", str(max(rows, 1))])
         nulls = []
         for k in range(math.ceil(workers / WORKERS_PER_PROCESS)):
             n = min(WORKERS_PER_PROCESS, workers - k * WORKERS_PER_PROCESS)
@@ -257,6 +258,9 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=float, default=5.0, help="seconds before the measured window")
     p.add_argument("--seconds", type=float, default=15.0, help="the measured window")
     p.add_argument("--log-dir", default=None)
+    p.add_argument("--profile-leader", default=None, metavar="DIR",
+                   help="run the leader under cProfile, one stats file per point in DIR (read with pstats; "
+                        "the profiler slows the leader, so its figures are not the unprofiled ones)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="PNG: steps/s and the added latency against workers")
     p.set_defaults(func=run)
@@ -277,11 +281,15 @@ def run(args) -> int:
 
     say(f"mfs bench control-plane: {os.cpu_count()} CPUs here (leader, Redis, null workers and the client "
         f"share them); logs in {log_dir}")
+    prof_dir = Path(args.profile_leader) if args.profile_leader else None
+    if prof_dir:
+        prof_dir.mkdir(parents=True, exist_ok=True)
     points = [measure_point(n, args.step_ms, args.rows, args.prompt_tokens, args.max_tokens, args.warmup,
-                            args.seconds, log_dir, say) for n in counts]
+                            args.seconds, log_dir, say,
+                            profile=prof_dir / f"leader-{n}.pstats" if prof_dir else None) for n in counts]
     out = {"benchmark": "control-plane", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "cpus": os.cpu_count(), "shards": 1, "prompt_tokens": args.prompt_tokens,
-           "max_tokens": args.max_tokens, "points": points}
+           "max_tokens": args.max_tokens, "leader_profiled": bool(prof_dir), "points": points}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

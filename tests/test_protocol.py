@@ -70,3 +70,19 @@ def test_stats_snapshot_decodes_typed():
                                                                  "committed": 4}})
     assert P.StatsSnapshot.decode(snap.encode()) == snap
     assert P.StatsSnapshot.decode(None) is None
+
+
+def test_to_wire_is_asdict_without_the_deep_copy():
+    """The shallow encoder packs exactly what dataclasses.asdict would (nested records included)."""
+    from dataclasses import asdict
+
+    from core import protocol as P
+    from core.sampling import SamplingParams
+    rows = [P.PlanRow(f"r{i}", 2, [5, 6], 100, [[1, 2, 3]] * 3, True, 10, enter=1, drafts=[7]) for i in range(3)]
+    new = [P.NewRequest("a", "g", 1, 5, SamplingParams(max_tokens=3, stop_token_ids=[1, 2]), [0])]
+    records = [P.StepPlan(1, new, rows, ["x"], "s", 3), P.Submit("r", "g", [1, 2], 0, SamplingParams(seed=4)),
+               P.StepResult("w", 2, {"r": 3}, verified={"r": [1, 2]}), P.TokenEvent("r", 0, [1], True, "stop"),
+               P.Cancel("r")]
+    for rec in records:
+        assert P.to_wire(rec) == asdict(rec)
+        assert P.decode(rec.encode()) == rec
