@@ -153,7 +153,9 @@ class SchedulerService:
             self.end(c.request_id, req.meta.get("entry"))
             log.info("request cancelled", request_id=c.request_id, reason=c.reason, worker=wid)
 
-    def on_result(self, res: P.StepResult) -> None:
+    def on_result(self, res: P.StepResult, pipe) -> None:
+        """Folds a step's result into its worker's state; the Redis writes (submits acknowledged,
+        progress appended) go into `pipe`, which the loop sends once per round."""
         w = self.registry.workers.get(res.worker)
         if w is None or w.inflight is None or res.step_id != w.step_id or res.epoch != self.lease.epoch:
             return  # a result for a plan from before a restart, or from a former leader's plan
@@ -162,7 +164,6 @@ class SchedulerService:
         self.step_forward_s += res.forward_s
         reqs = {r.request_id: r for r, _ in w.inflight.rows}
         reqs.update((r.request_id, r) for r, _, _ in w.inflight.verifies)
-        pipe = self.r.pipeline(transaction=False)
         for o in w.core.update(w.inflight, res.tokens, res.verified, res.accepted, res.escalate, res.drafts,
                                res.draft_conf):
             req = reqs[o.request_id]
@@ -177,10 +178,10 @@ class SchedulerService:
                 key = P.progress_key(o.request_id)
                 pipe.append(key, P.encode_progress(o.new_token_ids))
                 pipe.expire(key, P.PROGRESS_TTL_S)
-        pipe.execute()
         w.inflight = None
 
-    def dispatch(self) -> None:
+    def dispatch(self, pipe) -> None:
+        """A step plan for every idle worker with work, into `pipe`."""
         for w in self.registry.workers.values():
             if w.inflight is not None or not w.core.has_unfinished():
                 continue
@@ -189,7 +190,7 @@ class SchedulerService:
                 continue
             w.step_id += 1
             plan = build_plan(sched, w.step_id, w.started, self.lease.epoch)
-            self.r.xadd(P.plan_stream(w.worker_id), plan.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
+            pipe.xadd(P.plan_stream(w.worker_id), plan.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
             w.inflight, w.sent_at = sched, time.monotonic()
 
     def write_stats(self) -> None:
@@ -258,6 +259,8 @@ class SchedulerService:
         # Results first: placement then sees the load and cache they leave behind.
         resp = self.r.xreadgroup(P.SCHEDULER_GROUP, self.consumer, {P.DONE_STREAM: ">", P.REQ_STREAM: ">"},
                                  count=256, block=100 if busy else 250)
+        # One round trip for the round's writes: acks, progress, plans (they were one each).
+        pipe = self.r.pipeline(transaction=False)
         for stream, entries in resp or []:
             stream = stream.decode() if isinstance(stream, bytes) else stream
             for entry_id, fields in entries:
@@ -270,12 +273,13 @@ class SchedulerService:
                     elif isinstance(rec, P.Cancel):
                         self.on_cancel(rec)
                     elif isinstance(rec, P.StepResult):
-                        self.on_result(rec)
+                        self.on_result(rec, pipe)
                 except (ValueError, TypeError, KeyError) as e:
                     log.error("bad stream entry dropped", stream=stream, entry=entry_id, error=str(e))
                 if not pending:
-                    self.r.xack(stream, P.SCHEDULER_GROUP, entry_id)
-        self.dispatch()
+                    pipe.xack(stream, P.SCHEDULER_GROUP, entry_id)
+        self.dispatch(pipe)
+        pipe.execute()
         self.registry.flush_directory()
         if now - self._last_stats > 0.5:
             self.write_stats()
