@@ -69,6 +69,9 @@ class SchedulerService:
         self.step_roundtrip_s = 0.0
         self.step_forward_s = 0.0
         self.running = True
+        # While a loop round runs, its one pipeline: every write of the round goes through it, in order
+        # (a cancel's progress delete must follow the progress append of the step before it).
+        self.round = None
 
     def setup(self) -> None:
         for stream in (P.REQ_STREAM, P.DONE_STREAM):
@@ -88,11 +91,14 @@ class SchedulerService:
     # ---- messages ----------------------------------------------------------------------------
     def end(self, rid: str, entry: str | bytes | None, pipe=None) -> None:
         """A request is over (finished, failed, cancelled): its submit is acknowledged, its progress goes."""
-        p = pipe if pipe is not None else self.r.pipeline(transaction=False)
+        p = pipe if pipe is not None else self.round
+        now = p is None
+        if now:
+            p = self.r.pipeline(transaction=False)
         if entry is not None:
             p.xack(P.REQ_STREAM, P.SCHEDULER_GROUP, entry)
         p.delete(P.progress_key(rid))
-        if pipe is None:
+        if now:
             p.execute()
 
     def end_entry(self, entry) -> None:
@@ -104,7 +110,7 @@ class SchedulerService:
         if not gateway:
             return
         ev = P.TokenEvent(rid, 0, [], True, "error", error=message, error_code=code, status=status)
-        self.r.xadd(P.out_stream(gateway), ev.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
+        (self.round or self.r).xadd(P.out_stream(gateway), ev.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
 
     def on_submit(self, s: P.Submit, entry: str | bytes | None = None, done: list[int] | None = None) -> None:
         """Places a new request; or, with ``done`` (tokens it already produced under a former leader),
@@ -177,7 +183,9 @@ class SchedulerService:
             elif o.new_token_ids:  # what a new leader would resume it from
                 key = P.progress_key(o.request_id)
                 pipe.append(key, P.encode_progress(o.new_token_ids))
-                pipe.expire(key, P.PROGRESS_TTL_S)
+                if not req.meta.get("progress_ttl"):  # APPEND keeps a key's TTL: set it once
+                    pipe.expire(key, P.PROGRESS_TTL_S)
+                    req.meta["progress_ttl"] = True
         w.inflight = None
 
     def dispatch(self, pipe) -> None:
@@ -250,17 +258,8 @@ class SchedulerService:
                  resumed=len(self.registry.placement), submits_pending=len(subs), stale_results=stale)
 
     # ---- the loop ----------------------------------------------------------------------------
-    def run_once(self) -> None:
-        now = time.monotonic()
-        if now - self._last_refresh > 0.5:
-            self.refresh_workers()
-            self._last_refresh = now
-        busy = any(w.inflight is not None for w in self.registry.workers.values())
-        # Results first: placement then sees the load and cache they leave behind.
-        resp = self.r.xreadgroup(P.SCHEDULER_GROUP, self.consumer, {P.DONE_STREAM: ">", P.REQ_STREAM: ">"},
-                                 count=256, block=100 if busy else 250)
-        # One round trip for the round's writes: acks, progress, plans (they were one each).
-        pipe = self.r.pipeline(transaction=False)
+    def _handle(self, resp, pipe) -> None:
+        """The round's stream entries: submits, cancels, step results."""
         for stream, entries in resp or []:
             stream = stream.decode() if isinstance(stream, bytes) else stream
             for entry_id, fields in entries:
@@ -278,8 +277,24 @@ class SchedulerService:
                     log.error("bad stream entry dropped", stream=stream, entry=entry_id, error=str(e))
                 if not pending:
                     pipe.xack(stream, P.SCHEDULER_GROUP, entry_id)
-        self.dispatch(pipe)
-        pipe.execute()
+
+    def run_once(self) -> None:
+        now = time.monotonic()
+        if now - self._last_refresh > 0.5:
+            self.refresh_workers()
+            self._last_refresh = now
+        busy = any(w.inflight is not None for w in self.registry.workers.values())
+        # Results first: placement then sees the load and cache they leave behind.
+        resp = self.r.xreadgroup(P.SCHEDULER_GROUP, self.consumer, {P.DONE_STREAM: ">", P.REQ_STREAM: ">"},
+                                 count=256, block=100 if busy else 250)
+        # One round trip for the round's writes: acks, progress, plans (they were one each).
+        pipe = self.round = self.r.pipeline(transaction=False)
+        try:
+            self._handle(resp, pipe)
+            self.dispatch(pipe)
+            pipe.execute()
+        finally:
+            self.round = None
         self.registry.flush_directory()
         if now - self._last_stats > 0.5:
             self.write_stats()

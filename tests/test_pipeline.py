@@ -94,6 +94,9 @@ def test_cancel_stops_generation_and_frees_blocks(nested_service):
     submit(r, "long", [5, 6, 7, 8, 9], 2, max_tokens=200, ignore_eos=True)
     rd = Reader(r)
     rd.until(lambda: len(rd.events.get("long", [])) >= 3)
+    # its progress (for a new leader to resume from) is there, with a TTL, so it can never leak
+    rd.until(lambda: len(P.decode_progress(r.get(P.progress_key("long")))) >= 3)
+    assert 0 < r.ttl(P.progress_key("long")) <= P.PROGRESS_TTL_S
     r.xadd(P.REQ_STREAM, P.Cancel("long", "client disconnected").encode())
     wait_kv_idle(r)
     n = len(rd.events["long"])
@@ -101,6 +104,7 @@ def test_cancel_stops_generation_and_frees_blocks(nested_service):
     rd.until(lambda: True)
     assert len(rd.events["long"]) <= n + 2  # at most the step in flight when the cancel landed
     assert not rd.finished("long")
+    assert not r.exists(P.progress_key("long"))
 
 
 @pytest.mark.parametrize("prompt,tier,kw,code,status", [
