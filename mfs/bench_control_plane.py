@@ -43,6 +43,12 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _machine_busy_s() -> float:
+    """CPU-seconds every CPU of the machine spent busy (any process), from /proc/stat."""
+    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
 def _pct(xs: list[float], p: float) -> float:
     if not xs:
         return float("nan")
@@ -159,7 +165,7 @@ def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, m
             snap = P.StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
             return {"t": time.monotonic(), "wall": time.time(), "tokens": client.tokens,
                     "leader_cpu": _cpu_s(sched.pid), "null_cpu": sum(_cpu_s(p.pid) for p in nulls),
-                    "client_cpu": time.process_time(), "steps": snap.steps,
+                    "client_cpu": time.process_time(), "machine_busy": _machine_busy_s(), "steps": snap.steps,
                     "roundtrip": snap.step_roundtrip_s, "forward": snap.step_forward_s,
                     **_redis_counters(r)}
 
@@ -195,6 +201,9 @@ def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, m
             "redis_cpu_share": round(d["cpu_s"] / dt, 3),
             "null_workers_cpu_share": round(d["null_cpu"] / dt, 3),
             "client_cpu_share": round(d["client_cpu"] / dt, 3),
+            # the whole machine (any process), in CPUs: near os.cpu_count() means the machine, not the
+            # leader, was the limit
+            "machine_cpus_busy": round(d["machine_busy"] / dt, 2),
             "redis_commands_per_token": round(d["commands"] / max(tokens, 1), 2),
             "redis_bytes_per_token": round(d["bytes"] / max(tokens, 1), 1),
             "client_errors": len(client.errors),
@@ -203,7 +212,8 @@ def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, m
             f"{ideal:8.1f} ideal ({point['efficiency']:.0%}), {point['tokens_per_s']:8.1f} tok/s, gap p50 "
             f"{point['gap_ms_p50']:.2f} / p99 {point['gap_ms_p99']:.2f} ms, leader CPU "
             f"{point['leader_cpu_share']:.0%} ({point['leader_cpu_ms_per_step']:.2f} ms/step), "
-            f"{point['redis_commands_per_token']:.1f} Redis cmds and {point['redis_bytes_per_token']:.0f} B/token")
+            f"{point['redis_commands_per_token']:.1f} Redis cmds and {point['redis_bytes_per_token']:.0f} B/token; "
+            f"machine {point['machine_cpus_busy']:.1f} of {os.cpu_count()} CPUs busy")
         return point
     finally:
         if client is not None:

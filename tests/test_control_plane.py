@@ -1,6 +1,7 @@
 """`mfs bench control-plane` at its smallest: null workers (worker/null.py) speak the real worker
 protocol to the real scheduler and Redis, and the report's figures are consistent with each other."""
 import json
+import os
 
 import pytest
 
@@ -32,4 +33,5 @@ def test_bench_control_plane_two_null_workers(tmp_path):
     assert p["tokens_per_s"] == pytest.approx(p["steps_per_s"] * 4, rel=0.35)
     assert p["gap_samples"] > 0 and 0 < p["gap_ms_p50"] <= p["gap_ms_p99"]
     assert p["leader_cpu_ms_per_step"] > 0 and p["redis_commands_per_token"] > 0
+    assert 0 < p["machine_cpus_busy"] <= (os.cpu_count() or 1) * 1.1
     assert (tmp_path / "cp.png").stat().st_size > 0
