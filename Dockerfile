@@ -4,6 +4,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf 
 WORKDIR /app
 COPY requirements.lock pyproject.toml Makefile README.md ./
 COPY core core
+COPY family family
 COPY mfs mfs
 COPY gateway gateway
 COPY scheduler scheduler
@@ -13,6 +14,6 @@ COPY kernels kernels
 RUN make setup PY=python3
 ENV PATH=/app/.venv/bin:$PATH MFS_LOG_JSON=1 HF_HUB_OFFLINE=1
 # Dequantize the default family's GGUF once at build time (cached under /root/.cache/mfs).
-RUN python -c "from mfs.family import load_family; load_family('default')"
+RUN python -c "from worker.family import load_family; load_family('default')"
 EXPOSE 8000
 CMD ["mfs", "up", "--model", "default", "--host", "0.0.0.0"]

@@ -38,7 +38,7 @@ log = structlog.get_logger("gateway")
 
 @dataclass(slots=True)
 class GatewayConfig:
-    model: str = "default"                   # what --model names (see mfs.family)
+    model: str = "default"                   # what --model names (see family/manifest.py)
     tiers: str | None = None                 # --tiers for a model that is not a nested checkpoint
     host: str = "127.0.0.1"
     port: int = 8000
@@ -63,7 +63,7 @@ class GatewayConfig:
     cascade_threshold: float | None = None   # confidence cascade for family-id requests (0 < P < 1); None: off
     cascade_window: int = 4                  # tokens the cascade's confidence is averaged over (1..64)
     reader_block_ms: int = 1000
-    frontend: object | None = None           # a loaded mfs.family.Frontend (tests share one)
+    frontend: object | None = None           # a loaded family.manifest.Frontend (tests share one)
 
 
 def _error_response(e: APIError) -> web.Response:
@@ -131,7 +131,7 @@ def init_app(config: GatewayConfig | None = None) -> web.Application:
     cfg = config or GatewayConfig()
     frontend = cfg.frontend
     if frontend is None:
-        from mfs.family import load_frontend  # noqa: PLC0415 - heavy (transformers)
+        from family.manifest import load_frontend  # noqa: PLC0415 - heavy (transformers)
         frontend = load_frontend(cfg.model, cfg.tiers)
     if frontend.tokenizer is None:
         raise ValueError(f"--model {cfg.model!r} has no tokenizer; the gateway needs one to tokenize prompts")

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from worker.engine import Engine
+from mfs.engine import Engine
 from worker.model import standalone_tier, weight_bytes
 from worker.sampling import SamplingParams
 
@@ -139,7 +139,7 @@ def run_top_vs_generate(fam, work, args) -> dict:
 
 def _hf_reference(fam):
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
-    from worker.loader import resolve_cached  # noqa: PLC0415
+    from family.source import resolve_cached  # noqa: PLC0415
     folder, gguf = resolve_cached(fam.base.source)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                               **({"gguf_file": gguf} if gguf else {})).eval()
@@ -173,7 +173,7 @@ def _median(runs: list[dict]) -> dict:
 
 
 def add_parser(sub) -> None:
-    from mfs.commands import add_model_args  # noqa: PLC0415
+    from worker.family import add_model_args  # noqa: PLC0415
     p = sub.add_parser("engine", help="nested vs independent tiers, and the top tier vs HF generate")
     add_model_args(p)
     p.add_argument("--json", required=True, help="where to write the results")
@@ -196,7 +196,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from mfs.commands import load_from_args  # noqa: PLC0415
+    from worker.family import load_from_args  # noqa: PLC0415
     if args.threads:
         torch.set_num_threads(args.threads)
     weights, args.weights = args.weights, "fp32"

@@ -256,7 +256,7 @@ def run(args) -> int:
     from datetime import datetime, timezone  # noqa: PLC0415
     import platform  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
-    from mfs.family import load_frontend  # noqa: PLC0415
+    from family.manifest import load_frontend  # noqa: PLC0415
     fe = load_frontend(args.model, args.tiers)
     tok = fe.tokenizer
     plan = make_plan(args, tok, len(fe.tiers))

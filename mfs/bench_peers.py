@@ -56,7 +56,7 @@ def _release() -> None:
 
 
 def _engine_run(model, prompts, tiers, new: int) -> dict:
-    from worker.engine import Engine  # noqa: PLC0415
+    from mfs.engine import Engine  # noqa: PLC0415
     from worker.sampling import SamplingParams  # noqa: PLC0415
     eng = Engine(model, max_num_seqs=max(64, len(prompts)), num_blocks=1024)
     t0 = time.perf_counter()
@@ -87,7 +87,7 @@ def _ppl(logits_fn, windows: list[list[int]]) -> float:
 
 
 def run_mfs(spec: Spec, mode: str) -> dict:
-    from mfs.family import load_family  # noqa: PLC0415
+    from worker.family import load_family  # noqa: PLC0415
     from worker.model import weight_bytes  # noqa: PLC0415
     t0 = time.perf_counter()
     fam = load_family(spec.model, weights=mode)
@@ -109,8 +109,8 @@ def run_mfs(spec: Spec, mode: str) -> dict:
 
 def run_hf(spec: Spec) -> dict:
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
-    from mfs.family import manifest_for, resolve_base  # noqa: PLC0415
-    from worker.loader import resolve_cached  # noqa: PLC0415
+    from family.manifest import manifest_for, resolve_base  # noqa: PLC0415
+    from family.source import resolve_cached  # noqa: PLC0415
     manifest, mdir = manifest_for(spec.model)
     if manifest.weights:
         raise ValueError("transformers serves the base weights: compare with --model default-raw")
@@ -206,7 +206,7 @@ def child_main(argv: list[str]) -> int:
 def make_spec(args) -> Spec:
     from mfs import data as D  # noqa: PLC0415
     from mfs.evaluate import make_windows  # noqa: PLC0415
-    from mfs.family import load_frontend, manifest_for, resolve_base  # noqa: PLC0415
+    from family.manifest import load_frontend, manifest_for, resolve_base  # noqa: PLC0415
     fe = load_frontend(args.model)
     tok = fe.tokenizer
     manifest, mdir = manifest_for(args.model)

@@ -24,8 +24,8 @@ import torch
 from mfs import data as D
 from mfs.runtime import save_figure
 from mfs import eval_questions as Q
-from mfs.family import load_family
-from worker.engine import Engine
+from worker.family import load_family
+from mfs.engine import Engine
 from worker.sampling import SamplingParams, confidences
 
 CONF_TAUS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)

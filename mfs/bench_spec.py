@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from worker.engine import Engine
+from mfs.engine import Engine
 from worker.sampling import SamplingParams
 
 PROMPTS = [
@@ -44,7 +44,7 @@ def _run(eng: Engine, prompts, tier, params) -> dict:
 
 
 def add_parser(sub) -> None:
-    from mfs.commands import add_model_args  # noqa: PLC0415
+    from worker.family import add_model_args  # noqa: PLC0415
     p = sub.add_parser("spec", help="top tier with vs without self-speculative decoding")
     add_model_args(p)
     p.add_argument("--json", required=True)
@@ -64,7 +64,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from mfs.commands import encode_prompt, load_from_args  # noqa: PLC0415
+    from mfs.commands import encode_prompt  # noqa: PLC0415
+    from worker.family import load_from_args  # noqa: PLC0415
     if args.threads:
         torch.set_num_threads(args.threads)
     fam = load_from_args(args)

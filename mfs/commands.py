@@ -6,24 +6,8 @@ import sys
 
 import torch
 
-MODEL_HELP = "default (the embedded family), default-raw (not precipitated), a checkpoint dir, HF dir or .gguf"
+from worker.family import add_model_args, load_from_args
 
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help=MODEL_HELP)
-    p.add_argument("--tiers", default=None, help="cut points, e.g. 10,20,30 or small=10,large=30")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--kernels", default=None, choices=["auto", "torch", "triton"])
-    p.add_argument("--weights", default="fp32", choices=["auto", "fp32", "int8", "int4"],
-                   help="serve weights quantized (CPU): int8 per channel, int4 in groups of 32 (a GGUF's "
-                        "own Q4_1 blocks where they match); auto picks by the CPU")
-
-
-def load_from_args(args):
-    from mfs.family import load_family  # noqa: PLC0415
-    return load_family(args.model, tiers=args.tiers, dtype=args.dtype, device=args.device,
-                       kernels=args.kernels, weights=getattr(args, "weights", "fp32"))
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -61,7 +45,7 @@ def add_generate(sub) -> None:
 
 
 def run_generate(args) -> int:
-    from worker.engine import Engine  # noqa: PLC0415
+    from mfs.engine import Engine  # noqa: PLC0415
     from worker.sampling import SamplingParams  # noqa: PLC0415
     fam = load_from_args(args)
     tier = resolve_tier(fam.model, args.tier)

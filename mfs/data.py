@@ -3,7 +3,7 @@
 Sources (``--data``, comma-separated, mixed with equal weight per source):
 
 * ``self``: the base model's own greedy answers (top tier, chat template) to :data:`SELF_PROMPTS`, a
-  broad built-in prompt set. Generated once with :class:`worker.engine.Engine`, cached as JSONL.
+  broad built-in prompt set. Generated once with :class:`mfs.engine.Engine`, cached as JSONL.
 * ``stdlib``: ``pydoc`` plain-text documentation of :data:`STDLIB_TRAIN` modules.
 * ``packages``: README/METADATA/licence text of installed distributions.
 * a ``.txt``/``.md`` file, a ``.jsonl`` file (a ``text`` field, or ``prompt`` + ``answer``), or a
@@ -201,7 +201,7 @@ def chat_ids(tokenizer, prompt: str, answer: str | None = None) -> list[int]:
 def generate_answers(model, tokenizer, prompts: list[str], max_tokens: int = 160,
                      batch: int = 32, tier: int | None = None) -> list[tuple[str, bool]]:
     """Greedy (answer, finished) of one tier (default: the top) through the serving engine."""
-    from worker.engine import Engine  # noqa: PLC0415
+    from mfs.engine import Engine  # noqa: PLC0415
     from worker.sampling import SamplingParams  # noqa: PLC0415
     tier = model.num_segments - 1 if tier is None else tier
     eng = Engine(model, num_blocks=batch * (max_tokens + 256) // 16 + 16,

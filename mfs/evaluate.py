@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from mfs import data as D
 from mfs.runtime import save_figure
 from mfs import eval_questions as Q
-from mfs.family import build_model, manifest_for, resolve_base
+from worker.family import build_model
+from family.manifest import manifest_for, resolve_base
 from worker.loader import load_base
 from worker.model import NestedModel
 
@@ -75,7 +76,7 @@ def make_windows(stream: torch.Tensor, seq_len: int, max_tokens: int) -> torch.T
 def answer_all(model: NestedModel, tok, questions: list[str], max_tokens: int,
                tiers: list[int] | None = None) -> list[list[str]]:
     """Greedy answers [tier][question], every tier in one group batch through the engine."""
-    from worker.engine import Engine  # noqa: PLC0415
+    from mfs.engine import Engine  # noqa: PLC0415
     from worker.sampling import SamplingParams  # noqa: PLC0415
     tiers = list(range(model.num_segments)) if tiers is None else tiers
     prompts = [D.chat_ids(tok, q) for q in questions]
@@ -105,7 +106,7 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
         original = build_model(orig_base, manifest.tiers[-1:]).eval()
     model = build_model(base, manifest.tiers)
     if has_weights:
-        from mfs.checkpoint import apply_weights  # noqa: PLC0415
+        from worker.checkpoint import apply_weights  # noqa: PLC0415
         apply_weights(model, mdir / manifest.weights["file"], manifest.weights["kind"])
     model.eval()
     original = original if original is not None else model
@@ -246,7 +247,7 @@ def record_quality(res: dict) -> Path:
     """Writes an evaluation's per-tier figures into the evaluated checkpoint's manifest (``quality``):
     held-out perplexity / top, greedy agreement, the larger question set's first-sentence agreement
     and the fixed questions answered correctly. The family id's routing reads them (quality floor)."""
-    from mfs.family import DEFAULT_FLOOR, Manifest  # noqa: PLC0415
+    from family.manifest import DEFAULT_FLOOR, Manifest  # noqa: PLC0415
     if res["model"] == "default-raw":
         raise ValueError("default-raw has no checkpoint of its own to record quality in")
     manifest, mdir = manifest_for(res["model"])

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from kernels import TORCH_OPS
 from mfs import data as D
-from mfs.family import DEFAULT_FLOOR, Manifest, TierSpec, build_model, parse_tiers, resolve_base_arg
+from family.manifest import DEFAULT_FLOOR, Manifest, TierSpec, parse_tiers, resolve_base_arg
+from worker.family import build_model
 from mfs.runtime import autocast_dtype, progress
 from worker.loader import load_base
 from worker.model import NestedModel

@@ -178,7 +178,7 @@ class Service:
     def worker_plan(self) -> list[tuple[str, list[str]]]:
         if self.layout == "nested":
             return [(f"w{i}", []) for i in range(self.workers)]
-        from mfs.family import manifest_for  # noqa: PLC0415
+        from family.manifest import manifest_for  # noqa: PLC0415
         manifest, _ = manifest_for(self.model, self.tiers)
         return [(f"w{i}-{t.name}", ["--standalone-tier", str(k)])
                 for i in range(self.workers) for k, t in enumerate(manifest.tiers)]

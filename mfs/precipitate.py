@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels import TORCH_OPS
-from mfs import checkpoint as ckpt
+from worker import checkpoint as ckpt
 from mfs import data as D
-from mfs.family import Manifest, build_model, parse_tiers, resolve_base_arg
+from family.manifest import Manifest, parse_tiers, resolve_base_arg
+from worker.family import build_model
 from worker.loader import BaseWeights, load_base
 from worker.model import NestedModel
 

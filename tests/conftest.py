@@ -13,7 +13,7 @@ def llama_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def llama_family(llama_dir):
-    from mfs.family import load_family
+    from worker.family import load_family
     return load_family(str(llama_dir), tiers="2,4,6", dtype="float64")
 
 
@@ -22,7 +22,7 @@ def frontend():
     """The default family's names and tokenizer (no weights): what a gateway loads. Its quality record
     is dropped, so every tier is routable: the gateway tests exercise routing by complexity on every
     tier, and the quality floor has tests of its own (test_gateway.py)."""
-    from mfs.family import load_frontend
+    from family.manifest import load_frontend
     fe = load_frontend("default")
     fe.manifest.quality = None
     return fe
@@ -30,7 +30,7 @@ def frontend():
 
 @pytest.fixture(scope="session")
 def default_family():
-    from mfs.family import load_family
+    from worker.family import load_family
     return load_family("default")
 
 # Triton fixes its library functions to GPU or interpreter mode when it is first imported: make every

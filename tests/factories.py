@@ -66,7 +66,7 @@ def default_family_every_tier_routable(path: Path) -> Path:
     to every tier: service tests of routing and the cascade need the lower tiers reachable."""
     import json  # noqa: PLC0415
 
-    from mfs.family import DEFAULT_FAMILY, family_dir  # noqa: PLC0415
+    from family.manifest import DEFAULT_FAMILY, family_dir  # noqa: PLC0415
     src = family_dir(DEFAULT_FAMILY)
     path.mkdir(parents=True, exist_ok=True)
     m = json.loads((src / "mfs.json").read_text())

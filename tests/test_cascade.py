@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from worker.engine import Engine, InvalidRequest
+from mfs.engine import Engine, InvalidRequest
 from worker.sampling import SamplingParams, confidences
 
 BS = 4

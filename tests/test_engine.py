@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from worker.engine import Engine, InvalidRequest
+from mfs.engine import Engine, InvalidRequest
 from worker.sampling import SamplingParams
 
 

@@ -19,14 +19,14 @@ def perturb_exits(fam, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def exit_family(llama_dir):
-    from mfs.family import load_family
+    from worker.family import load_family
     fam = load_family(str(llama_dir), tiers="2+1,4+1,6", dtype="float64")
     perturb_exits(fam, 5)
     return fam
 
 
 def test_the_block_has_its_own_kv_layer_in_its_boundary_segment(exit_family):
-    from worker.engine import Engine
+    from mfs.engine import Engine
     m = exit_family.model
     assert [m.segment_kv_layers(s) for s in range(3)] == [3, 3, 2]
     eng = Engine(m, block_size=4, num_blocks=16)
@@ -60,7 +60,7 @@ def test_sampled_speculation_returns_every_block(exit_family):
 
 
 def test_speculative_sampling_keeps_the_target_distribution(tmp_path_factory):
-    from mfs.family import load_family
+    from worker.family import load_family
     from tests.factories import tiny_llama
     d = tiny_llama(tmp_path_factory.mktemp("llama_v12_exit"), vocab=12, seed=3)
     fam = load_family(str(d), tiers="2+1,4+1,6", dtype="float64")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mfs.cli import main as mfs_main
-from mfs.family import Manifest, load_family
+from family.manifest import Manifest
+from worker.family import load_family
 from tests.test_precipitate import tiny  # noqa: F401 - the module fixture
 
 

@@ -11,10 +11,10 @@ import pytest
 import redis
 
 from core import protocol as P
-from mfs.family import load_family
+from worker.family import load_family
 from mfs.launch import Service
 from tests.test_pipeline import Reader, stats, submit, wait_kv_idle
-from worker.engine import Engine
+from mfs.engine import Engine
 from worker.sampling import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

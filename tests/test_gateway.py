@@ -286,7 +286,7 @@ def test_family_id_never_routes_below_the_quality_floor(redis_url, frontend, bac
     """A tier whose recorded quality fails the floor serves only requests that name it."""
     import copy
 
-    from mfs.family import Frontend
+    from family.manifest import Frontend
     m = copy.deepcopy(frontend.manifest)
     m.quality = {"small": {"ppl_vs_top": 44.6, "agree_top": 0.27},
                  "medium": {"ppl_vs_top": 1.8, "agree_top": 0.62}}

@@ -597,7 +597,7 @@ def mfs_edges(doc: dict) -> list:
     fields."""
     names = at(doc, "#/components/schemas/TierModelId")["enum"]
     family = [m for m in at(doc, "#/components/schemas/ModelId")["enum"] if m not in names and m != "auto"]
-    tiers = [n.removeprefix(family[0] + "-") for n in names]  # mfs.family: "<family>-<tier name>"
+    tiers = [n.removeprefix(family[0] + "-") for n in names]  # family/manifest.py: "<family>-<tier name>"
     refs = [*tiers, *names, *range(-1, len(names) + 1), *(str(i) for i in range(len(names) + 1)), "00", "01",
             "000001", "0x1", "", None, 1.0, True, [0]]
     spec = [None, True, False, 1, "x", {}, {"x": 1}, *({"draft": r} for r in refs),

@@ -239,8 +239,8 @@ def _tiny_family_dir(directory) -> str:
 
 
 def test_engine_greedy_tokens_match_torch_ops(tmp_path):
-    from mfs.family import load_family  # noqa: PLC0415
-    from worker.engine import Engine  # noqa: PLC0415
+    from worker.family import load_family  # noqa: PLC0415
+    from mfs.engine import Engine  # noqa: PLC0415
     from worker.sampling import SamplingParams  # noqa: PLC0415
     d = _tiny_family_dir(tmp_path)
     outs = {}

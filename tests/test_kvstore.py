@@ -10,7 +10,7 @@ from kvstore.directory import BlockDirectory, common_blocks
 from mfs.launch import Service
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture
 from tests.test_pipeline import Reader, submit
-from worker.engine import Engine
+from mfs.engine import Engine
 from worker.sampling import SamplingParams
 
 
@@ -148,7 +148,7 @@ def test_a_restarted_worker_loses_its_directory_entries_and_sessions_still_work(
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
     from gateway.app import GatewayConfig
-    from mfs.family import load_frontend
+    from family.manifest import load_frontend
     from tests.redis_server import redis_server
     from tests.test_gateway import FakeBackend, ServerThread, register_worker
     frontend = load_frontend("default")

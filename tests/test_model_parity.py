@@ -4,9 +4,9 @@ import copy
 import pytest
 import torch
 
-from mfs.family import load_family
+from worker.family import load_family
 from tests.factories import tiny_llama, tiny_mistral, tiny_qwen2
-from worker.engine import Engine
+from mfs.engine import Engine
 from worker.model import _LAYER_KEYS
 from worker.sampling import SamplingParams
 

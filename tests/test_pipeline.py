@@ -7,9 +7,9 @@ import pytest
 import redis
 
 from core import protocol as P
-from mfs.family import load_family
+from worker.family import load_family
 from mfs.launch import Service
-from worker.engine import Engine
+from mfs.engine import Engine
 from worker.sampling import SamplingParams
 
 GW = "gw-test"

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mfs import checkpoint as ckpt
+from worker import checkpoint as ckpt
 from mfs.cli import main as mfs_main
-from mfs.family import build_model, load_family, parse_tiers
+from worker.family import build_model, load_family
+from family.manifest import parse_tiers
 from worker.loader import load_base
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 3 +
@@ -149,7 +150,7 @@ def test_heldout_is_disjoint_from_training_data():
 @pytest.mark.slow
 def test_default_family_is_precipitated_and_top_tier_knows_paris():
     from mfs.data import chat_ids  # noqa: PLC0415
-    from worker.engine import Engine  # noqa: PLC0415
+    from mfs.engine import Engine  # noqa: PLC0415
     from worker.sampling import SamplingParams  # noqa: PLC0415
     fam = load_family("default")
     if fam.manifest.weights is not None:

@@ -3,7 +3,7 @@ order under pressure, segment-0 blocks shared across tiers, TTL reclamation. Out
 cold engine's (float64)."""
 import time
 
-from worker.engine import Engine
+from mfs.engine import Engine
 from worker.sampling import SamplingParams
 
 BS = 4

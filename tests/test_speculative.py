@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from worker.engine import Engine, InvalidRequest
+from mfs.engine import Engine, InvalidRequest
 from worker.sampling import SamplingParams, accept_greedy, accept_sampled, probs_for
 
 
@@ -167,7 +167,7 @@ def test_rejection_sampling_commits_tokens_distributed_as_the_target(support):
 def small_vocab_family(tmp_path_factory):
     """A tiny model over 12 tokens whose head is scaled up, so its tiers' distributions are peaked and
     differ from each other (a raw random head is nearly uniform)."""
-    from mfs.family import load_family
+    from worker.family import load_family
     from tests.factories import tiny_llama
     d = tiny_llama(tmp_path_factory.mktemp("llama_v12"), vocab=12, seed=3)
     fam = load_family(str(d), tiers="2,4,6", dtype="float64")

@@ -5,7 +5,6 @@ then handed to MFS's own nested model. Nothing here reaches a model hub: paths m
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -15,10 +14,9 @@ from pathlib import Path
 import structlog
 import torch
 
-log = structlog.get_logger(__name__)
+from family.source import gguf_cache_dir, load_tokenizer, resolve_cached, split_source
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -27,43 +25,6 @@ class BaseWeights:
     state_dict: dict[str, torch.Tensor]
     tokenizer: object | None
     source: str
-
-
-def split_source(path: str | os.PathLike) -> tuple[Path, str | None]:
-    """(directory, gguf file name or None) for a HF directory, a .gguf file, or a dir holding one."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"model path {str(p)!r} does not exist (MFS never downloads models)")
-    if p.is_file():
-        if p.suffix != ".gguf":
-            raise ValueError(f"{p}: expected a Hugging Face directory or a .gguf file")
-        return p.parent, p.name
-    if (p / "config.json").exists():
-        return p, None
-    ggufs = sorted(x.name for x in p.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return p, ggufs[0]
-    raise ValueError(f"{p}: no config.json and {'several' if ggufs else 'no'} .gguf files found")
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MFS_CACHE", Path.home() / ".cache" / "mfs"))
-
-
-def _gguf_cache_dir(folder: Path, gguf: str) -> Path:
-    st = (folder / gguf).stat()
-    key = hashlib.sha256(f"{(folder / gguf).resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
-    return cache_root() / "gguf" / key[:16]
-
-
-def resolve_cached(path: str | os.PathLike) -> tuple[Path, str | None]:
-    """(directory, gguf file or None) to load from: a GGUF's dequantized cache once it is complete."""
-    folder, gguf = split_source(path)
-    if gguf:
-        cached = _gguf_cache_dir(folder, gguf)
-        if (cached / ".complete").exists():
-            return cached, None
-    return folder, gguf
 
 
 def load_base(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -93,7 +54,7 @@ def load_base(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 
 def _write_cache(model, folder: Path, gguf: str) -> None:
     """Best effort: a failed cache write only costs the next load its speed."""
-    target = _gguf_cache_dir(folder, gguf)
+    target = gguf_cache_dir(folder, gguf)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     try:
         from safetensors.torch import save_file  # noqa: PLC0415
@@ -118,13 +79,3 @@ def _write_cache(model, folder: Path, gguf: str) -> None:
     except Exception as e:  # noqa: BLE001 - any failure only costs speed
         log.warning("could not cache dequantized weights", error=str(e))
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def load_tokenizer(folder: Path, gguf: str | None):
-    from transformers import AutoTokenizer  # noqa: PLC0415
-    kw = {"gguf_file": gguf} if gguf else {}
-    try:
-        return AutoTokenizer.from_pretrained(folder, **kw)
-    except (OSError, ValueError, TypeError) as e:
-        log.warning("no tokenizer found; token ids only", source=str(folder), error=str(e)[:200])
-        return None

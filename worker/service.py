@@ -16,7 +16,7 @@ class WorkerService(WorkerLoop):
     """A worker that runs the nested model (or one standalone tier of it)."""
 
     def __init__(self, args):
-        from mfs.family import load_family  # noqa: PLC0415
+        from worker.family import load_family  # noqa: PLC0415
         from worker.model import standalone_tier  # noqa: PLC0415
         standalone = args.standalone_tier is not None
         from worker.quant import resolve_mode  # noqa: PLC0415
@@ -60,7 +60,7 @@ def _release_memory() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mfs.commands import add_model_args  # noqa: PLC0415
+    from worker.family import add_model_args  # noqa: PLC0415
     from core.logs import configure, install_stop_signals  # noqa: PLC0415
     p = argparse.ArgumentParser(prog="python -m worker", description="MFS worker process")
     add_model_args(p)

@@ -1,4 +1,6 @@
-"""Families and nested checkpoints: what ``--model`` names, and how it becomes a NestedModel.
+"""Families and nested checkpoints as data: what ``--model`` names, its manifest, its tiers, its base
+weights' location and its tokenizer. No torch here (the gateway reads it); worker/family.py turns a
+manifest into a NestedModel.
 
 A nested checkpoint is a directory with a manifest ``mfs.json``::
 
@@ -21,17 +23,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
-from kernels import KernelOps, select_backend
-from worker.config import ModelConfig
-from worker.loader import BaseWeights, load_base
-from worker.model import NestedModel, Tier
+from family.source import load_tokenizer, resolve_cached, split_source
 
 FAMILIES_DIR = Path(__file__).parent / "families"
 DEFAULT_FAMILY = "smollm2-135m"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float64": torch.float64}
 
 
 @dataclass(slots=True)
@@ -195,59 +190,8 @@ def manifest_for(model: str, tiers: str | None = None) -> tuple[Manifest, Path |
 
 def _num_layers(p: Path) -> int:
     from transformers import AutoConfig  # noqa: PLC0415
-    from worker.loader import split_source  # noqa: PLC0415
     folder, gguf = split_source(p)
     return AutoConfig.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {})).num_hidden_layers
-
-
-@dataclass(slots=True)
-class LoadedFamily:
-    model: NestedModel
-    tokenizer: object | None
-    manifest: Manifest
-    base: BaseWeights
-
-    def model_id(self, tier: Tier) -> str:
-        return f"{self.manifest.family}-{tier.name}"
-
-    def usable_tiers(self) -> list[int]:
-        return usable_tiers(self.manifest)
-
-
-def build_model(base: BaseWeights, tiers: list[TierSpec], dtype: torch.dtype = torch.float32,
-                device: str = "cpu", max_positions: int | None = None,
-                ops: KernelOps | None = None) -> NestedModel:
-    cfg = ModelConfig.from_hf(base.hf_config, set(base.state_dict))
-    tlist = [Tier(i, t.name, t.layers, t.block_layers) for i, t in enumerate(tiers)]
-    with torch.device("meta"):
-        model = NestedModel(cfg, tlist, max_positions=max_positions, ops=ops or select_backend(None, device))
-    model.adopt_base_state({k: v.to(device) for k, v in base.state_dict.items()})
-    model = model.to(dtype)
-    model.rebuild_buffers()
-    return model
-
-
-def load_family(model: str = "default", tiers: str | None = None, dtype: str | None = None,
-                device: str = "cpu", max_positions: int | None = 4096,
-                kernels: str | None = None, weights: str = "fp32") -> LoadedFamily:
-    """``weights``: fp32 (as loaded), int8, int4 or auto: see :func:`worker.quant.quantize_model`."""
-    manifest, mdir = manifest_for(model, tiers)
-    if tiers and mdir is not None:
-        manifest.tiers = parse_tiers(tiers, max(t.layers for t in manifest.tiers))
-        manifest.weights = None if manifest.weights and manifest.weights.get("kind") == "delta" else manifest.weights
-    base = load_base(resolve_base(manifest.base, mdir))
-    tdtype = _DTYPES[dtype or manifest.dtype]
-    nm = build_model(base, manifest.tiers, tdtype, device, max_positions,
-                     select_backend(kernels, device))
-    base.state_dict = {}  # the model owns the weights now; keep no second reference
-    if manifest.weights and mdir is not None:
-        from mfs.checkpoint import apply_weights  # noqa: PLC0415
-        apply_weights(nm, mdir / manifest.weights["file"], manifest.weights["kind"])
-    if weights != "fp32":  # after any delta: quantize the weights that will be served
-        from worker.quant import quantize_model  # noqa: PLC0415
-        quantize_model(nm, weights, gguf_path=base.source, device=device)
-    nm.eval()
-    return LoadedFamily(nm, base.tokenizer, manifest, base)
 
 
 @dataclass(slots=True)
@@ -272,7 +216,6 @@ class Frontend:
 
 
 def load_frontend(model: str = "default", tiers: str | None = None) -> Frontend:
-    from worker.loader import load_tokenizer, resolve_cached  # noqa: PLC0415
     manifest, mdir = manifest_for(model, tiers)
     if tiers and mdir is not None:
         manifest.tiers = parse_tiers(tiers, max(t.layers for t in manifest.tiers))

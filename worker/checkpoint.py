@@ -5,7 +5,7 @@
   ``lora_B`` [out, r] per adapted linear (already scaled: W' = W + B @ A), the layer norms that were
   trained and every tier's exit norm (stored as values, not differences: they are tiny).
 
-:func:`apply_weights` is the loader's hook (mfs/family.py). It merges low-rank updates into the plain
+:func:`apply_weights` is the loader's hook (worker/family.py). It merges low-rank updates into the plain
 ``nn.Linear`` weights, so a served model pays nothing for them.
 """
 from __future__ import annotations

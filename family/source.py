@@ -1,0 +1,62 @@
+"""Where a family's base weights are, as users have them (a Hugging Face directory or a GGUF file, and
+the GGUF's dequantized cache), and its tokenizer. Nothing here reaches a model hub: paths must exist
+locally. transformers is imported only when a tokenizer or config is read."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def split_source(path: str | os.PathLike) -> tuple[Path, str | None]:
+    """(directory, gguf file name or None) for a HF directory, a .gguf file, or a dir holding one."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model path {str(p)!r} does not exist (MFS never downloads models)")
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ValueError(f"{p}: expected a Hugging Face directory or a .gguf file")
+        return p.parent, p.name
+    if (p / "config.json").exists():
+        return p, None
+    ggufs = sorted(x.name for x in p.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return p, ggufs[0]
+    raise ValueError(f"{p}: no config.json and {'several' if ggufs else 'no'} .gguf files found")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MFS_CACHE", Path.home() / ".cache" / "mfs"))
+
+
+def gguf_cache_dir(folder: Path, gguf: str) -> Path:
+    st = (folder / gguf).stat()
+    key = hashlib.sha256(f"{(folder / gguf).resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    return cache_root() / "gguf" / key[:16]
+
+
+def resolve_cached(path: str | os.PathLike) -> tuple[Path, str | None]:
+    """(directory, gguf file or None) to load from: a GGUF's dequantized cache once it is complete."""
+    folder, gguf = split_source(path)
+    if gguf:
+        cached = gguf_cache_dir(folder, gguf)
+        if (cached / ".complete").exists():
+            return cached, None
+    return folder, gguf
+
+
+def load_tokenizer(folder: Path, gguf: str | None):
+    from transformers import AutoTokenizer  # noqa: PLC0415
+    kw = {"gguf_file": gguf} if gguf else {}
+    try:
+        return AutoTokenizer.from_pretrained(folder, **kw)
+    except (OSError, ValueError, TypeError) as e:
+        log.warning("no tokenizer found; token ids only", source=str(folder), error=str(e)[:200])
+        return None

@@ -1,0 +1,84 @@
+"""A family's manifest (family/manifest.py) made a NestedModel: base weights loaded, cut into tiers,
+precipitated weights applied, optionally quantized; and the command-line flags that say which."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from family.manifest import Manifest, TierSpec, manifest_for, parse_tiers, resolve_base, usable_tiers
+from kernels import KernelOps, select_backend
+from worker.config import ModelConfig
+from worker.loader import BaseWeights, load_base
+from worker.model import NestedModel, Tier
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}
+MODEL_HELP = "default (the embedded family), default-raw (not precipitated), a checkpoint dir, HF dir or .gguf"
+
+
+@dataclass(slots=True)
+class LoadedFamily:
+    model: NestedModel
+    tokenizer: object | None
+    manifest: Manifest
+    base: BaseWeights
+
+    def model_id(self, tier: Tier) -> str:
+        return f"{self.manifest.family}-{tier.name}"
+
+    def usable_tiers(self) -> list[int]:
+        return usable_tiers(self.manifest)
+
+
+def build_model(base: BaseWeights, tiers: list[TierSpec], dtype: torch.dtype = torch.float32,
+                device: str = "cpu", max_positions: int | None = None,
+                ops: KernelOps | None = None) -> NestedModel:
+    cfg = ModelConfig.from_hf(base.hf_config, set(base.state_dict))
+    tlist = [Tier(i, t.name, t.layers, t.block_layers) for i, t in enumerate(tiers)]
+    with torch.device("meta"):
+        model = NestedModel(cfg, tlist, max_positions=max_positions, ops=ops or select_backend(None, device))
+    model.adopt_base_state({k: v.to(device) for k, v in base.state_dict.items()})
+    model = model.to(dtype)
+    model.rebuild_buffers()
+    return model
+
+
+def load_family(model: str = "default", tiers: str | None = None, dtype: str | None = None,
+                device: str = "cpu", max_positions: int | None = 4096,
+                kernels: str | None = None, weights: str = "fp32") -> LoadedFamily:
+    """``weights``: fp32 (as loaded), int8, int4 or auto: see :func:`worker.quant.quantize_model`."""
+    manifest, mdir = manifest_for(model, tiers)
+    if tiers and mdir is not None:
+        manifest.tiers = parse_tiers(tiers, max(t.layers for t in manifest.tiers))
+        manifest.weights = None if manifest.weights and manifest.weights.get("kind") == "delta" else manifest.weights
+    base = load_base(resolve_base(manifest.base, mdir))
+    tdtype = _DTYPES[dtype or manifest.dtype]
+    nm = build_model(base, manifest.tiers, tdtype, device, max_positions,
+                     select_backend(kernels, device))
+    base.state_dict = {}  # the model owns the weights now; keep no second reference
+    if manifest.weights and mdir is not None:
+        from worker.checkpoint import apply_weights  # noqa: PLC0415
+        apply_weights(nm, mdir / manifest.weights["file"], manifest.weights["kind"])
+    if weights != "fp32":  # after any delta: quantize the weights that will be served
+        from worker.quant import quantize_model  # noqa: PLC0415
+        quantize_model(nm, weights, gguf_path=base.source, device=device)
+    nm.eval()
+    return LoadedFamily(nm, base.tokenizer, manifest, base)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help=MODEL_HELP)
+    p.add_argument("--tiers", default=None, help="cut points, e.g. 10,20,30 or small=10,large=30")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--kernels", default=None, choices=["auto", "torch", "triton"])
+    p.add_argument("--weights", default="fp32", choices=["auto", "fp32", "int8", "int4"],
+                   help="serve weights quantized (CPU): int8 per channel, int4 in groups of 32 (a GGUF's "
+                        "own Q4_1 blocks where they match); auto picks by the CPU")
+
+
+def load_from_args(args):
+    return load_family(args.model, tiers=args.tiers, dtype=args.dtype, device=args.device,
+                       kernels=args.kernels, weights=getattr(args, "weights", "fp32"))
