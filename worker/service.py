@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     configure(json_lines=True)
     install_stop_signals()
     torch.set_num_threads(args.threads)
+    import structlog  # noqa: PLC0415
+    structlog.get_logger(__name__).info(
+        "worker compute", threads=args.threads, cpus=os.cpu_count(),
+        cpu_capability=torch.backends.cpu.get_cpu_capability(), device=args.device, weights=args.weights)
     svc = WorkerService(args)
     try:
         svc.run()
