@@ -11,6 +11,7 @@ import uvloop
 from aiohttp import web
 
 from core.logs import configure
+from core.redisconn import add_redis_args, target_from_args
 from gateway.app import GatewayConfig, init_app
 from gateway.complexity import ComplexityConfig
 from gateway.openai_api import Limits
@@ -24,7 +25,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--tiers", default=None, help="tier cut, e.g. 10,20,30 (see mfs tiers)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    add_redis_args(p)
     p.add_argument("--gateway-id", default=None, help="names this gateway's stream mfs:out:{ID}")
     p.add_argument("--max-inflight", type=int, default=256, help="in-flight requests before 429")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
@@ -68,7 +69,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     env_keys = [k.strip() for k in os.environ.get("MFS_API_KEYS", "").split(",") if k.strip()]
     limits = Limits(max_prompt_chars=a.max_prompt_chars, max_messages=a.max_messages, max_stop=a.max_stop,
                     max_stop_chars=a.max_stop_chars, max_tokens_cap=a.max_tokens_cap)
-    cfg = GatewayConfig(model=a.model, tiers=a.tiers, host=a.host, port=a.port, redis_url=a.redis_url,
+    target = target_from_args(a)
+    cfg = GatewayConfig(model=a.model, tiers=a.tiers, host=a.host, port=a.port, redis_url=target.as_url(),
+                        redis_timeout_s=target.timeout_s,
                         max_inflight=a.max_inflight, max_body_bytes=a.max_body_bytes,
                         request_timeout_s=a.request_timeout, stall_timeout_s=a.stall_timeout,
                         default_max_tokens=a.default_max_tokens,

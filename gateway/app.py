@@ -15,7 +15,6 @@ import os
 import uuid
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
 import structlog
 from aiohttp import web
 from redis.asyncio.retry import Retry
@@ -23,6 +22,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError
 
 from core.protocol import gateway_key
+from core.redisconn import DEFAULT_TIMEOUT_S, RedisTarget, connect_async
 from gateway.auth import KeyStore, auth_middleware, on_prepare
 from gateway.backend import Backend
 from gateway.complexity import ComplexityConfig
@@ -43,6 +43,8 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     redis_url: str = field(default_factory=lambda: os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+                                             # or redis+sentinel://H1:P1,H2:P2/MASTER/DB (core.redisconn)
+    redis_timeout_s: float = DEFAULT_TIMEOUT_S  # a silent Redis peer is dropped after this long
     gateway_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex[:8]}")
     max_inflight: int = 256                  # requests in flight before this gateway answers 429
     max_body_bytes: int = 4 << 20            # larger bodies get 413
@@ -107,15 +109,16 @@ async def redis_ctx(app: web.Application):
     # A client from a URL retries nothing by default: after a Redis restart every pooled connection is
     # dead, and each would fail one command (a user's request among them). Two quick retries on a
     # connection error reconnect instead; while Redis is down they fail within a few hundredths of a s.
-    client = aioredis.Redis.from_url(cfg.redis_url, health_check_interval=30, socket_connect_timeout=2,
-                                     retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), 2))
+    target = RedisTarget.parse(cfg.redis_url, timeout_s=cfg.redis_timeout_s)
+    client = connect_async(target, health_check_interval=30,
+                           retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), 2))
     backend = Backend(client, cfg.gateway_id, block_ms=cfg.reader_block_ms,
                       stall_timeout_s=cfg.stall_timeout_s, metrics=svc.metrics)
     svc.backend = backend
     svc.limiter = RateLimiter(client, rpm=cfg.rpm, tpm=cfg.tpm)
     tasks = [asyncio.create_task(backend.run_reader(), name="mfs-gateway-reader"),
              asyncio.create_task(backend.run_heartbeat({"port": cfg.port}), name="mfs-gateway-heartbeat")]
-    log.info("gateway.start", gateway_id=cfg.gateway_id, redis=cfg.redis_url, models=svc.model_ids)
+    log.info("gateway.start", gateway_id=cfg.gateway_id, redis=target.describe(), models=svc.model_ids)
     yield
     for t in tasks:
         t.cancel()

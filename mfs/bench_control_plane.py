@@ -31,6 +31,7 @@ from pathlib import Path
 import redis
 
 from core import protocol as P
+from core.redisconn import connect
 from core.sampling import SamplingParams
 
 WORKERS_PER_PROCESS = 32
@@ -133,7 +134,7 @@ def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, m
         return p
 
     try:
-        r = redis.Redis.from_url(rs.url)
+        r = connect(rs.url)
         prof = ["cProfile", "-o", str(profile), "-m"] if profile else []
         sched = spawn(f"scheduler-{workers}", prof + ["scheduler", "--redis-url", rs.url,
                                                      "--max-num-seqs", str(max(rows, 1))])
@@ -156,7 +157,7 @@ def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, m
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{workers} null workers did not register within 120 s (logs: {log_dir})")
             time.sleep(0.2)
-        client = Client(redis.Redis.from_url(rs.url), workers * rows, prompt_tokens, max_tokens, 3)
+        client = Client(connect(rs.url), workers * rows, prompt_tokens, max_tokens, 3)
         ct = threading.Thread(target=client.run, daemon=True)
         ct.start()
         time.sleep(warmup_s)

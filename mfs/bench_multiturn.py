@@ -185,10 +185,11 @@ async def _probes(url: str, ids: list[str], plan: dict, args, tok, mode: str, re
 # ---- one mode on its own service -------------------------------------------------------------
 def _scheduler_stats(redis_url: str) -> dict:
     import msgpack  # noqa: PLC0415
-    import redis  # noqa: PLC0415
+
     from core import protocol as P  # noqa: PLC0415
+    from core.redisconn import connect  # noqa: PLC0415
     time.sleep(1.0)  # the scheduler writes its stats every 0.5 s
-    raw = redis.Redis.from_url(redis_url).hget(P.STATS_KEY, "scheduler")
+    raw = connect(redis_url).hget(P.STATS_KEY, "scheduler")
     s = msgpack.unpackb(raw, strict_map_key=False) if raw else {}
     keys = ("prefill_computed", "prefill_reused", "cache_queries", "cache_hits", "evictions", "directory_blocks",
             "affinity_preferred", "affinity_yielded", "preemptions")

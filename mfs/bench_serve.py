@@ -108,9 +108,9 @@ def report(results: list[dict], wall: float, args) -> dict:
 
 
 def _worker_peak_rss(redis_url: str) -> int:
-    import redis  # noqa: PLC0415
     from core import protocol as P  # noqa: PLC0415
-    r = redis.Redis.from_url(redis_url)
+    from core.redisconn import connect  # noqa: PLC0415
+    r = connect(redis_url)
     total = 0
     for w in r.smembers(P.WORKERS_SET):
         pid = r.hget(P.worker_key(w.decode()), "pid")
@@ -123,9 +123,9 @@ def _worker_peak_rss(redis_url: str) -> int:
 
 
 def _transport(redis_url: str) -> dict:
-    import redis  # noqa: PLC0415
     from core import protocol as P  # noqa: PLC0415
-    raw = redis.Redis.from_url(redis_url).hget(P.STATS_KEY, "scheduler")
+    from core.redisconn import connect  # noqa: PLC0415
+    raw = connect(redis_url).hget(P.STATS_KEY, "scheduler")
     s = msgpack.unpackb(raw, strict_map_key=False) if raw else {}
     n, rt, fw = s.get("steps", 0), s.get("step_roundtrip_s", 0.0), s.get("step_forward_s", 0.0)
     return {"steps": n, "mean_step_roundtrip_ms": 1e3 * rt / max(n, 1),
@@ -173,7 +173,7 @@ def run_layout(args, layout: str | None) -> dict:
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="Poisson load against the service (nested vs independent)")
     p.add_argument("--url", default=None, help="a running MFS; without it, services are started")
-    p.add_argument("--redis-url", default=None, help="its Redis (for transport share and memory)")
+    p.add_argument("--redis-url", default=None, help="its Redis, redis:// or redis+sentinel:// (for transport share and memory)")
     p.add_argument("--layout", default="nested,independent", help="layouts to start and compare")
     p.add_argument("--model", default="default")
     p.add_argument("--tiers", default=None)

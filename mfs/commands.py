@@ -142,6 +142,8 @@ def add_up(sub) -> None:
                    help="a process that exits is restarted with backoff; more than this many restarts of "
                         "one process within --restart-window stops everything (0: never restart)")
     p.add_argument("--restart-window", type=float, default=120.0, help="seconds (see --restart-limit)")
+    from core.redisconn import add_redis_args  # noqa: PLC0415
+    add_redis_args(p, url_default=None)  # neither URL nor sentinels: an embedded Redis
     p.set_defaults(func=run_up)
 
 

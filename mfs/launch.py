@@ -68,6 +68,8 @@ class EmbeddedRedis:
 
     def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
         import redis  # noqa: PLC0415
+
+        from core.redisconn import connect  # noqa: PLC0415
         self.dir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
@@ -79,7 +81,7 @@ class EmbeddedRedis:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if redis.Redis.from_url(self.url).ping():
+                if connect(self.url).ping():
                     return self
             except redis.ConnectionError:
                 time.sleep(0.05)
@@ -115,10 +117,12 @@ class Service:
                  redis_url: str | None = None, worker_args: list[str] | None = None,
                  scheduler_args: list[str] | None = None, gateway_args: list[str] | None = None,
                  log_dir: str | None = None, dtype: str | None = None, gateway: bool = True,
-                 schedulers: int = 1, die_with_parent: bool = False):
+                 schedulers: int = 1, die_with_parent: bool = False, redis_timeout: float | None = None):
         self.model, self.tiers, self.workers, self.layout = model, tiers, workers, layout
         self.host, self.port = host, port or free_port()
+        # a server or a Sentinel group (redis+sentinel://…, core.redisconn); None: an embedded one
         self.redis_url = redis_url or os.environ.get("REDIS_URL")
+        self.redis_timeout = redis_timeout
         self.redis: EmbeddedRedis | None = None
         self.worker_args = worker_args or []
         self.scheduler_args = scheduler_args or []
@@ -189,6 +193,8 @@ class Service:
                                        die_with_parent=self.die_with_parent).start()
             self.redis_url = self.redis.url
         r = ["--redis-url", self.redis_url]
+        if self.redis_timeout is not None:
+            r += ["--redis-timeout", str(self.redis_timeout)]
         for i in range(self.schedulers):
             self._spawn("scheduler" if i == 0 else f"scheduler-{i + 1}", "scheduler", r + self.scheduler_args)
         for wid, extra in self.worker_plan():
@@ -229,9 +235,9 @@ class Service:
         raise TimeoutError(f"the service was not ready within {timeout:.0f}s (logs: {self.log_dir})")
 
     def wait_workers(self, timeout: float, n: int) -> None:
-        import redis  # noqa: PLC0415
         from core import protocol as P  # noqa: PLC0415
-        r = redis.Redis.from_url(self.redis_url)
+        from core.redisconn import connect  # noqa: PLC0415
+        r = connect(self.redis_url)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._check_alive()
@@ -343,9 +349,13 @@ def up(args) -> int:
         if getattr(args, flag, None):
             worker_args += [f"--{flag}", getattr(args, flag)]
     policy = RestartPolicy(limit=args.restart_limit, window_s=args.restart_window)
+    from core.redisconn import DEFAULT_TIMEOUT_S, target_from_args  # noqa: PLC0415
+    external = args.redis_url or args.redis_sentinel
     svc = Service(args.model, tiers=args.tiers, workers=args.workers, layout=args.layout,
                   host=args.host, port=args.port, worker_args=worker_args, dtype=args.dtype,
-                  schedulers=args.schedulers, log_dir=args.log_dir, die_with_parent=True)
+                  schedulers=args.schedulers, log_dir=args.log_dir, die_with_parent=True,
+                  redis_url=target_from_args(args).as_url() if external else None,
+                  redis_timeout=args.redis_timeout if args.redis_timeout != DEFAULT_TIMEOUT_S else None)
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -357,7 +367,9 @@ def up(args) -> int:
     status = 0
     try:
         svc.start()
-        print(f"mfs up: serving at {svc.url}/v1  (redis {svc.redis_url}); Ctrl-C stops everything",
+        from core.redisconn import RedisTarget  # noqa: PLC0415
+        print(f"mfs up: serving at {svc.url}/v1  (redis {RedisTarget.parse(svc.redis_url).describe()}); "
+              "Ctrl-C stops everything",
               flush=True)
         sup = Supervisor(svc, policy, say=say)
         while True:

@@ -37,6 +37,7 @@ import structlog
 
 from core import protocol as P
 from core.logs import configure, install_stop_signals
+from core.redisconn import RedisTarget, add_redis_args, connect, target_from_args
 from core.sampling import finish_reason
 from scheduler.housekeeping import GatewayReaper, trim_streams
 from scheduler.leadership import Lease, claim_requests, drop_idle_consumers
@@ -51,8 +52,10 @@ log = structlog.get_logger(__name__)
 
 
 class SchedulerService:
-    def __init__(self, redis_url: str, limits: Limits, consumer: str | None = None, lease_s: float = 3.0):
-        self.r = redis.Redis.from_url(redis_url)
+    def __init__(self, redis_target: RedisTarget | str, limits: Limits, consumer: str | None = None,
+                 lease_s: float = 3.0):
+        self.target = redis_target if isinstance(redis_target, RedisTarget) else RedisTarget.parse(redis_target)
+        self.r = connect(self.target)
         self.limits = limits
         # unique per process across hosts: two containers both run their scheduler as pid 1
         self.consumer = consumer or f"sched-{socket.gethostname()}-{os.getpid()}"
@@ -306,7 +309,7 @@ class SchedulerService:
 
     def run(self, standby_poll_s: float = 0.5) -> None:
         backoff, down_since = 0.1, None
-        log.info("scheduler started", consumer=self.consumer, limits=str(self.limits))
+        log.info("scheduler started", consumer=self.consumer, redis=self.target.describe(), limits=str(self.limits))
         while self.running:
             try:
                 if down_since is not None:
@@ -351,7 +354,7 @@ def parse_quota(spec: str | None) -> dict[int, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scheduler", description="MFS scheduler process")
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    add_redis_args(p)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-tiers-per-step", type=int, default=0, help="0: a step may mix every tier")
@@ -377,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     configure(json_lines=True)
     install_stop_signals()
-    svc = SchedulerService(args.redis_url, Limits(
+    svc = SchedulerService(target_from_args(args), Limits(
         args.max_num_batched_tokens, args.max_num_seqs, args.max_tiers_per_step, args.path_switches_per_s,
         parse_quota(args.kv_quota), prefix_caching=not args.no_prefix_caching, cache_ttl_s=args.cache_ttl_s,
         directory_ttl_s=args.directory_ttl_s, affinity_abs=args.affinity_abs_threshold,

@@ -129,17 +129,23 @@ class WorkerLoop:
         stream = P.plan_stream(self.id)
         consumer = f"{self.id}-{os.getpid()}"
         backoff, last_id, trimmed = 0.1, None, time.monotonic()
+        # After a lost connection, read this consumer's pending plans first: a reply that was on its way
+        # when the connection died delivered plans Redis now counts as ours, which '>' never returns.
+        recover = False
         while not self.stop.is_set():
             try:
-                resp = self.r.xreadgroup(P.WORKER_GROUP, consumer, {stream: ">"}, count=8, block=1000)
+                resp = self.r.xreadgroup(P.WORKER_GROUP, consumer, {stream: "0" if recover else ">"}, count=8,
+                                         block=None if recover else 1000)
+                recover = False
                 for _, entries in resp or []:
                     for entry_id, fields in entries:
-                        try:
-                            self.execute(P.decode(fields))
-                        except (ValueError, TypeError, KeyError) as e:
-                            log.error("bad plan dropped", worker=self.id, entry=entry_id, error=str(e))
+                        if last_id is None or _entry_key(entry_id) > _entry_key(last_id):
+                            try:
+                                self.execute(P.decode(fields))
+                            except (ValueError, TypeError, KeyError) as e:
+                                log.error("bad plan dropped", worker=self.id, entry=entry_id, error=str(e))
+                            last_id = entry_id
                         self.r.xack(stream, P.WORKER_GROUP, entry_id)
-                        last_id = entry_id
                 if last_id is not None and time.monotonic() - trimmed > 5.0:
                     self.r.xtrim(stream, minid=last_id, approximate=True)  # executed plans can go
                     trimmed = time.monotonic()
@@ -151,6 +157,7 @@ class WorkerLoop:
                 self._ensure_group()
             except redis.RedisError as e:
                 log.warning("plan read failed; retrying", worker=self.id, error=str(e), retry_in_s=backoff)
+                recover = True
                 time.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
 
@@ -215,5 +222,29 @@ class WorkerLoop:
         res = P.StepResult(self.id, plan.step_id, out.tokens, dt, out.num_tokens, plan.epoch, out.drafts,
                            out.verified, out.accepted, out.escalate, out.draft_conf)
         pipe.xadd(P.DONE_STREAM, res.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
-        pipe.execute()
+        self._deliver(pipe.command_stack[:])
         self.steps += 1
+
+    def _deliver(self, commands: list) -> None:
+        """Writes a step's token events and result, retrying through a lost connection: the step is done
+        and its result is what the scheduler waits for. A copy written twice (the first write landed, its
+        reply did not) is harmless: the gateway drops events by seq, the scheduler a result it has."""
+        backoff, deadline = 0.1, time.monotonic() + 2 * P.WORKER_TTL_S
+        while True:
+            pipe = self.r.pipeline(transaction=False)
+            for args, options in commands:
+                pipe.execute_command(*args, **options)
+            try:
+                pipe.execute()
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if self.stop.is_set() or time.monotonic() > deadline:
+                    raise  # by now the scheduler has dropped this worker and re-planned its requests
+                log.warning("step result not delivered; retrying", worker=self.id, error=str(e), retry_in_s=backoff)
+                time.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+
+
+def _entry_key(entry_id) -> tuple[int, int]:
+    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
+    return int(ms), int(seq or 0)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import redis
 
 from core import protocol as P
+from core.redisconn import add_redis_args, connect, target_from_args
 from core.sampling import SamplingParams
 from worker.loop import WorkerLoop, WorkerSpec
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from core.logs import configure, install_stop_signals  # noqa: PLC0415
     p = argparse.ArgumentParser(prog="python -m worker.null",
                                 description="null workers (no model) for the control-plane benchmark")
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    add_redis_args(p)
     p.add_argument("--workers", type=int, default=1, help="null workers in this process (one thread each)")
     p.add_argument("--prefix", default=f"null-{os.getpid()}-", help="worker ids are PREFIX0, PREFIX1, ...")
     p.add_argument("--step-ms", type=float, default=15.0, help="simulated step time (a GPU decode step: ~15)")
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--workers and --num-tiers must be >= 1, --step-ms >= 0")
     configure(json_lines=True)
     install_stop_signals()
-    loops = [NullWorker(f"{args.prefix}{i}", redis.Redis.from_url(args.redis_url), args.step_ms / 1000,
+    target = target_from_args(args)
+    loops = [NullWorker(f"{args.prefix}{i}", connect(target), args.step_ms / 1000,
                         num_tiers=args.num_tiers) for i in range(args.workers)]
     threads = [threading.Thread(target=w.run, name=w.id, daemon=True) for w in loops]
     for t in threads:

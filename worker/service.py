@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-import redis
 import torch
 
+from core.redisconn import add_redis_args, connect, target_from_args
 from worker.loop import WorkerLoop, WorkerSpec
 from worker.runner import ModelRunner
 
@@ -46,7 +46,7 @@ class WorkerService(WorkerLoop):
         spec = WorkerSpec(tiers, ntiers, num_blocks, args.block_size, min(args.max_model_len, model.max_positions),
                           cfg.vocab_size, list(cfg.eos_token_ids), device=str(runner.device),
                           kernels=model.ops.name, weights=self.weights)
-        super().__init__(args.worker_id, redis.Redis.from_url(args.redis_url), runner, spec)
+        super().__init__(args.worker_id, connect(target_from_args(args)), runner, spec)
 
 
 def _release_memory() -> None:
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m worker", description="MFS worker process")
     add_model_args(p)
     p.add_argument("--worker-id", default=f"w-{os.getpid()}")
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    add_redis_args(p)
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per segment pool")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=4096)
