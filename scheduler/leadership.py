@@ -66,6 +66,13 @@ class Lease:
             return True
         return self.renew_now()
 
+    def held(self) -> bool:
+        """Whether the lease is certainly still ours by this process's own clock: renewed less than a
+        lease ago. A leader cut off from Redis may come back with results it read before the cut; it
+        must not write what it planned from them (plans, progress) unless renewing succeeds first,
+        since a standby may have led, and written, meanwhile."""
+        return time.monotonic() - self._last_renew < self.lease_ms / 1000
+
     def renew_now(self) -> bool:
         if self._renew(keys=[P.LEADER_KEY, P.EPOCH_KEY], args=[self.consumer, self.lease_ms, self.epoch]):
             self._last_renew = time.monotonic()

@@ -53,7 +53,7 @@ log = structlog.get_logger(__name__)
 
 class SchedulerService:
     def __init__(self, redis_target: RedisTarget | str, limits: Limits, consumer: str | None = None,
-                 lease_s: float = 3.0):
+                 lease_s: float = 3.0, housekeeping_s: float = 2.0):
         self.target = redis_target if isinstance(redis_target, RedisTarget) else RedisTarget.parse(redis_target)
         self.r = connect(self.target)
         self.limits = limits
@@ -67,6 +67,7 @@ class SchedulerService:
         self._last_refresh = 0.0
         self._last_stats = 0.0
         self._last_gc = 0.0
+        self.housekeeping_s = housekeeping_s  # reaping gone gateways, trimming streams
         # Transport share of a step: plan sent -> result handled, against the worker's own step time.
         self.step_count = 0
         self.step_roundtrip_s = 0.0
@@ -225,6 +226,13 @@ class SchedulerService:
         self.step_down("another scheduler took over")
         return False
 
+    def renew_now(self) -> bool:
+        """Renews at once (the lease lapsed locally); False, and stepped down, if it is no longer ours."""
+        if self.lease.renew_now():
+            return True
+        self.step_down("the lease lapsed and another scheduler took over")
+        return False
+
     def step_down(self, why: str) -> None:
         log.warning("no longer leading", consumer=self.consumer, epoch=self.lease.epoch, reason=why,
                     requests=len(self.registry.placement))
@@ -295,6 +303,8 @@ class SchedulerService:
         try:
             self._handle(resp, pipe)
             self.dispatch(pipe)
+            if not self.lease.held() and not self.renew_now():
+                return  # fenced: a round prepared under a lapsed lease is not written (see Lease.held)
             pipe.execute()
         finally:
             self.round = None
@@ -302,7 +312,7 @@ class SchedulerService:
         if now - self._last_stats > 0.5:
             self.write_stats()
             self._last_stats = now
-        if now - self._last_gc > 2.0:
+        if now - self._last_gc > self.housekeeping_s:
             self.reaper.reap_gateways(self.registry, self.end)
             trim_streams(self.r)
             self._last_gc = now
@@ -377,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec-probe-every", type=int, default=16)
     p.add_argument("--lease-s", type=float, default=3.0,
                    help="leadership lease: a standby takes over this long after the leader stops renewing")
+    p.add_argument("--housekeeping-s", type=float, default=2.0,
+                   help="period of reaping gone gateways' requests and trimming streams")
     args = p.parse_args(argv)
     configure(json_lines=True)
     install_stop_signals()
@@ -385,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         parse_quota(args.kv_quota), prefix_caching=not args.no_prefix_caching, cache_ttl_s=args.cache_ttl_s,
         directory_ttl_s=args.directory_ttl_s, affinity_abs=args.affinity_abs_threshold,
         affinity_rel=args.affinity_rel_threshold, spec_min_acceptance=args.spec_min_acceptance,
-        spec_probe_every=args.spec_probe_every), lease_s=args.lease_s)
+        spec_probe_every=args.spec_probe_every), lease_s=args.lease_s, housekeeping_s=args.housekeeping_s)
     try:
         svc.run()
     except KeyboardInterrupt:

@@ -119,21 +119,23 @@ def test_leading_scheduler_killed_the_standby_takes_over(llama_dir):
 
 
 def test_a_gateway_that_disappears_has_its_requests_cancelled(llama_dir):
-    with service(llama_dir) as svc:
+    # housekeeping every 0.25 s (default 2 s) and a 1 s heartbeat TTL: the gateway is gone well before
+    # its requests (~500 tokens each) can finish
+    with service(llama_dir, scheduler_args=["--housekeeping-s", "0.25"]) as svc:
         r = redis.Redis.from_url(svc.redis_url)
         gw = "gw-vanishing"
-        r.set(P.gateway_key(gw), "{}", ex=2)  # the test plays a gateway's heartbeat...
+        r.set(P.gateway_key(gw), "{}", ex=1)  # the test plays a gateway's heartbeat...
         for i in range(12):  # long requests: ~500 tokens each at this context limit
             sub = P.Submit(f"g{i}", gw, [5, 6, 7, 8], i % 3, SamplingParams(max_tokens=5000, ignore_eos=True),
                            arrival=time.time())
             r.xadd(P.REQ_STREAM, sub.encode())
         rd = Reader(r, gw)
         rd.until(lambda: len(rd.events) == 12)
-        t_end = time.monotonic() + 2.2  # ...for a while: the scheduler sees it alive (it looks every 2 s)
+        t_end = time.monotonic() + 0.6  # ...for a while: the scheduler sees it alive (it looks every 0.25 s)
         while time.monotonic() < t_end:
-            r.set(P.gateway_key(gw), "{}", ex=2)
-            time.sleep(0.3)
-        stopped = time.monotonic()  # the heartbeat stops: the key expires in 2 s
+            r.set(P.gateway_key(gw), "{}", ex=1)
+            time.sleep(0.1)
+        stopped = time.monotonic()  # the heartbeat stops: the key expires in 1 s
         deadline = stopped + 20
         while r.exists(P.out_stream(gw)):
             assert time.monotonic() < deadline, stats(r)
@@ -146,7 +148,7 @@ def test_a_gateway_that_disappears_has_its_requests_cancelled(llama_dir):
         assert r.xpending(P.REQ_STREAM, P.SCHEDULER_GROUP)["pending"] == 0
         assert not list(r.scan_iter(P.progress_key("*")))
     print(f"gateway gone: {s.gateway_cancels} requests in flight cancelled and its stream deleted "
-          f"{cancelled_in:.1f}s after its last heartbeat (key TTL 2 s)")
+          f"{cancelled_in:.1f}s after its last heartbeat (key TTL 1 s, housekeeping every 0.25 s)")
 
 
 def test_redis_killed_and_restarted_streams_end_and_new_requests_succeed(llama_dir):

@@ -1,0 +1,43 @@
+"""The leadership lease as a fence, against a real Redis: a leader cut off long enough for its lease to
+lapse (and a standby to take over) may come back holding entries it read before the cut; nothing it
+prepares from them is written."""
+import redis
+
+from core import protocol as P
+from scheduler.registry import Limits
+from scheduler.service import SchedulerService
+from tests.redis_server import redis_url  # noqa: F401 - the session fixture
+
+
+def test_a_leader_whose_lease_lapsed_writes_nothing_of_its_round(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    r.flushdb()
+    a = SchedulerService(redis_url, Limits(), consumer="A", lease_s=1.0)
+    a.setup()
+    assert a.try_lead()
+    r.delete(P.LEADER_KEY)  # A is cut off: its lease expires in Redis...
+    b = SchedulerService(redis_url, Limits(), consumer="B", lease_s=1.0)
+    assert b.try_lead() and b.lease.epoch == a.lease.epoch + 1  # ...and B leads
+    a.lease._last_renew -= 5.0  # A's own clock: its last renewal was longer than a lease ago
+    assert not a.lease.held()
+    r.xadd(P.REQ_STREAM, P.Cancel("x").encode())  # something A's round would acknowledge
+    a.run_once()
+    assert not a.leader  # A stepped down instead of writing
+    pending = r.xpending_range(P.REQ_STREAM, P.SCHEDULER_GROUP, "-", "+", 10)
+    assert [p["consumer"] for p in pending] == [b"A"]  # delivered to A, never acknowledged by it
+
+
+def test_a_leader_whose_lease_lapsed_unnoticed_takes_it_back_and_writes(redis_url):
+    """No one took over: renewing at write time succeeds (same epoch) and the round is written."""
+    r = redis.Redis.from_url(redis_url)
+    r.flushdb()
+    a = SchedulerService(redis_url, Limits(), consumer="A", lease_s=1.0)
+    a.setup()
+    assert a.try_lead()
+    epoch = a.lease.epoch
+    r.delete(P.LEADER_KEY)
+    a.lease._last_renew -= 5.0
+    r.xadd(P.REQ_STREAM, P.Cancel("x").encode())
+    a.run_once()
+    assert a.leader and a.lease.epoch == epoch and a.lease.held()
+    assert r.xpending(P.REQ_STREAM, P.SCHEDULER_GROUP)["pending"] == 0  # the round was written
