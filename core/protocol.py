@@ -152,10 +152,21 @@ class Cancel(Record):
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """One token's log-probability under the tier that produced it (log-softmax of that tier's raw
+    logits), and the most likely tokens at its position, most likely first."""
+    token: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class TokenEvent(Record):
     """Tokens of one request; ``seq`` is the index of ``token_ids[0]`` among its output tokens, so
     a client-side stream can drop duplicates and notice gaps."""
     TYPE = "tokens"
+    NESTED = {"logprobs": [TokenLogprob], "prompt_logprobs": [TokenLogprob]}
     request_id: str
     seq: int
     token_ids: list[int]
@@ -170,6 +181,8 @@ class TokenEvent(Record):
     status: int = 0                 # HTTP status the gateway should answer an error with
     draft_proposed: int = 0         # self-speculation so far (cumulative): draft tokens proposed...
     draft_accepted: int = 0         # ...and accepted by the verifying tier
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids (when asked)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (seq 0 only)
 
 
 @dataclass(slots=True)
@@ -184,6 +197,8 @@ class NewRequest:
     stop_ids: list[int]     # params' stop ids and, unless ignored, the model's EOS
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     seq_offset: int = 0     # output tokens streamed before a re-plan (after a worker was lost)
+    prompt_ids: list[int] = field(default_factory=list)  # only when the worker needs them (prompt
+    #                         log-probabilities, penalties); after a re-plan the streamed tokens end it
 
 
 @dataclass(slots=True)
@@ -203,6 +218,8 @@ class PlanRow:
     #                           rejects `drafts` and streams the committed tokens
     drafts: list[int] = field(default_factory=list)  # verification: the round's draft tokens, one per
     #                           position of token_ids ([last committed] + drafts[:-1])
+    logits_all: bool = False  # prompt log-probabilities: logits at every position (the last one
+    #                           samples when `sample`), each scoring the prompt token after it
 
 
 @dataclass(slots=True)

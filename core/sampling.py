@@ -3,7 +3,9 @@ worker, so it imports nothing heavy (the sampling math itself is worker/sampling
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (OpenAI's bound)
 
 
 @dataclass(slots=True)
@@ -26,6 +28,13 @@ class SamplingParams:
     # softmax probability of the last `cascade_window` sampled tokens falls below the threshold.
     cascade_threshold: float | None = None
     cascade_window: int = 4
+    # Log-probabilities, computed in the worker from the raw logits of the tier that produced each
+    # token (before logit_bias, penalties, temperature, top-k/p, min-p): None is off; k >= 0 returns
+    # the chosen token's log-probability and the k most likely tokens'. `prompt_logprobs` does the
+    # same for every prompt token but the first (echo); such a request reads nothing from the prefix
+    # cache, so that every prompt position is computed (the blocks it writes are cached as usual).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(self.stop_token_ids)  # a list off the wire: keep it hashable
@@ -50,10 +59,26 @@ class SamplingParams:
                 raise ValueError(f"cascade_window must be a positive integer, got {self.cascade_window!r}")
         if not 0.0 <= self.spec_stop_confidence <= 1.0:
             raise ValueError(f"spec_stop_confidence must be in [0, 1], got {self.spec_stop_confidence}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}")
+
+    def resumed(self, done: int) -> SamplingParams:
+        """The parameters of this request resumed elsewhere after `done` output tokens were streamed
+        (a lost worker, a new scheduler leader): what is left of max_tokens, and no prompt
+        log-probabilities once the client has them (they came with the first token)."""
+        return replace(self, max_tokens=self.max_tokens - done,
+                       prompt_logprobs=self.prompt_logprobs if done == 0 else None)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_prompt(self) -> bool:
+        """The worker needs the prompt's token ids (to score them)."""
+        return self.prompt_logprobs is not None
 
     def stop_ids(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
         """The tokens that end this request: its own stop ids, and the model's EOS unless ignored."""

@@ -10,8 +10,12 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from core.sampling import MAX_LOGPROBS as _MAX_LOGPROBS
+
 ROLES = ("system", "user", "assistant")
 INT32_MAX = (1 << 31) - 1
+MAX_LOGPROBS = _MAX_LOGPROBS  # top_logprobs (chat) / logprobs (completions) at most
+LOGPROB_FLOOR = -9999.0  # what a -inf log-probability is reported as (JSON has no infinity)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
@@ -109,6 +113,7 @@ class GenParams:
     include_usage: bool = False
     session_id: str | None = None
     multilevel: MultiLevel = field(default_factory=MultiLevel)
+    logprobs: int | None = None       # alternatives per token (0: the chosen token's only); None: off
 
 
 @dataclass(slots=True)
@@ -204,9 +209,6 @@ def _unsupported(body: dict) -> None:
     for name in ("frequency_penalty", "presence_penalty"):
         if _float(body, name, 0.0, -2.0, 2.0) != 0.0:
             raise invalid(f"'{name}' is not supported.", name, code="unsupported_parameter")
-    lp = body.get("logprobs")
-    if lp not in (None, False, 0):
-        raise invalid("'logprobs' is not supported.", "logprobs", code="unsupported_parameter")
     if body.get("echo") not in (None, False):
         raise invalid("'echo' is not supported.", "echo", code="unsupported_parameter")
     if body.get("suffix") not in (None, ""):
@@ -306,7 +308,25 @@ def parse_multilevel(body: dict) -> MultiLevel:
     return ml
 
 
-def parse_params(body: dict, lim: Limits = DEFAULT_LIMITS) -> GenParams:
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Chat: ``logprobs`` (boolean) and ``top_logprobs`` (0..20, only with logprobs true); completions:
+    ``logprobs`` (0..20). Returns the number of alternatives per token, or None (off)."""
+    if not chat:
+        v = body.get("logprobs")
+        if v is False:
+            return None
+        if v is True:
+            raise invalid(f"'logprobs' on completions is the number of most likely tokens to return (0 to "
+                          f"{MAX_LOGPROBS}), not a boolean.", "logprobs")
+        return _int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
+    on = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if top is not None and not on:
+        raise invalid("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+    return (top or 0) if on else None
+
+
+def parse_params(body: dict, lim: Limits = DEFAULT_LIMITS, chat: bool = True) -> GenParams:
     _unsupported(body)
     max_tokens = _max_tokens(body, lim)
     top_k = _int(body, "top_k", lo=-1, hi=INT32_MAX)
@@ -327,7 +347,8 @@ def parse_params(body: dict, lim: Limits = DEFAULT_LIMITS) -> GenParams:
                      top_p=_float(body, "top_p", 1.0, 0.0, 1.0),
                      top_k=max(0, top_k or 0), seed=seed, stop=_stop(body, lim), stop_token_ids=stop_ids,
                      ignore_eos=_bool(body, "ignore_eos"), stream=stream, include_usage=include_usage,
-                     session_id=_session(body, lim), multilevel=parse_multilevel(body))
+                     session_id=_session(body, lim), multilevel=parse_multilevel(body),
+                     logprobs=_logprobs(body, chat))
 
 
 def _content(msg: dict, i: int) -> str:
@@ -368,7 +389,7 @@ def parse_chat(body, lim: Limits = DEFAULT_LIMITS) -> ChatRequest:
     if sum(len(m["content"]) for m in out) > lim.max_prompt_chars:
         raise invalid(f"The messages may have at most {lim.max_prompt_chars} characters together.",
                       "messages", code="prompt_too_long")
-    return ChatRequest(model, out, parse_params(body, lim))
+    return ChatRequest(model, out, parse_params(body, lim, chat=True))
 
 
 def parse_completion(body, lim: Limits = DEFAULT_LIMITS) -> CompletionRequest:
@@ -391,7 +412,7 @@ def parse_completion(body, lim: Limits = DEFAULT_LIMITS) -> CompletionRequest:
                       code="unsupported_parameter")
     else:
         raise invalid("'prompt' must be a non-empty string or a list of token ids.", "prompt")
-    return CompletionRequest(model, prompt, parse_params(body, lim))
+    return CompletionRequest(model, prompt, parse_params(body, lim, chat=False))
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -418,32 +439,73 @@ def served(tier_ids: list[str]) -> dict:
     return {"tiers": list(tier_ids), "escalations": max(0, len(tier_ids) - 1)}
 
 
-def chat_response(rid: str, model: str, created: int, text: str, finish: str, use: dict) -> dict:
+@dataclass(slots=True)
+class TokenInfo:
+    """One token as a response shows its log-probability: its text (the token decoded alone), its
+    log-probability (None: the first prompt token, which nothing predicts) and the most likely tokens
+    at its position, most likely first."""
+    text: str
+    logprob: float | None
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+def _lp(v: float) -> float:
+    return v if v > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="surrogatepass"))
+
+
+def chat_logprobs(items: list[TokenInfo]) -> dict:
+    """OpenAI's ``choices[i].logprobs`` of a chat completion (or chunk)."""
+    return {"content": [{"token": t.text, "logprob": _lp(t.logprob), "bytes": _bytes(t.text),
+                         "top_logprobs": [{"token": s, "logprob": _lp(v), "bytes": _bytes(s)} for s, v in t.top]}
+                        for t in items],
+            "refusal": None}
+
+
+def completion_logprobs(items: list[TokenInfo], offset: int = 0) -> dict:
+    """OpenAI's legacy ``choices[i].logprobs``; ``offset``: characters of the choice's text before the
+    first item (text_offset counts from there, each token adding its own text's length)."""
+    offsets = []
+    for t in items:
+        offsets.append(offset)
+        offset += len(t.text)
+    return {"tokens": [t.text for t in items],
+            "token_logprobs": [None if t.logprob is None else _lp(t.logprob) for t in items],
+            "top_logprobs": [None if t.logprob is None else {s: _lp(v) for s, v in t.top} for t in items],
+            "text_offset": offsets}
+
+
+def chat_response(rid: str, model: str, created: int, text: str, finish: str, use: dict,
+                  logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish}],
+                         "logprobs": logprobs, "finish_reason": finish}],
             "usage": use}
 
 
-def completion_response(rid: str, model: str, created: int, text: str, finish: str, use: dict) -> dict:
+def completion_response(rid: str, model: str, created: int, text: str, finish: str, use: dict,
+                        logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
             "usage": use}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None,
-               with_usage: bool) -> dict:
+               with_usage: bool, logprobs: dict | None = None) -> dict:
     c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+         "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
     if with_usage:
         c["usage"] = None
     return c
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None,
-                     with_usage: bool) -> dict:
+                     with_usage: bool, logprobs: dict | None = None) -> dict:
     c = {"id": rid, "object": "text_completion", "created": created, "model": model,
-         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+         "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
     if with_usage:
         c["usage"] = None
     return c

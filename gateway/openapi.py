@@ -26,7 +26,7 @@ from importlib import metadata
 
 from core.sampling import SamplingParams
 from gateway.keys import CONFIG, KEYS, SERVICE
-from gateway.openai_api import INT32_MAX, MAX_CASCADE_WINDOW, MAX_SPEC_GAMMA, ROLES, Limits
+from gateway.openai_api import INT32_MAX, MAX_CASCADE_WINDOW, MAX_LOGPROBS, MAX_SPEC_GAMMA, ROLES, Limits
 
 PATH = "/openapi.json"
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -201,7 +201,6 @@ def _common_params(f: _Facts) -> dict:
         "best_of": {"enum": [None, 1], "description": "Only 1."},
         "frequency_penalty": {"enum": [None, 0], "description": "Not supported: only 0."},
         "presence_penalty": {"enum": [None, 0], "description": "Not supported: only 0."},
-        "logprobs": {"enum": [None, False, 0], "description": "Not supported."},
         "echo": {"enum": [None, False, 0], "description": "Not supported."},
         "suffix": {"enum": [None, ""], "description": "Not supported."},
         "tools": {"enum": FALSY, "description": "Not supported: only an empty value."},
@@ -209,10 +208,38 @@ def _common_params(f: _Facts) -> dict:
     }
 
 
-def _request(f: _Facts, required: str, first: dict, description: str) -> dict:
-    props = {"model": _ref("ModelId"), required: first, **_common_params(f)}
+LOGPROBS_NOTE = ("Log-probabilities are the log-softmax of the raw logits of the tier that produced each "
+                 "token (before temperature, penalties and logit_bias).")
+
+
+def _chat_params() -> dict:
+    return {
+        "logprobs": _nullable({"type": "boolean", "description": "Return each output token's log-probability "
+                                                                 "in choices[].logprobs.content. " + LOGPROBS_NOTE}),
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                                   "description": "Most likely tokens per position; needs logprobs true."}),
+    }
+
+
+# top_logprobs (not null) needs logprobs true
+_TOP_NEEDS_LOGPROBS = {"if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+                       "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}}
+
+
+def _completion_params(f: _Facts) -> dict:
+    return {
+        "logprobs": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+                               {"enum": [None, False]}],
+                     "description": "Return each token's log-probability and this many most likely tokens per "
+                                    "position (null or false: off). " + LOGPROBS_NOTE},
+    }
+
+
+def _request(f: _Facts, required: str, first: dict, description: str, extra: dict, **rules) -> dict:
+    props = {"model": _ref("ModelId"), required: first, **_common_params(f), **extra}
     # other fields are ignored (response_format, logit_bias, ...): the object stays open
-    return _obj(props, ["model", required], closed=False, anyOf=_per_model(f), description=description)
+    return _obj(props, ["model", required], closed=False, anyOf=_per_model(f), description=description,
+                **rules)
 
 
 def _chat_request(f: _Facts) -> dict:
@@ -227,7 +254,8 @@ def _chat_request(f: _Facts) -> dict:
     ], "description": "Text only: a string or text parts (joined with newlines). Other fields are ignored."}
     messages = {"type": "array", "minItems": 1, "maxItems": lim.max_messages, "items": message,
                 "description": f"All contents together at most {lim.max_prompt_chars} characters."}
-    return _request(f, "messages", messages, "OpenAI's chat completion request, text only, one choice.")
+    return _request(f, "messages", messages, "OpenAI's chat completion request, text only, one choice.",
+                    _chat_params(), **_TOP_NEEDS_LOGPROBS)
 
 
 def _completion_request(f: _Facts) -> dict:
@@ -239,7 +267,8 @@ def _completion_request(f: _Facts) -> dict:
     prompt = {"anyOf": [text, ids, {"type": "array", "minItems": 1, "maxItems": 1,
                                     "items": {"anyOf": [text, ids]}}],
               "description": "Text or token ids; a batch of one is accepted, larger batches are not."}
-    return _request(f, "prompt", prompt, "OpenAI's (legacy) completion request, one prompt, one choice.")
+    return _request(f, "prompt", prompt, "OpenAI's (legacy) completion request, one prompt, one choice.",
+                    _completion_params(f))
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -262,6 +291,26 @@ def _schemas(f: _Facts) -> dict:
                    "escalations": count}, ["tiers", "escalations"],
                   description="MFS extension: the tiers that produced the tokens, in order.")
     finish = {"enum": FINISH_REASONS}
+    number = {"type": "number"}
+    byte_list = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}}
+    top_entry = _obj({"token": {"type": "string"}, "logprob": number, "bytes": byte_list},
+                     ["token", "logprob", "bytes"])
+    chat_lp = _nullable(_obj({
+        "content": {"type": "array", "items": _obj({
+            "token": {"type": "string"}, "logprob": number, "bytes": byte_list,
+            "top_logprobs": {"type": "array", "maxItems": MAX_LOGPROBS, "items": top_entry}},
+            ["token", "logprob", "bytes", "top_logprobs"])},
+        "refusal": {"type": "null"}}, ["content", "refusal"],
+        description="Present (not null) when the request set logprobs: one entry per output token."))
+    cmpl_lp = _nullable(_obj({
+        "tokens": {"type": "array", "items": {"type": "string"}},
+        "token_logprobs": {"type": "array", "items": _nullable(number)},
+        "top_logprobs": {"type": "array", "items": _nullable({"type": "object", "additionalProperties": number,
+                                                              "maxProperties": MAX_LOGPROBS})},
+        "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}}},
+        ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+        description="Present (not null) when the request set logprobs: one entry per token (null for the "
+                    "first prompt token of an echo)."))
     base = {"created": {"type": "integer"}, "model": tier}
     chat_id = {"type": "string", "pattern": "^chatcmpl-[0-9a-f]{32}$"}
     cmpl_id = {"type": "string", "pattern": "^cmpl-[0-9a-f]{32}$"}
@@ -298,24 +347,24 @@ def _schemas(f: _Facts) -> dict:
                 "index": {"const": 0},
                 "message": _obj({"role": {"const": "assistant"}, "content": {"type": "string"}},
                                 ["role", "content"]),
-                "logprobs": {"type": "null"}, "finish_reason": finish},
+                "logprobs": chat_lp, "finish_reason": finish},
                 ["index", "message", "logprobs", "finish_reason"])},
             "usage": _ref("Usage"), "mfs": _ref("Served")},
             ["id", "object", "created", "model", "choices", "usage", "mfs"]),
         "TextCompletion": _obj({
             "id": cmpl_id, "object": {"const": "text_completion"}, **base,
             "choices": {**one, "items": _obj({
-                "index": {"const": 0}, "text": {"type": "string"}, "logprobs": {"type": "null"},
+                "index": {"const": 0}, "text": {"type": "string"}, "logprobs": cmpl_lp,
                 "finish_reason": finish}, ["index", "text", "logprobs", "finish_reason"])},
             "usage": _ref("Usage"), "mfs": _ref("Served")},
             ["id", "object", "created", "model", "choices", "usage", "mfs"]),
         "ChatCompletionChunk": chunk("chat.completion.chunk", chat_id, _obj({
             "index": {"const": 0},
             "delta": _obj({"role": {"const": "assistant"}, "content": {"type": "string"}}),
-            "logprobs": {"type": "null"}, "finish_reason": _nullable(finish)},
+            "logprobs": chat_lp, "finish_reason": _nullable(finish)},
             ["index", "delta", "logprobs", "finish_reason"])),
         "TextCompletionChunk": chunk("text_completion", cmpl_id, _obj({
-            "index": {"const": 0}, "text": {"type": "string"}, "logprobs": {"type": "null"},
+            "index": {"const": 0}, "text": {"type": "string"}, "logprobs": cmpl_lp,
             "finish_reason": _nullable(finish)}, ["index", "text", "logprobs", "finish_reason"])),
         "Model": models,
         "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}},

@@ -33,8 +33,8 @@ from gateway.backend import Backend, max_context
 from gateway.detok import IncrementalDetokenizer
 from gateway.metrics import Metrics
 from gateway.openai_api import (MAX_CASCADE_WINDOW, MAX_SPEC_GAMMA, APIError, Cascade, ChatRequest,
-                                CompletionRequest, GenParams, MultiLevel, Speculative, context_overflow,
-                                invalid, model_not_found)
+                                CompletionRequest, GenParams, MultiLevel, Speculative, TokenInfo,
+                                context_overflow, invalid, model_not_found)
 from gateway.ratelimit import RateLimiter
 
 log = structlog.get_logger("gateway")
@@ -45,6 +45,15 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 class ClientGone(Exception):
     """The client closed its connection; nobody reads the answer."""
+
+
+@dataclass(slots=True)
+class Piece:
+    """What one token event adds to a response: text safe to send, the finish reason on the last
+    piece, and the log-probabilities of the piece's tokens (when the request asked)."""
+    text: str
+    finish: str | None = None
+    logprobs: list[TokenInfo] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -114,6 +123,7 @@ class Service:
         self.tier_names = [t.name for t in frontend.tiers]
         self.eos_ids = _eos_ids(self.tok)
         self.vocab_size = len(self.tok)
+        self._token_texts: dict[int, str] = {}
         self._set_multilevel_defaults(spec_draft_tier, spec_gamma, cascade_threshold, cascade_window)
 
     def _set_multilevel_defaults(self, draft, gamma, threshold, window) -> None:
@@ -276,6 +286,17 @@ class Service:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Job(f"{prefix}-{uuid.uuid4().hex}", kind, tier, ids, asked, p, routed, score, **ml)
 
+    def token_text(self, token: int) -> str:
+        """A token decoded alone (what log-probabilities name it by), memoized per id."""
+        t = self._token_texts.get(token)
+        if t is None:
+            t = self._token_texts[token] = self.tok.decode([token])
+        return t
+
+    def token_info(self, lp: P.TokenLogprob, top: int) -> TokenInfo:
+        return TokenInfo(self.token_text(lp.token), lp.logprob,
+                         [(self.token_text(t), v) for t, v in zip(lp.top_ids[:top], lp.top_logprobs[:top])])
+
     def _chat_ids(self, messages: list[dict]) -> list[int]:
         try:
             out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -359,7 +380,8 @@ class Generation:
                                 seed=p.seed, stop_token_ids=tuple(sorted(self.stop_ids)), ignore_eos=p.ignore_eos,
                                 spec_draft_tier=j.spec_draft, spec_gamma=j.spec_gamma,
                                 spec_stop_confidence=j.spec_stop_confidence,
-                                cascade_threshold=j.cascade_threshold, cascade_window=j.cascade_window)
+                                cascade_threshold=j.cascade_threshold, cascade_window=j.cascade_window,
+                                logprobs=p.logprobs)
         sub = P.Submit(request_id=j.request_id, gateway_id=self.svc.gateway_id, prompt_ids=j.prompt_ids,
                        tier=j.tier, params=params, model_id=self.model, arrival=time.time(),
                        session_id=self.request.headers.get("X-Session-ID") or p.session_id)
@@ -405,7 +427,7 @@ class Generation:
         self.log.warning("request.interrupted", reason=reason, next_seq=self.next_seq)
         return APIError(503, message, code=code, headers={"Retry-After": retry_after})
 
-    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
+    async def pieces(self) -> AsyncIterator[Piece]:
         while not self.done:
             ev = await self._next_event()
             if ev.finish_reason == "error":
@@ -417,7 +439,9 @@ class Generation:
                 raise self._interrupted("gap", "stream_interrupted",
                                         f"Tokens of this request were lost in transit (expected token "
                                         f"{self.next_seq}, got {ev.seq}); retry the request.", "1")
-            ids = ev.token_ids[max(0, self.next_seq - ev.seq):]
+            skip = max(0, self.next_seq - ev.seq)
+            ids = ev.token_ids[skip:]
+            lps = ev.logprobs[skip:]
             self.next_seq = max(self.next_seq, ev.seq + len(ev.token_ids))
             # The tier of new tokens only: a redelivered older event must not move `model` back.
             if 0 <= ev.tier < len(self.svc.tier_ids) and (ids or (ev.finished and not self.tiers)):
@@ -435,6 +459,8 @@ class Generation:
             elif not ev.finished:
                 continue  # a duplicate
             text_ids = ids[:-1] if ev.finish_reason == "stop" and ids and ids[-1] in self.stop_ids else ids
+            k = self.job.params.logprobs
+            infos = [] if k is None else [self.svc.token_info(lp, k) for lp in lps[:len(text_ids)]]
             text = self.detok.push(text_ids)
             if ev.finished:
                 text += self.detok.flush()
@@ -444,10 +470,10 @@ class Generation:
             if stopped or ev.finished:
                 self.done = True
                 self.finish_reason = "stop" if stopped else (ev.finish_reason or "stop")
-                yield out, self.finish_reason
+                yield Piece(out, self.finish_reason, infos)
                 return
-            if out:
-                yield out, None
+            if out or infos:
+                yield Piece(out, None, infos)
 
     async def close(self) -> None:
         be = self.svc.backend

@@ -70,31 +70,42 @@ async def _serve(request: web.Request, req) -> web.StreamResponse:
     async with request.app[SERVICE].generation(request, req) as gen:
         if req.params.stream:
             return await _stream(request, gen)
-        texts, finish = [], None
-        async for text, finish in gen.pieces():
-            texts.append(text)
-        return web.json_response(_final(gen, "".join(texts), finish))
+        texts, lps, finish = [], [], None
+        async for piece in gen.pieces():
+            texts.append(piece.text)
+            lps += piece.logprobs
+            finish = piece.finish
+        return web.json_response(_final(gen, "".join(texts), finish, lps))
 
 
 def _usage(gen: Generation) -> dict:
     return api.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens, gen.draft)
 
 
-def _final(gen: Generation, text: str, finish: str) -> dict:
+def _logprobs(gen: Generation, items: list[api.TokenInfo], offset: int = 0) -> dict | None:
+    """The choice's ``logprobs`` object (None when the request did not ask)."""
+    if gen.job.params.logprobs is None:
+        return None
+    return api.chat_logprobs(items) if gen.job.kind == "chat" else api.completion_logprobs(items, offset)
+
+
+def _final(gen: Generation, text: str, finish: str, lps: list[api.TokenInfo]) -> dict:
     j = gen.job
     build = api.chat_response if j.kind == "chat" else api.completion_response
-    out = build(j.request_id, gen.model, j.created, text, finish, _usage(gen))
+    out = build(j.request_id, gen.model, j.created, text, finish, _usage(gen), _logprobs(gen, lps))
     out["mfs"] = api.served(gen.served_by)
     return out
 
 
-def _chunk(gen: Generation, text: str | None, finish: str | None, role: bool = False) -> dict:
+def _chunk(gen: Generation, text: str | None, finish: str | None, role: bool = False,
+           lps: list[api.TokenInfo] | None = None, offset: int = 0) -> dict:
     j, incl = gen.job, gen.job.params.include_usage
+    lp = None if role else _logprobs(gen, lps or [], offset)
     if j.kind == "completion":
-        c = api.completion_chunk(j.request_id, gen.model, j.created, text or "", finish, incl)
+        c = api.completion_chunk(j.request_id, gen.model, j.created, text or "", finish, incl, lp)
     else:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        c = api.chat_chunk(j.request_id, gen.model, j.created, delta, finish, incl)
+        c = api.chat_chunk(j.request_id, gen.model, j.created, delta, finish, incl, lp)
     if finish:
         c["mfs"] = api.served(gen.served_by)
     return c
@@ -114,13 +125,15 @@ async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
     try:
         if gen.job.kind == "chat":
             await resp.write(_sse(_chunk(gen, None, None, role=True)))
-        text, finish = first
+        piece, offset = first, 0  # offset: completions' text_offset, as the non-streamed answer counts it
         while True:
-            if text or finish:
-                await resp.write(_sse(_chunk(gen, text, finish)))
-            if finish:
+            if piece.text or piece.finish or piece.logprobs:
+                await resp.write(_sse(_chunk(gen, piece.text, piece.finish, lps=piece.logprobs,
+                                             offset=offset)))
+                offset += sum(len(t.text) for t in piece.logprobs)
+            if piece.finish:
                 break
-            text, finish = await anext(pieces)
+            piece = await anext(pieces)
         if gen.job.params.include_usage:
             obj = "chat.completion.chunk" if gen.job.kind == "chat" else "text_completion"
             chunk = api.usage_chunk(gen.job.request_id, gen.model, gen.job.created, obj, _usage(gen))

@@ -202,6 +202,8 @@ class StepScheduler:
         req.catchup = None
         if not self.cfg.enable_prefix_caching:
             return None
+        if req.params.prompt_logprobs is not None and not req.output_ids:
+            return None  # it scores every prompt position, so computes them all (its blocks are cached)
         chains = self._hashes(req, (req.num_tokens - 1) // self.cfg.block_size)
         hits = [self.pools[s].lookup(chain) for s, chain in enumerate(chains)]
         low = [min(len(h) for h in hits[:s + 1]) for s in range(len(hits))]  # cached in 0..s

@@ -5,7 +5,6 @@ lost worker's requests on a live one. The service (scheduler/service.py) reads a
 this module owns the maps they change."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import redis
@@ -137,7 +136,7 @@ class WorkerRegistry:
             return False
         w = min(cands, key=lambda w: w.core.num_unfinished())
         meta = dict(req.meta, seq_offset=req.meta.get("seq_offset", 0) + len(req.output_ids))
-        params = dataclasses.replace(req.params, max_tokens=remaining)
+        params = req.params.resumed(len(req.output_ids))
         try:
             w.core.add_request(req.request_id, req.prompt_ids + req.output_ids, req.tier, params, meta=meta)
         except InvalidRequest as e:

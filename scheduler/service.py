@@ -133,7 +133,7 @@ class SchedulerService:
                 self.end(s.request_id, entry)  # it ended; only the acknowledgement was missing
                 return
             s = dataclasses.replace(s, prompt_ids=s.prompt_ids + done,
-                                    params=dataclasses.replace(s.params, max_tokens=max_tokens - len(done)))
+                                    params=s.params.resumed(len(done)))
             seq_offset = len(done)
         w = reg.place(s, cands)
         try:

@@ -124,7 +124,10 @@ class FakeBackend(threading.Thread):
             for s in range(0, len(toks), chunk):
                 last = s + chunk >= len(toks)
                 ev = P.TokenEvent(sub.request_id, s, toks[s:s + chunk], last, finish if last else None,
-                                  tier=sub.tier, worker="w0", prompt_tokens=len(sub.prompt_ids))
+                                  tier=sub.tier, worker="w0", prompt_tokens=len(sub.prompt_ids),
+                                  logprobs=fake_logprobs(toks[s:s + chunk], sub.params.logprobs),
+                                  prompt_logprobs=fake_logprobs(sub.prompt_ids[1:], sub.params.prompt_logprobs)
+                                  if s == 0 else [])
                 out.append((delay, ev))
                 if duplicate and not last:
                     out.append((0.0, ev))  # at-least-once delivery: the gateway drops it by seq
@@ -145,6 +148,15 @@ class FakeBackend(threading.Thread):
                                            error=message, error_code=code, status=status)))
             return out
         return script
+
+
+def fake_logprobs(tokens: list[int], k: int | None) -> list[P.TokenLogprob]:
+    """What a worker sends for `tokens` when the request asked for k alternatives (None: nothing); the
+    values are made up (each token the most likely, at -0.5)."""
+    if k is None:
+        return []
+    return [P.TokenLogprob(t, -0.5, ([t] + [3 + i for i in range(k)])[:k], [-0.5 - i for i in range(k)])
+            for t in tokens]
 
 
 def register_worker(r: redis.Redis, worker: str = "w0", max_len: int = MAX_LEN) -> None:

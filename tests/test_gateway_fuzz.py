@@ -211,7 +211,8 @@ SCHEMA_FUZZ = settings(FUZZ, max_examples=100,
 # `session_id` are ignored unless a string (only one of the two is read). Not mutated below.
 LENIENT = {"stop_token_ids", "user", "session_id"}
 # the `param` the gateway names for a bad field, where it is not the field's own name
-PARAM_ALIASES = {"functions": ("tools",), "stream_options": ("include_usage",)}
+PARAM_ALIASES = {"functions": ("tools",), "stream_options": ("include_usage",),
+                 "logprobs": ("top_logprobs",)}  # top_logprobs needs logprobs true: the error names it
 json_values = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70)
                            | st.floats(allow_nan=False, allow_infinity=False) | chars,
                            lambda c: st.lists(c, max_size=4) | st.dictionaries(chars, c, max_size=4),
@@ -319,7 +320,7 @@ def valid_body(doc: dict, path: str, body) -> bool:
 
 _BODIES: dict[str, st.SearchStrategy] = {}
 # fields that take only the values meaning "off": drawn often enough by the plain and dense strategies
-UNSUPPORTED = {"n", "best_of", "frequency_penalty", "presence_penalty", "logprobs", "echo", "suffix", "tools",
+UNSUPPORTED = {"n", "best_of", "frequency_penalty", "presence_penalty", "echo", "suffix", "tools",
                "functions"}
 
 
@@ -330,6 +331,13 @@ def non_null(schema: dict) -> dict:
         others = {k: v for k, v in schema.items() if k != "anyOf"}
         return others | (rest[0] if len(rest) == 1 else {"anyOf": rest})
     return schema
+
+
+def _paired(body: dict) -> dict:
+    """The one cross-field rule fields drawn alone can break: chat's top_logprobs needs logprobs true."""
+    if "messages" in body and body.get("top_logprobs") is not None:
+        body["logprobs"] = True
+    return body
 
 
 def bodies(path: str) -> st.SearchStrategy:
@@ -355,7 +363,7 @@ def bodies(path: str) -> st.SearchStrategy:
                 body, chosen = args
                 strategies = {n: fields[n] if n != "mfs" else next(s for v, s in mfs if v.is_valid(body["model"]))
                               for n in chosen}
-                return st.fixed_dictionaries(strategies).map(lambda values: {**body, **values})
+                return st.fixed_dictionaries(strategies).map(lambda values: _paired({**body, **values}))
             focused = st.tuples(plain, st.lists(st.sampled_from(names), min_size=1, max_size=8,
                                                 unique=True)).flatmap(with_fields)
             _BODIES[path] = st.tuples(st.one_of(plain, dense, focused, focused), st.booleans()).map(

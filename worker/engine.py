@@ -60,7 +60,7 @@ class Engine:
                     params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()
         self.scheduler.add_request(request_id, prompt_ids, self.tier_index(tier), params)
-        self.runner.add(request_id, params)
+        self.runner.add(request_id, params, prompt_ids)
 
     def abort_request(self, request_id: str) -> bool:
         self.runner.drop([request_id])
@@ -83,6 +83,9 @@ class Engine:
         if out.logits is not None:
             for o in outs:
                 o.logits = out.logits.get(o.request_id)
+        for o in outs:
+            o.logprobs = out.logprobs.get(o.request_id, [])[:len(o.new_token_ids)]
+            o.prompt_logprobs = out.prompt_logprobs.get(o.request_id, [])
         for o in outs:
             if o.finished:
                 self.runner.drop([o.request_id])

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from core.protocol import TokenLogprob
 # SamplingParams lives in the torch-free leaf (core/); re-exported for the callers that import it here.
 from core.sampling import SamplingParams
 
 __all__ = ["SamplingParams", "accept_greedy", "accept_sampled", "confidences", "draw", "make_generator",
-           "probs_for", "sample"]
+           "probs_for", "sample", "token_logprobs"]
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -48,6 +49,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         if not p.greedy:
             out[i] = draw(probs_for(logits[i].cpu(), p), generators[i])
     return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: list[int]) -> list[TokenLogprob]:
+    """logits [N, V] (raw: no temperature, penalties or bias), one chosen token per row -> its
+    log-softmax value and the row's `top[i]` most likely tokens, in one batched pass."""
+    x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    lp = torch.log_softmax(x, dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    k = max(top, default=0)
+    if k:
+        vals, ids = torch.topk(lp, k, dim=-1)
+        vals, ids = vals.tolist(), ids.tolist()
+    return [TokenLogprob(t, c, ids[i][:top[i]] if k else [], vals[i][:top[i]] if k else [])
+            for i, (t, c) in enumerate(zip(tokens, chosen))]
 
 
 def confidences(logits: torch.Tensor) -> list[float]:

@@ -171,7 +171,7 @@ class WorkerService:
         for rid in plan.drop:
             self.live.pop(rid, None)
         for nr in plan.new:
-            self.runner.add(nr.request_id, nr.params)
+            self.runner.add(nr.request_id, nr.params, nr.prompt_ids)
             self.live[nr.request_id] = Live(nr.gateway_id, nr.tier, nr.prompt_len, nr.params.max_tokens,
                                             frozenset(nr.stop_ids), nr.cached_tokens, nr.seq_offset)
         rows = plan.rows
@@ -204,7 +204,8 @@ class WorkerService:
             ev = P.TokenEvent(rid, live.seq_offset + row.num_output, sent, reason is not None, reason,
                               live.tier, self.id, live.prompt_len - live.seq_offset,
                               live.cached_tokens if first else 0, draft_proposed=live.draft_proposed,
-                              draft_accepted=live.draft_accepted)
+                              draft_accepted=live.draft_accepted, logprobs=out.logprobs.get(rid, [])[:len(sent)],
+                              prompt_logprobs=out.prompt_logprobs.get(rid, []) if first else [])
             pipe.xadd(P.out_stream(live.gateway_id), ev.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
             if reason:
                 self.live.pop(rid, None)
