@@ -114,6 +114,7 @@ class GenParams:
     session_id: str | None = None
     multilevel: MultiLevel = field(default_factory=MultiLevel)
     logprobs: int | None = None       # alternatives per token (0: the chosen token's only); None: off
+    echo: bool = False                # completions: the prompt first (with its logprobs when asked)
 
 
 @dataclass(slots=True)
@@ -209,17 +210,20 @@ def _unsupported(body: dict) -> None:
     for name in ("frequency_penalty", "presence_penalty"):
         if _float(body, name, 0.0, -2.0, 2.0) != 0.0:
             raise invalid(f"'{name}' is not supported.", name, code="unsupported_parameter")
-    if body.get("echo") not in (None, False):
-        raise invalid("'echo' is not supported.", "echo", code="unsupported_parameter")
     if body.get("suffix") not in (None, ""):
         raise invalid("'suffix' is not supported.", "suffix", code="unsupported_parameter")
     if body.get("tools") or body.get("functions"):
         raise invalid("tools/function calling is not supported.", "tools", code="unsupported_parameter")
 
 
-def _max_tokens(body: dict, lim: Limits) -> int | None:
+def _max_tokens(body: dict, lim: Limits, echo: bool = False) -> int | None:
+    """``max_completion_tokens`` wins over ``max_tokens``; 0 only with completions' echo (the prompt
+    scored, nothing generated)."""
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    v = _int(body, name, lo=1, hi=INT32_MAX)
+    v = _int(body, name, lo=0, hi=INT32_MAX)
+    if v == 0 and not echo:
+        raise invalid(f"'{name}' must be between 1 and {INT32_MAX}, got 0 (0 only with 'echo' on completions).",
+                      name)
     if v is not None and lim.max_tokens_cap and v > lim.max_tokens_cap:
         raise invalid(f"'{name}' may be at most {lim.max_tokens_cap} on this server, got {v}.", name)
     return v
@@ -326,9 +330,19 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if on else None
 
 
+def _echo(body: dict, chat: bool) -> bool:
+    if chat:
+        if body.get("echo") not in (None, False):
+            raise invalid("'echo' is a completions parameter; chat completions do not take it.", "echo",
+                          code="unsupported_parameter")
+        return False
+    return _bool(body, "echo")
+
+
 def parse_params(body: dict, lim: Limits = DEFAULT_LIMITS, chat: bool = True) -> GenParams:
     _unsupported(body)
-    max_tokens = _max_tokens(body, lim)
+    echo = _echo(body, chat)
+    max_tokens = _max_tokens(body, lim, echo)
     top_k = _int(body, "top_k", lo=-1, hi=INT32_MAX)
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
@@ -348,7 +362,7 @@ def parse_params(body: dict, lim: Limits = DEFAULT_LIMITS, chat: bool = True) ->
                      top_k=max(0, top_k or 0), seed=seed, stop=_stop(body, lim), stop_token_ids=stop_ids,
                      ignore_eos=_bool(body, "ignore_eos"), stream=stream, include_usage=include_usage,
                      session_id=_session(body, lim), multilevel=parse_multilevel(body),
-                     logprobs=_logprobs(body, chat))
+                     logprobs=_logprobs(body, chat), echo=echo)
 
 
 def _content(msg: dict, i: int) -> str:

@@ -201,7 +201,6 @@ def _common_params(f: _Facts) -> dict:
         "best_of": {"enum": [None, 1], "description": "Only 1."},
         "frequency_penalty": {"enum": [None, 0], "description": "Not supported: only 0."},
         "presence_penalty": {"enum": [None, 0], "description": "Not supported: only 0."},
-        "echo": {"enum": [None, False, 0], "description": "Not supported."},
         "suffix": {"enum": [None, ""], "description": "Not supported."},
         "tools": {"enum": FALSY, "description": "Not supported: only an empty value."},
         "functions": {"enum": FALSY, "description": "Not supported: only an empty value."},
@@ -214,6 +213,7 @@ LOGPROBS_NOTE = ("Log-probabilities are the log-softmax of the raw logits of the
 
 def _chat_params() -> dict:
     return {
+        "echo": {"enum": [None, False, 0], "description": "Not on chat (a completions parameter)."},
         "logprobs": _nullable({"type": "boolean", "description": "Return each output token's log-probability "
                                                                  "in choices[].logprobs.content. " + LOGPROBS_NOTE}),
         "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
@@ -226,12 +226,31 @@ _TOP_NEEDS_LOGPROBS = {"if": {"properties": {"top_logprobs": {"type": "integer"}
                        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}}
 
 
+_ECHO = {"properties": {"echo": {"const": True}}, "required": ["echo"]}
+# max_tokens 0 (the one read: max_completion_tokens wins) needs echo
+_ZERO_NEEDS_ECHO = {"allOf": [
+    {"if": {"properties": {"max_completion_tokens": {"const": 0}}, "required": ["max_completion_tokens"]},
+     "then": _ECHO},
+    {"if": {"properties": {"max_tokens": {"const": 0}, "max_completion_tokens": {"type": "null"}},
+            "required": ["max_tokens"]},
+     "then": _ECHO}]}
+
+
 def _completion_params(f: _Facts) -> dict:
+    common = _common_params(f)
+    zero = "; 0 with echo: the prompt scored, nothing generated"
     return {
         "logprobs": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
                                {"enum": [None, False]}],
                      "description": "Return each token's log-probability and this many most likely tokens per "
                                     "position (null or false: off). " + LOGPROBS_NOTE},
+        "echo": _nullable({"type": "boolean", "description": "Return the prompt before the completion, with its "
+                                                             "tokens' log-probabilities when logprobs is set (the "
+                                                             "first token's is null)."}),
+        "max_tokens": {"anyOf": [{**common["max_tokens"]["anyOf"][0], "minimum": 0}, {"type": "null"}],
+                       "description": common["max_tokens"]["anyOf"][0]["description"] + zero + "."},
+        "max_completion_tokens": {"anyOf": [{**common["max_tokens"]["anyOf"][0], "minimum": 0}, {"type": "null"}],
+                                  "description": "Like max_tokens, and wins over it" + zero + "."},
     }
 
 
@@ -268,7 +287,7 @@ def _completion_request(f: _Facts) -> dict:
                                     "items": {"anyOf": [text, ids]}}],
               "description": "Text or token ids; a batch of one is accepted, larger batches are not."}
     return _request(f, "prompt", prompt, "OpenAI's (legacy) completion request, one prompt, one choice.",
-                    _completion_params(f))
+                    _completion_params(f), **_ZERO_NEEDS_ECHO)
 
 
 # ---- responses --------------------------------------------------------------------------------

@@ -72,6 +72,13 @@ class Job:
     spec_stop_confidence: float = DEFAULT_PARAMS.spec_stop_confidence
     cascade_threshold: float | None = None  # confidence cascade from `tier` up, or off
     cascade_window: int = 4
+    prompt_text: str | None = None         # echo: the prompt as the response repeats it
+
+    @property
+    def echo_only(self) -> bool:
+        """Completions' echo with max_tokens 0: the prompt scored, nothing generated. The worker still
+        samples one token with the prompt's last position (it costs no extra forward); it is dropped."""
+        return self.max_tokens == 0
 
 
 class StopMatcher:
@@ -284,7 +291,11 @@ class Service:
             room = (max_len - len(ids)) if max_len is not None else None
             asked = min(x for x in (default, room, self.max_tokens_cap or None, 1 << 20) if x is not None)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return Job(f"{prefix}-{uuid.uuid4().hex}", kind, tier, ids, asked, p, routed, score, **ml)
+        echo = None
+        if p.echo:
+            echo = req.prompt if isinstance(req.prompt, str) else self.tok.decode(req.prompt)
+        return Job(f"{prefix}-{uuid.uuid4().hex}", kind, tier, ids, asked, p, routed, score, **ml,
+                   prompt_text=echo)
 
     def token_text(self, token: int) -> str:
         """A token decoded alone (what log-probabilities name it by), memoized per id."""
@@ -343,6 +354,7 @@ class Generation:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.finish_reason: str | None = None
+        self.prompt_logprobs: list[P.TokenLogprob] | None = None  # echo with logprobs: from the first event
         self.done = False                 # the backend has finished (or been told to stop) the request
         self.submitted = False            # the Submit reached Redis (else there is nothing to cancel)
         self.cancel_reason = "abort"
@@ -374,14 +386,26 @@ class Generation:
         d = self.job.spec_draft
         return (self.svc.tier_ids[d] if d is not None else None), self.draft_proposed, self.draft_accepted
 
+    def echo_infos(self) -> list[TokenInfo]:
+        """Echo with logprobs: the prompt's tokens, the first with no log-probability (nothing predicts
+        it), the others as the request's tier scored them."""
+        k, ids = self.job.params.logprobs, self.job.prompt_ids
+        if k is None or not self.job.params.echo:
+            return []
+        scored = self.prompt_logprobs or []
+        if len(scored) != len(ids) - 1:
+            raise APIError(500, "The worker returned no log-probabilities for the prompt.", code="internal_error")
+        return [TokenInfo(self.svc.token_text(ids[0]), None)] + [self.svc.token_info(lp, k) for lp in scored]
+
     async def start(self) -> None:
         j, p = self.job, self.job.params
-        params = SamplingParams(max_tokens=j.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+        params = SamplingParams(max_tokens=max(1, j.max_tokens), temperature=p.temperature, top_k=p.top_k,
+                                top_p=p.top_p,
                                 seed=p.seed, stop_token_ids=tuple(sorted(self.stop_ids)), ignore_eos=p.ignore_eos,
                                 spec_draft_tier=j.spec_draft, spec_gamma=j.spec_gamma,
                                 spec_stop_confidence=j.spec_stop_confidence,
                                 cascade_threshold=j.cascade_threshold, cascade_window=j.cascade_window,
-                                logprobs=p.logprobs)
+                                logprobs=p.logprobs, prompt_logprobs=p.logprobs if p.echo else None)
         sub = P.Submit(request_id=j.request_id, gateway_id=self.svc.gateway_id, prompt_ids=j.prompt_ids,
                        tier=j.tier, params=params, model_id=self.model, arrival=time.time(),
                        session_id=self.request.headers.get("X-Session-ID") or p.session_id)
@@ -442,6 +466,10 @@ class Generation:
             skip = max(0, self.next_seq - ev.seq)
             ids = ev.token_ids[skip:]
             lps = ev.logprobs[skip:]
+            if ev.seq == 0 and ev.prompt_logprobs and self.prompt_logprobs is None:
+                self.prompt_logprobs = ev.prompt_logprobs
+            if self.job.echo_only:  # the token that finished the prompt is not the client's
+                ids, lps = [], []
             self.next_seq = max(self.next_seq, ev.seq + len(ev.token_ids))
             # The tier of new tokens only: a redelivered older event must not move `model` back.
             if 0 <= ev.tier < len(self.svc.tier_ids) and (ids or (ev.finished and not self.tiers)):
@@ -469,7 +497,8 @@ class Generation:
                 await self.svc.backend.cancel(self.job.request_id, "stop")
             if stopped or ev.finished:
                 self.done = True
-                self.finish_reason = "stop" if stopped else (ev.finish_reason or "stop")
+                self.finish_reason = ("stop" if stopped else "length" if self.job.echo_only
+                                      else (ev.finish_reason or "stop"))
                 yield Piece(out, self.finish_reason, infos)
                 return
             if out or infos:

@@ -75,6 +75,9 @@ async def _serve(request: web.Request, req) -> web.StreamResponse:
             texts.append(piece.text)
             lps += piece.logprobs
             finish = piece.finish
+        if gen.job.prompt_text is not None:  # echo
+            texts.insert(0, gen.job.prompt_text)
+            lps = gen.echo_infos() + lps
         return web.json_response(_final(gen, "".join(texts), finish, lps))
 
 
@@ -126,6 +129,10 @@ async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
         if gen.job.kind == "chat":
             await resp.write(_sse(_chunk(gen, None, None, role=True)))
         piece, offset = first, 0  # offset: completions' text_offset, as the non-streamed answer counts it
+        if gen.job.prompt_text is not None:  # echo: the prompt first (its logprobs came with the first token)
+            echoed = gen.echo_infos()
+            await resp.write(_sse(_chunk(gen, gen.job.prompt_text, None, lps=echoed)))
+            offset = sum(len(t.text) for t in echoed)
         while True:
             if piece.text or piece.finish or piece.logprobs:
                 await resp.write(_sse(_chunk(gen, piece.text, piece.finish, lps=piece.logprobs,

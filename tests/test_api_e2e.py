@@ -144,3 +144,83 @@ def test_bad_completion_logprobs_are_400(service, models, value):
     r = post(service, "/v1/completions", {"model": models[0], "prompt": "hi", "logprobs": value})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
 
+
+# ---- echo ---------------------------------------------------------------------------------------
+def dense_logprobs(fam, ids: list[int], tier: int) -> torch.Tensor:
+    """[len(ids), V]: a dense teacher-forced forward of tier `tier`, log-softmax at every position."""
+    with torch.no_grad():
+        h = fam.model.exit_hidden(torch.tensor([ids]), upto_tier=tier)[tier]
+        return torch.log_softmax(fam.model.logits(h)[0].double(), -1)
+
+
+@pytest.mark.parametrize("tier", [0, 2])
+def test_echo_with_max_tokens_0_scores_the_prompt_as_a_dense_forward(service, models, fam, tier):
+    """What lm-evaluation-harness's local-completions sends for loglikelihood (a batch of one token-id
+    prompt), with max_tokens 0 and 1."""
+    prompt = fam.tokenizer("Paris is the capital of France, and Rome")["input_ids"]
+    ref = dense_logprobs(fam, prompt, tier)
+    dec = fam.tokenizer.decode
+    body = {"model": models[tier], "prompt": [prompt], "echo": True, "max_tokens": 0, "logprobs": 1,
+            "temperature": 0}
+    r = post(service, "/v1/completions", body).json()
+    c = r["choices"][0]
+    lp = c["logprobs"]
+    assert c["text"] == dec(prompt) and c["finish_reason"] == "length"
+    assert r["usage"]["completion_tokens"] == 0 and r["usage"]["prompt_tokens"] == len(prompt)
+    assert lp["tokens"] == [dec([t]) for t in prompt]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    got = lp["token_logprobs"][1:]
+    assert max(abs(g - float(ref[p, prompt[p + 1]])) for p, g in enumerate(got)) < TOL
+    for p, top in enumerate(lp["top_logprobs"][1:]):
+        assert list(top) == [dec([int(torch.argmax(ref[p]))])]
+    # max_tokens 1: the prompt, then the generated token (lm-eval slices [ctxlen:-1])
+    one = post(service, "/v1/completions", {**body, "max_tokens": 1}).json()["choices"][0]
+    assert one["logprobs"]["token_logprobs"][:-1] == lp["token_logprobs"]
+    nxt = int(torch.argmax(ref[-1]))
+    assert one["text"] == dec(prompt) + dec([nxt]) and one["logprobs"]["tokens"][-1] == dec([nxt])
+    assert abs(one["logprobs"]["token_logprobs"][-1] - float(ref[-1, nxt])) < TOL
+
+
+def test_echo_streamed_and_without_logprobs(service, models, fam):
+    prompt = "One, two, three,"
+    body = {"model": models[1], "prompt": prompt, "echo": True, "max_tokens": 3, "logprobs": 2,
+            "temperature": 0, "ignore_eos": True}
+    whole = post(service, "/v1/completions", body).json()["choices"][0]
+    assert whole["text"].startswith(prompt)
+    import json
+    with httpx.stream("POST", service.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert events[0]["choices"][0]["text"] == prompt  # the echo comes first, in a chunk of its own
+    assert "".join(e["choices"][0]["text"] for e in events) == whole["text"]
+    merged = {k: [x for e in events for x in e["choices"][0]["logprobs"][k]] for k in whole["logprobs"]}
+    assert merged == whole["logprobs"]
+    bare = post(service, "/v1/completions", {k: v for k, v in body.items() if k != "logprobs"}).json()
+    assert bare["choices"][0]["text"] == whole["text"] and bare["choices"][0]["logprobs"] is None
+
+
+def test_prompt_logprobs_do_not_read_the_prefix_cache_and_leave_it_warm(service, models, fam):
+    prompt = fam.tokenizer("A long shared prefix that fills several KV blocks: alpha beta gamma delta")["input_ids"]
+    plain = {"model": models[2], "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    post(service, "/v1/completions", plain)  # its blocks are now cached
+    warm = post(service, "/v1/completions", plain).json()
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    echo = post(service, "/v1/completions", {**plain, "echo": True, "max_tokens": 0, "logprobs": 0}).json()
+    assert "prompt_tokens_details" not in echo["usage"]  # every position computed...
+    ref = dense_logprobs(fam, prompt, 2)
+    got = echo["choices"][0]["logprobs"]["token_logprobs"][1:]
+    assert max(abs(g - float(ref[p, prompt[p + 1]])) for p, g in enumerate(got)) < TOL
+    again = post(service, "/v1/completions", plain).json()  # ...and the cache still serves the others
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == warm["usage"]["prompt_tokens_details"][
+        "cached_tokens"]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_completion_tokens": 0, "max_tokens": 3}, "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "hi", "echo": 1}, "echo"),
+    ("/v1/chat/completions", {"messages": MSG, "echo": True}, "echo"),
+])
+def test_bad_echo_is_400(service, models, path, body, param):
+    r = post(service, path, {"model": models[0], **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -412,7 +412,8 @@ def test_bad_chat_input_is_400(gw, body, param):
     ({"model": "smollm2-135m-small"}, "prompt"),
     ({"model": "smollm2-135m-small", "prompt": ["a", "b"]}, "prompt"),
     ({"model": "smollm2-135m-small", "prompt": [10 ** 9]}, "prompt"),
-    ({"model": "smollm2-135m-small", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "smollm2-135m-small", "prompt": "x", "echo": "yes"}, "echo"),
+    ({"model": "smollm2-135m-small", "prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
 ])
 def test_bad_completion_input_is_400(gw, body, param):
     _err(httpx.post(gw.url + "/v1/completions", json=body), 400, param=param)

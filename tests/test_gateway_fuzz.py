@@ -320,8 +320,7 @@ def valid_body(doc: dict, path: str, body) -> bool:
 
 _BODIES: dict[str, st.SearchStrategy] = {}
 # fields that take only the values meaning "off": drawn often enough by the plain and dense strategies
-UNSUPPORTED = {"n", "best_of", "frequency_penalty", "presence_penalty", "echo", "suffix", "tools",
-               "functions"}
+UNSUPPORTED = {"n", "best_of", "frequency_penalty", "presence_penalty", "suffix", "tools", "functions"}
 
 
 def non_null(schema: dict) -> dict:
@@ -334,9 +333,13 @@ def non_null(schema: dict) -> dict:
 
 
 def _paired(body: dict) -> dict:
-    """The one cross-field rule fields drawn alone can break: chat's top_logprobs needs logprobs true."""
+    """The cross-field rules fields drawn alone can break: chat's top_logprobs needs logprobs true,
+    completions' max_tokens 0 needs echo."""
     if "messages" in body and body.get("top_logprobs") is not None:
         body["logprobs"] = True
+    read = body.get("max_completion_tokens")
+    if "prompt" in body and (read if read is not None else body.get("max_tokens")) == 0:
+        body["echo"] = True  # max_tokens 0 needs echo
     return body
 
 
