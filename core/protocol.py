@@ -217,7 +217,8 @@ class PlanRow:
     sample_all: bool = False  # a verification row (logits at every position): the worker accepts or
     #                           rejects `drafts` and streams the committed tokens
     drafts: list[int] = field(default_factory=list)  # verification: the round's draft tokens, one per
-    #                           position of token_ids ([last committed] + drafts[:-1])
+    #                           position of token_ids ([last committed] + drafts[:-1]); a draft row of a
+    #                           request with penalties: the round's drafts so far (they count)
     logits_all: bool = False  # prompt log-probabilities: logits at every position (the last one
     #                           samples when `sample`), each scoring the prompt token after it
 

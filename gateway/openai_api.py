@@ -10,11 +10,13 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from core.sampling import MAX_LOGIT_BIAS
 from core.sampling import MAX_LOGPROBS as _MAX_LOGPROBS
 
 ROLES = ("system", "user", "assistant")
 INT32_MAX = (1 << 31) - 1
 MAX_LOGPROBS = _MAX_LOGPROBS  # top_logprobs (chat) / logprobs (completions) at most
+MAX_REPETITION = 10.0  # repetition_penalty at most (HF: > 0; 1 is off)
 LOGPROB_FLOOR = -9999.0  # what a -inf log-probability is reported as (JSON has no infinity)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -114,6 +116,11 @@ class GenParams:
     session_id: str | None = None
     multilevel: MultiLevel = field(default_factory=MultiLevel)
     logprobs: int | None = None       # alternatives per token (0: the chosen token's only); None: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias (ids checked later)
     echo: bool = False                # completions: the prompt first (with its logprobs when asked)
 
 
@@ -207,9 +214,6 @@ def _unsupported(body: dict) -> None:
     best_of = _int(body, "best_of", lo=1)
     if best_of not in (None, 1):
         raise invalid("'best_of' > 1 is not supported.", "best_of", code="unsupported_parameter")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if _float(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise invalid(f"'{name}' is not supported.", name, code="unsupported_parameter")
     if body.get("suffix") not in (None, ""):
         raise invalid("'suffix' is not supported.", "suffix", code="unsupported_parameter")
     if body.get("tools") or body.get("functions"):
@@ -330,6 +334,37 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if on else None
 
 
+def _repetition_penalty(body: dict) -> float:
+    v = body.get("repetition_penalty")
+    if v is None:
+        return 1.0
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= MAX_REPETITION:
+        raise invalid(f"'repetition_penalty' must be a number > 0 and at most {MAX_REPETITION:g} (1: off), "
+                      f"got {_short(v)}.", "repetition_penalty")
+    return float(v)
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """``{"<token id>": bias}``, bias in [-100, 100] (ids against the vocabulary: gateway.serving)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise invalid(f"'logit_bias' must be an object mapping token ids to numbers, got {_short(v)}.", "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise invalid(f"'logit_bias' may name at most {MAX_LOGIT_BIAS} tokens, got {len(v)}.", "logit_bias")
+    out = {}
+    for k, b in v.items():
+        if not (k.isascii() and k.isdigit() and len(k) <= 10 and k == str(int(k)) and int(k) <= INT32_MAX):
+            raise invalid(f"'logit_bias' keys must be token ids (decimal strings, no leading zeros), got "
+                          f"{_short(k, 40)}.", "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
+            raise invalid(f"'logit_bias' values must be numbers between -100 and 100, got {_short(b, 40)} for "
+                          f"token {k}.", "logit_bias")
+        out[int(k)] = float(b)
+    return out
+
+
 def _echo(body: dict, chat: bool) -> bool:
     if chat:
         if body.get("echo") not in (None, False):
@@ -362,7 +397,11 @@ def parse_params(body: dict, lim: Limits = DEFAULT_LIMITS, chat: bool = True) ->
                      top_k=max(0, top_k or 0), seed=seed, stop=_stop(body, lim), stop_token_ids=stop_ids,
                      ignore_eos=_bool(body, "ignore_eos"), stream=stream, include_usage=include_usage,
                      session_id=_session(body, lim), multilevel=parse_multilevel(body),
-                     logprobs=_logprobs(body, chat), echo=echo)
+                     logprobs=_logprobs(body, chat), echo=echo,
+                     min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
+                     presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+                     frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                     repetition_penalty=_repetition_penalty(body), logit_bias=_logit_bias(body))
 
 
 def _content(msg: dict, i: int) -> str:

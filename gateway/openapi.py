@@ -26,7 +26,9 @@ from importlib import metadata
 
 from core.sampling import SamplingParams
 from gateway.keys import CONFIG, KEYS, SERVICE
-from gateway.openai_api import INT32_MAX, MAX_CASCADE_WINDOW, MAX_LOGPROBS, MAX_SPEC_GAMMA, ROLES, Limits
+from core.sampling import MAX_LOGIT_BIAS
+from gateway.openai_api import (INT32_MAX, MAX_CASCADE_WINDOW, MAX_LOGPROBS, MAX_REPETITION, MAX_SPEC_GAMMA, ROLES,
+                                Limits)
 
 PATH = "/openapi.json"
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -35,6 +37,19 @@ ERROR_TYPES = ["invalid_request_error", "authentication_error", "permission_erro
                "timeout_error", "rate_limit_error", "service_unavailable", "server_error"]
 FINISH_REASONS = ["stop", "length"]
 FALSY = [None, False, 0, "", [], {}]  # what `body.get(x) or ...` reads as "not given"
+
+
+def id_pattern(top: int) -> str:
+    """A regex of the decimal strings 0..top, no leading zeros (logit_bias keys: the vocabulary's ids)."""
+    d = str(top)
+    alts = ["0"] + ([f"[1-9][0-9]{{0,{len(d) - 2}}}"] if len(d) > 1 else [])
+    for i, c in enumerate(d):  # same length as top: equal up to i, smaller at i, anything after
+        lo = 1 if i == 0 else 0
+        if int(c) > lo:
+            rest = f"[0-9]{{{len(d) - i - 1}}}" if i < len(d) - 1 else ""
+            alts.append(f"{d[:i]}[{lo}-{int(c) - 1}]{rest}")
+    alts.append(d)
+    return "^(" + "|".join(alts) + ")$"
 
 
 def _ref(name: str) -> dict:
@@ -199,8 +214,24 @@ def _common_params(f: _Facts) -> dict:
         # not supported: only the values that mean "off" are accepted (others: 400 unsupported_parameter)
         "n": {"enum": [None, 1], "description": "Only 1: one choice per request."},
         "best_of": {"enum": [None, 1], "description": "Only 1."},
-        "frequency_penalty": {"enum": [None, 0], "description": "Not supported: only 0."},
-        "presence_penalty": {"enum": [None, 0], "description": "Not supported: only 0."},
+        "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2,
+                                        "description": "Subtracted from a token's logit once per time it occurs "
+                                                       "in the output so far."}),
+        "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2,
+                                       "description": "Subtracted from the logit of every token in the output "
+                                                      "so far."}),
+        "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": MAX_REPETITION,
+                                         "description": "MFS/vLLM extension (Hugging Face semantics): the logit of "
+                                                        "a token in the prompt or the output is divided by it when "
+                                                        "positive, multiplied when not (1: off)."}),
+        "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1,
+                            "description": "MFS/vLLM extension: sample only tokens whose probability is at least "
+                                           "min_p times the most likely token's (after temperature)."}),
+        "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                 "propertyNames": {"pattern": id_pattern(f.vocab - 1)},
+                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                                 "description": "Token id (a decimal string) -> a bias added to its logit before "
+                                                "penalties and sampling."}),
         "suffix": {"enum": [None, ""], "description": "Not supported."},
         "tools": {"enum": FALSY, "description": "Not supported: only an empty value."},
         "functions": {"enum": FALSY, "description": "Not supported: only an empty value."},

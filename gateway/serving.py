@@ -281,6 +281,10 @@ class Service:
             raise invalid(f"The prompt has {len(ids)} tokens; this server takes at most "
                           f"{self.max_prompt_tokens}.", param, code="prompt_too_long")
         p = req.params
+        bad = sorted(t for t in p.logit_bias if t >= self.vocab_size)
+        if bad:
+            raise invalid(f"'logit_bias' names token {bad[0]}, out of range (vocabulary size {self.vocab_size}).",
+                          "logit_bias")
         ml = self.multilevel(p.multilevel, tier, routed == "auto")
         max_len = max_context(workers)
         asked = p.max_tokens
@@ -405,7 +409,10 @@ class Generation:
                                 spec_draft_tier=j.spec_draft, spec_gamma=j.spec_gamma,
                                 spec_stop_confidence=j.spec_stop_confidence,
                                 cascade_threshold=j.cascade_threshold, cascade_window=j.cascade_window,
-                                logprobs=p.logprobs, prompt_logprobs=p.logprobs if p.echo else None)
+                                logprobs=p.logprobs, prompt_logprobs=p.logprobs if p.echo else None,
+                                min_p=p.min_p, presence_penalty=p.presence_penalty,
+                                frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+                                logit_bias=dict(p.logit_bias))
         sub = P.Submit(request_id=j.request_id, gateway_id=self.svc.gateway_id, prompt_ids=j.prompt_ids,
                        tier=j.tier, params=params, model_id=self.model, arrival=time.time(),
                        session_id=self.request.headers.get("X-Session-ID") or p.session_id)

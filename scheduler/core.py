@@ -94,6 +94,8 @@ class StepScheduler:
                                  "context_length_exceeded")
         if cfg.vocab_size and (min(prompt_ids) < 0 or max(prompt_ids) >= cfg.vocab_size):
             raise InvalidRequest(f"token ids must be in [0, {cfg.vocab_size})")
+        if cfg.vocab_size and params.logit_bias and max(params.logit_bias) >= cfg.vocab_size:
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {cfg.vocab_size})")
         need = self.blocks_needed(min(len(prompt_ids) + params.max_tokens, cfg.max_model_len))
         segs = range(cfg.num_tiers if cascade else tier + 1) if cfg.served_tiers is None else range(1)
         small = min(self.pools[s].num_blocks for s in segs)

@@ -224,3 +224,49 @@ def test_prompt_logprobs_do_not_read_the_prefix_cache_and_leave_it_warm(service,
 def test_bad_echo_is_400(service, models, path, body, param):
     r = post(service, path, {"model": models[0], **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# ---- sampling parameters ------------------------------------------------------------------------
+def engine_tokens(fam, prompt: list[int], tier: int, **kw) -> list[int]:
+    eng = Engine(fam.model, block_size=4, num_blocks=256)
+    return eng.generate([prompt], [tier], SamplingParams(ignore_eos=True, **kw))[0]
+
+
+@pytest.mark.parametrize("kw", [
+    {"presence_penalty": 1.5, "frequency_penalty": 0.5},
+    {"repetition_penalty": 1.6},
+    {"logit_bias": "ban the first plain token"},
+    {"temperature": 0.8, "seed": 11, "min_p": 0.2, "repetition_penalty": 1.2},
+])
+def test_sampling_parameters_reach_the_worker_and_act_as_in_the_engine(service, models, fam, kw):
+    prompt = fam.tokenizer("one one one two two")["input_ids"]
+    plain = engine_tokens(fam, prompt, 2, max_tokens=10, temperature=kw.get("temperature", 0), seed=kw.get("seed"))
+    eng_kw = {"temperature": 0, **kw}
+    if "logit_bias" in kw:
+        eng_kw["logit_bias"] = {plain[0]: -100.0, 100: 5.0}
+        kw = {"logit_bias": {str(plain[0]): -100, "100": 5}}
+    body = {"model": models[2], "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, **kw}
+    r = post(service, "/v1/completions", body).json()
+    got = r["choices"][0]["logprobs"]["tokens"]
+    want = engine_tokens(fam, prompt, 2, max_tokens=10, **eng_kw)
+    assert got == [fam.tokenizer.decode([t]) for t in want]
+    assert want != plain  # the parameter changed the output
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 10.5}, "repetition_penalty"),
+    ({"min_p": 1.01}, "min_p"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"012": 1}}, "logit_bias"),
+    ({"logit_bias": {"12": 101}}, "logit_bias"),
+    ({"logit_bias": {"49152": 1}}, "logit_bias"),  # past the vocabulary
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+])
+def test_bad_sampling_parameters_are_400(service, models, body, param):
+    r = post(service, "/v1/chat/completions", {"model": models[0], "messages": MSG, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -63,7 +63,9 @@ VALID = {
     "stop": st.text(min_size=1, max_size=5) | st.lists(st.text(min_size=1, max_size=5), max_size=4),
     "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3), "ignore_eos": st.booleans(),
     "n": st.just(1), "user": st.text(max_size=20), "session_id": st.text(max_size=20),
-    "frequency_penalty": st.just(0), "logprobs": st.just(False), "echo": st.just(False),
+    "frequency_penalty": st.floats(-2, 2), "logprobs": st.just(False), "echo": st.just(False),
+    "presence_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.5, 2), "min_p": st.floats(0, 1),
+    "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=3),
 }
 EXTRA = ["best_of", "suffix", "tools", "functions", "presence_penalty", "response_format", "logit_bias"]
 text_part = st.fixed_dictionaries({"type": st.just("text"), "text": words})
@@ -212,7 +214,9 @@ SCHEMA_FUZZ = settings(FUZZ, max_examples=100,
 LENIENT = {"stop_token_ids", "user", "session_id"}
 # the `param` the gateway names for a bad field, where it is not the field's own name
 PARAM_ALIASES = {"functions": ("tools",), "stream_options": ("include_usage",),
-                 "logprobs": ("top_logprobs",)}  # top_logprobs needs logprobs true: the error names it
+                 # cross-field rules: the error names the field that needs the other one
+                 "logprobs": ("top_logprobs",),                          # top_logprobs needs logprobs true
+                 "echo": ("max_tokens", "max_completion_tokens")}       # max_tokens 0 needs echo
 json_values = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70)
                            | st.floats(allow_nan=False, allow_infinity=False) | chars,
                            lambda c: st.lists(c, max_size=4) | st.dictionaries(chars, c, max_size=4),
@@ -320,7 +324,7 @@ def valid_body(doc: dict, path: str, body) -> bool:
 
 _BODIES: dict[str, st.SearchStrategy] = {}
 # fields that take only the values meaning "off": drawn often enough by the plain and dense strategies
-UNSUPPORTED = {"n", "best_of", "frequency_penalty", "presence_penalty", "suffix", "tools", "functions"}
+UNSUPPORTED = {"n", "best_of", "suffix", "tools", "functions"}
 
 
 def non_null(schema: dict) -> dict:

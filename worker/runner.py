@@ -28,7 +28,7 @@ from worker.batch import build_step, order_rows
 from worker.kv_tensors import SegmentedKVCache
 from worker.model import NestedModel
 from worker.sampling import (SamplingParams, accept_greedy, accept_sampled, confidences, draw,
-                             make_generator, probs_for, sample, token_logprobs)
+                             make_generator, probs_for, process_logits, sample, token_logprobs)
 
 
 @dataclass(slots=True)
@@ -73,13 +73,26 @@ class ModelRunner:
         self.prompts: dict[str, list[int]] = {}  # requests that need their prompt (params.needs_prompt)
         # request -> {prompt position: its token scored} until the first output token hands them out
         self.prompt_scores: dict[str, dict[int, TokenLogprob]] = {}
+        # Requests with penalties: how often each token occurs in the output so far [V], and whether
+        # it occurs in the prompt or the output [V] (kept in step with the committed tokens).
+        self.counts: dict[str, torch.Tensor] = {}
+        self.seen: dict[str, torch.Tensor] = {}
 
-    def add(self, request_id: str, params: SamplingParams, prompt_ids: list[int] | None = None) -> None:
+    def add(self, request_id: str, params: SamplingParams, prompt_ids: list[int] | None = None,
+            num_output: int = 0) -> None:
+        """A new request; `prompt_ids` when its parameters need them, the last `num_output` of them
+        being output tokens it produced before a re-plan."""
         self.sampling[request_id] = (params, make_generator(params))
         if params.needs_prompt:
             if not prompt_ids:
                 raise ValueError(f"request {request_id}: its parameters need the prompt's token ids")
             self.prompts[request_id] = list(prompt_ids)
+        if params.penalized:
+            v = self.model.cfg.vocab_size
+            ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+            out = ids[len(ids) - num_output:] if num_output else ids[:0]
+            self.counts[request_id] = torch.bincount(out, minlength=v).float()
+            self.seen[request_id] = torch.bincount(ids, minlength=v) > 0
 
     def drop(self, request_ids) -> None:
         for rid in request_ids:
@@ -88,6 +101,8 @@ class ModelRunner:
             self.windows.pop(rid, None)
             self.prompts.pop(rid, None)
             self.prompt_scores.pop(rid, None)
+            self.counts.pop(rid, None)
+            self.seen.pop(rid, None)
 
     def execute(self, rows: list[PlanRow]) -> StepOutput:
         if self.tier_map is not None:  # copies: the caller keeps the global tiers (it streams them)
@@ -138,7 +153,10 @@ class ModelRunner:
             sub = logits.index_select(0, torch.tensor([k for k, _ in plain], dtype=torch.long,
                                                       device=logits.device))
             states = [self.sampling[rid] for _, rid in plain]
-            toks = sample(sub, [st[0] for st in states], [st[1] for st in states])
+            ps = [st[0] for st in states]
+            proc = process_logits(sub, ps, [self.counts.get(rid) for _, rid in plain],
+                                  [self.seen.get(rid) for _, rid in plain])
+            toks = sample(proc, ps, [st[1] for st in states])
             out.tokens.update(zip((rid for _, rid in plain), toks))
             asked = [j for j, st in enumerate(states) if st[0].logprobs is not None]
             if asked:
@@ -147,6 +165,8 @@ class ModelRunner:
             for rid in first & self.prompt_scores.keys():
                 if rid in out.tokens:
                     out.prompt_logprobs[rid] = self._prompt_logprobs(rid)
+        for rid in self.counts.keys() & (out.tokens.keys() | out.verified.keys()):
+            self._commit(rid, out.verified[rid] if rid in out.verified else [out.tokens[rid]])
         if self.keep_logits:
             out.logits = {rid: logits[ks[-1]].clone() for i, ks in per_row.items()
                           for rid in [rows[i].request_id] if rid in out.tokens}
@@ -168,11 +188,39 @@ class ModelRunner:
         assert len(scores) == n - 1, f"request {rid}: {len(scores)} of {n - 1} prompt tokens scored"
         return [scores[p] for p in range(1, n)]
 
+    # ---- penalties --------------------------------------------------------------------------
+    def _commit(self, rid: str, toks: list[int]) -> None:
+        t = torch.tensor(toks, dtype=torch.long, device=self.device)
+        self.counts[rid].index_add_(0, t, torch.ones(len(toks), device=self.device))
+        self.seen[rid][t] = True
+
+    def _history(self, rid: str, extra: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(counts, seen) of a request whose output so far is followed by `extra` (a round's drafts)."""
+        c, sn = self.counts.get(rid), self.seen.get(rid)
+        if c is None or not extra:
+            return c, sn
+        t = torch.tensor(extra, dtype=torch.long, device=self.device)
+        c = c.index_add(0, t, torch.ones(len(extra), device=self.device))
+        sn = sn.clone()
+        sn[t] = True
+        return c, sn
+
+    def _processed(self, rid: str, lg: torch.Tensor, histories: list[list[int]]) -> torch.Tensor:
+        """lg [n, V]: logit_bias and penalties at n positions of one request, position i's history being
+        its output so far plus histories[i] (drafts): what plain decoding would apply there."""
+        params = self.sampling[rid][0]
+        if not params.processed:
+            return lg
+        hs = [self._history(rid, h) for h in histories]
+        return process_logits(lg, [params] * len(hs), [h[0] for h in hs], [h[1] for h in hs])
+
     # ---- self-speculative decoding ----------------------------------------------------------
     def _draft(self, rid: str, r: PlanRow, row_logits: torch.Tensor) -> int:
         """A draft token: greedy, the draft tier's argmax; sampled, a draw from the draft tier's
-        distribution q, which is kept (per input position) for the verification that follows."""
+        distribution q, which is kept (per input position) for the verification that follows. Its
+        penalties count the round's earlier drafts (the row carries them)."""
         params, gen = self.sampling[rid]
+        row_logits = self._processed(rid, row_logits[None], [r.drafts])[0]
         if params.greedy:
             return int(torch.argmax(row_logits))
         q = probs_for(row_logits.cpu(), params)
@@ -186,6 +234,8 @@ class ModelRunner:
         drafts = list(r.drafts)
         if len(drafts) != lg.shape[0]:
             raise ValueError(f"request {rid}: {len(drafts)} drafts for {lg.shape[0]} verified positions")
+        # position i follows the drafts before it: the same transforms plain decoding would apply there
+        lg = self._processed(rid, lg, [drafts[:i] for i in range(len(drafts))])
         if params.greedy:
             return accept_greedy(drafts, torch.argmax(lg, dim=-1).tolist())
         p = torch.stack([probs_for(row, params) for row in lg.cpu()])

@@ -171,7 +171,7 @@ class WorkerService:
         for rid in plan.drop:
             self.live.pop(rid, None)
         for nr in plan.new:
-            self.runner.add(nr.request_id, nr.params, nr.prompt_ids)
+            self.runner.add(nr.request_id, nr.params, nr.prompt_ids, nr.seq_offset)
             self.live[nr.request_id] = Live(nr.gateway_id, nr.tier, nr.prompt_len, nr.params.max_tokens,
                                             frozenset(nr.stop_ids), nr.cached_tokens, nr.seq_offset)
         rows = plan.rows
