@@ -142,6 +142,9 @@ class Submit(Record):
     model_id: str = ""
     arrival: float = 0.0
     session_id: str | None = None
+    # n > 1: the request id of the first choice. This choice is placed on its worker and admitted once
+    # that one's prompt is computed, so it starts from the prompt's cached blocks (one prefill).
+    follow: str | None = None
 
 
 @dataclass(slots=True)

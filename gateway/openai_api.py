@@ -17,6 +17,7 @@ ROLES = ("system", "user", "assistant")
 INT32_MAX = (1 << 31) - 1
 MAX_LOGPROBS = _MAX_LOGPROBS  # top_logprobs (chat) / logprobs (completions) at most
 MAX_REPETITION = 10.0  # repetition_penalty at most (HF: > 0; 1 is off)
+MAX_N = 16             # choices per request
 LOGPROB_FLOOR = -9999.0  # what a -inf log-probability is reported as (JSON has no infinity)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -122,6 +123,7 @@ class GenParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias (ids checked later)
     echo: bool = False                # completions: the prompt first (with its logprobs when asked)
+    n: int = 1                        # choices, each its own request (seed + i when seeded)
 
 
 @dataclass(slots=True)
@@ -206,11 +208,15 @@ def _stop(body: dict, lim: Limits) -> list[str]:
     return list(dict.fromkeys(stops))
 
 
-def _unsupported(body: dict) -> None:
+def _n(body: dict) -> int:
     n = _int(body, "n", lo=1)
-    if n not in (None, 1):
-        raise invalid(f"n={n} is not supported: this server returns exactly one choice per request "
-                      "(send n=1 or leave it out).", "n", code="unsupported_parameter")
+    if n is not None and n > MAX_N:
+        raise invalid(f"n={n} is more choices than this server gives one request (at most {MAX_N}).", "n",
+                      code="unsupported_parameter")
+    return n or 1
+
+
+def _unsupported(body: dict) -> None:
     best_of = _int(body, "best_of", lo=1)
     if best_of not in (None, 1):
         raise invalid("'best_of' > 1 is not supported.", "best_of", code="unsupported_parameter")
@@ -397,7 +403,7 @@ def parse_params(body: dict, lim: Limits = DEFAULT_LIMITS, chat: bool = True) ->
                      top_k=max(0, top_k or 0), seed=seed, stop=_stop(body, lim), stop_token_ids=stop_ids,
                      ignore_eos=_bool(body, "ignore_eos"), stream=stream, include_usage=include_usage,
                      session_id=_session(body, lim), multilevel=parse_multilevel(body),
-                     logprobs=_logprobs(body, chat), echo=echo,
+                     logprobs=_logprobs(body, chat), echo=echo, n=_n(body),
                      min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
                      presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
                      frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
@@ -531,34 +537,42 @@ def completion_logprobs(items: list[TokenInfo], offset: int = 0) -> dict:
             "text_offset": offsets}
 
 
-def chat_response(rid: str, model: str, created: int, text: str, finish: str, use: dict,
-                  logprobs: dict | None = None) -> dict:
+@dataclass(slots=True)
+class Choice:
+    """One choice of a finished response."""
+    index: int
+    text: str
+    finish: str
+    logprobs: dict | None = None
+
+
+def chat_response(rid: str, model: str, created: int, choices: list[Choice], use: dict) -> dict:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs, "finish_reason": finish}],
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": c.logprobs, "finish_reason": c.finish} for c in choices],
             "usage": use}
 
 
-def completion_response(rid: str, model: str, created: int, text: str, finish: str, use: dict,
-                        logprobs: dict | None = None) -> dict:
+def completion_response(rid: str, model: str, created: int, choices: list[Choice], use: dict) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+            "choices": [{"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish}
+                        for c in choices],
             "usage": use}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None,
-               with_usage: bool, logprobs: dict | None = None) -> dict:
+               with_usage: bool, logprobs: dict | None = None, index: int = 0) -> dict:
     c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-         "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+         "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
     if with_usage:
         c["usage"] = None
     return c
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None,
-                     with_usage: bool, logprobs: dict | None = None) -> dict:
+                     with_usage: bool, logprobs: dict | None = None, index: int = 0) -> dict:
     c = {"id": rid, "object": "text_completion", "created": created, "model": model,
-         "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+         "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
     if with_usage:
         c["usage"] = None
     return c

@@ -27,8 +27,8 @@ from importlib import metadata
 from core.sampling import SamplingParams
 from gateway.keys import CONFIG, KEYS, SERVICE
 from core.sampling import MAX_LOGIT_BIAS
-from gateway.openai_api import (INT32_MAX, MAX_CASCADE_WINDOW, MAX_LOGPROBS, MAX_REPETITION, MAX_SPEC_GAMMA, ROLES,
-                                Limits)
+from gateway.openai_api import (INT32_MAX, MAX_CASCADE_WINDOW, MAX_LOGPROBS, MAX_N, MAX_REPETITION, MAX_SPEC_GAMMA,
+                                ROLES, Limits)
 
 PATH = "/openapi.json"
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -212,7 +212,11 @@ def _common_params(f: _Facts) -> dict:
         "user": session,
         "mfs": {"description": "MFS multi-level sampling; what it takes depends on 'model': see anyOf."},
         # not supported: only the values that mean "off" are accepted (others: 400 unsupported_parameter)
-        "n": {"enum": [None, 1], "description": "Only 1: one choice per request."},
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N,
+                        "description": f"Choices (at most {MAX_N}): each its own request sharing the prompt's KV "
+                                       "through the prefix cache, choice i seeded with seed + i; usage counts the "
+                                       "prompt once and every choice's tokens; streamed chunks carry each "
+                                       "choice's index."}),
         "best_of": {"enum": [None, 1], "description": "Only 1."},
         "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2,
                                         "description": "Subtracted from a token's logit once per time it occurs "
@@ -304,7 +308,7 @@ def _chat_request(f: _Facts) -> dict:
     ], "description": "Text only: a string or text parts (joined with newlines). Other fields are ignored."}
     messages = {"type": "array", "minItems": 1, "maxItems": lim.max_messages, "items": message,
                 "description": f"All contents together at most {lim.max_prompt_chars} characters."}
-    return _request(f, "messages", messages, "OpenAI's chat completion request, text only, one choice.",
+    return _request(f, "messages", messages, "OpenAI's chat completion request, text only.",
                     _chat_params(), **_TOP_NEEDS_LOGPROBS)
 
 
@@ -317,7 +321,7 @@ def _completion_request(f: _Facts) -> dict:
     prompt = {"anyOf": [text, ids, {"type": "array", "minItems": 1, "maxItems": 1,
                                     "items": {"anyOf": [text, ids]}}],
               "description": "Text or token ids; a batch of one is accepted, larger batches are not."}
-    return _request(f, "prompt", prompt, "OpenAI's (legacy) completion request, one prompt, one choice.",
+    return _request(f, "prompt", prompt, "OpenAI's (legacy) completion request, one prompt.",
                     _completion_params(f), **_ZERO_NEEDS_ECHO)
 
 
@@ -364,7 +368,8 @@ def _schemas(f: _Facts) -> dict:
     base = {"created": {"type": "integer"}, "model": tier}
     chat_id = {"type": "string", "pattern": "^chatcmpl-[0-9a-f]{32}$"}
     cmpl_id = {"type": "string", "pattern": "^cmpl-[0-9a-f]{32}$"}
-    one = {"type": "array", "minItems": 1, "maxItems": 1}
+    one = {"type": "array", "minItems": 1, "maxItems": MAX_N}  # n choices
+    index = {"type": "integer", "minimum": 0, "maximum": MAX_N - 1}
 
     def chunk(obj: str, rid: dict, choice: dict) -> dict:
         return _obj({"id": rid, "object": {"const": obj}, **base,
@@ -394,7 +399,7 @@ def _schemas(f: _Facts) -> dict:
         "ChatCompletion": _obj({
             "id": chat_id, "object": {"const": "chat.completion"}, **base,
             "choices": {**one, "items": _obj({
-                "index": {"const": 0},
+                "index": index,
                 "message": _obj({"role": {"const": "assistant"}, "content": {"type": "string"}},
                                 ["role", "content"]),
                 "logprobs": chat_lp, "finish_reason": finish},
@@ -404,17 +409,17 @@ def _schemas(f: _Facts) -> dict:
         "TextCompletion": _obj({
             "id": cmpl_id, "object": {"const": "text_completion"}, **base,
             "choices": {**one, "items": _obj({
-                "index": {"const": 0}, "text": {"type": "string"}, "logprobs": cmpl_lp,
+                "index": index, "text": {"type": "string"}, "logprobs": cmpl_lp,
                 "finish_reason": finish}, ["index", "text", "logprobs", "finish_reason"])},
             "usage": _ref("Usage"), "mfs": _ref("Served")},
             ["id", "object", "created", "model", "choices", "usage", "mfs"]),
         "ChatCompletionChunk": chunk("chat.completion.chunk", chat_id, _obj({
-            "index": {"const": 0},
+            "index": index,
             "delta": _obj({"role": {"const": "assistant"}, "content": {"type": "string"}}),
             "logprobs": chat_lp, "finish_reason": _nullable(finish)},
             ["index", "delta", "logprobs", "finish_reason"])),
         "TextCompletionChunk": chunk("text_completion", cmpl_id, _obj({
-            "index": {"const": 0}, "text": {"type": "string"}, "logprobs": cmpl_lp,
+            "index": index, "text": {"type": "string"}, "logprobs": cmpl_lp,
             "finish_reason": _nullable(finish)}, ["index", "text", "logprobs", "finish_reason"])),
         "Model": models,
         "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}},
@@ -540,10 +545,10 @@ def build(svc, cfg, *, auth: bool) -> dict:
                                       "content": {"application/json": {"schema": _ref("Model")}}},
                               **_err_refs(401, 404, 429, 503)}}},
             "/v1/chat/completions": _completion_op(
-                "createChatCompletion", "Chat completion (text only, one choice).", "ChatCompletionRequest",
+                "createChatCompletion", "Chat completion (text only).", "ChatCompletionRequest",
                 "ChatCompletion", "ChatCompletionChunk"),
             "/v1/completions": _completion_op(
-                "createCompletion", "Completion of a text or token-id prompt (one choice).",
+                "createCompletion", "Completion of a text or token-id prompt.",
                 "CompletionRequest", "TextCompletion", "TextCompletionChunk"),
             "/health": {"get": {
                 "operationId": "health", "summary": "Liveness: 200 with a live worker, else 503.",

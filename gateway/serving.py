@@ -233,7 +233,9 @@ class Service:
 
     # ---- preparing --------------------------------------------------------------------------
     @asynccontextmanager
-    async def generation(self, request, req: ChatRequest | CompletionRequest) -> AsyncIterator["Generation"]:
+    async def generation(self, request, req: ChatRequest | CompletionRequest) -> AsyncIterator[list["Generation"]]:
+        """The request's choices (``n`` of them), submitted; each is closed (cancelled if unfinished)
+        when the caller is done."""
         tier = self.resolve_model(req.model)
         if self.inflight >= self.max_inflight:
             raise APIError(429, f"This gateway is at its limit of {self.max_inflight} requests in "
@@ -241,19 +243,20 @@ class Service:
                            headers={"Retry-After": "1"})
         self.inflight += 1
         self.metrics.inflight.set(self.inflight)
-        gen = None
+        gens: list[Generation] = []
         try:
             job = await self._prepare(req, tier)
-            await admit(request, tokens=len(job.prompt_ids) + job.max_tokens)
-            gen = Generation(self, job, request)
-            await gen.start()
-            yield gen
+            await admit(request, tokens=len(job.prompt_ids) + job.params.n * job.max_tokens)
+            for i in range(job.params.n):  # choice 0 first: the others follow it (placement, prefix)
+                gens.append(Generation(self, job, request, i))
+                await gens[-1].start()
+            yield gens
         except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes away
-            if gen is not None:
+            for gen in gens:
                 gen.cancel_reason = "disconnect"
             raise
         finally:
-            if gen is not None:
+            for gen in gens:
                 await gen.close()
             self.inflight -= 1
             self.metrics.inflight.set(self.inflight)
@@ -343,10 +346,14 @@ def _eos_ids(tok) -> list[int]:
 
 
 class Generation:
-    """One submitted request: yields ``(text, finish_reason)`` pieces, finish_reason on the last."""
+    """One submitted request (one choice of the response): yields :class:`Piece`s, the finish reason
+    on the last. Choice ``index`` > 0 of an n > 1 request is its own request (id ``<id>-<index>``, seed
+    + index), placed with choice 0 and admitted once choice 0's prompt is computed (``Submit.follow``)."""
 
-    def __init__(self, svc: Service, job: Job, request):
+    def __init__(self, svc: Service, job: Job, request, index: int = 0):
         self.svc, self.job, self.request = svc, job, request
+        self.index = index
+        self.rid = job.request_id if index == 0 else f"{job.request_id}-{index}"
         self.detok = IncrementalDetokenizer(svc.tok)
         self.stopper = StopMatcher(job.params.stop)
         self.stop_ids = set(job.params.stop_token_ids) | (set() if job.params.ignore_eos else set(svc.eos_ids))
@@ -367,7 +374,7 @@ class Generation:
         self.t_first: float | None = None
         self.t_last: float | None = None
         self.deadline = self.t0 + svc.request_timeout_s
-        self.log = log.bind(request_id=job.request_id)
+        self.log = log.bind(request_id=self.rid)
 
     @property
     def model(self) -> str:
@@ -382,14 +389,6 @@ class Generation:
         """Model ids of the tiers that served the request, in order (the requested one if no token)."""
         return [self.svc.tier_ids[t] for t in (self.tiers or [self.tier])]
 
-    @property
-    def draft(self) -> tuple[str | None, int, int] | None:
-        """(draft model id, proposed, accepted) once the request has speculated."""
-        if self.draft_proposed <= 0:
-            return None
-        d = self.job.spec_draft
-        return (self.svc.tier_ids[d] if d is not None else None), self.draft_proposed, self.draft_accepted
-
     def echo_infos(self) -> list[TokenInfo]:
         """Echo with logprobs: the prompt's tokens, the first with no log-probability (nothing predicts
         it), the others as the request's tier scored them."""
@@ -403,19 +402,24 @@ class Generation:
 
     async def start(self) -> None:
         j, p = self.job, self.job.params
+        seed = p.seed
+        if seed is not None and self.index:  # choice i: seed + i (within int64)
+            seed = (seed + self.index + (1 << 63)) % (1 << 64) - (1 << 63)
+        first = self.index == 0
         params = SamplingParams(max_tokens=max(1, j.max_tokens), temperature=p.temperature, top_k=p.top_k,
                                 top_p=p.top_p,
-                                seed=p.seed, stop_token_ids=tuple(sorted(self.stop_ids)), ignore_eos=p.ignore_eos,
+                                seed=seed, stop_token_ids=tuple(sorted(self.stop_ids)), ignore_eos=p.ignore_eos,
                                 spec_draft_tier=j.spec_draft, spec_gamma=j.spec_gamma,
                                 spec_stop_confidence=j.spec_stop_confidence,
                                 cascade_threshold=j.cascade_threshold, cascade_window=j.cascade_window,
-                                logprobs=p.logprobs, prompt_logprobs=p.logprobs if p.echo else None,
+                                logprobs=p.logprobs, prompt_logprobs=p.logprobs if p.echo and first else None,
                                 min_p=p.min_p, presence_penalty=p.presence_penalty,
                                 frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
                                 logit_bias=dict(p.logit_bias))
-        sub = P.Submit(request_id=j.request_id, gateway_id=self.svc.gateway_id, prompt_ids=j.prompt_ids,
+        sub = P.Submit(request_id=self.rid, gateway_id=self.svc.gateway_id, prompt_ids=j.prompt_ids,
                        tier=j.tier, params=params, model_id=self.model, arrival=time.time(),
-                       session_id=self.request.headers.get("X-Session-ID") or p.session_id)
+                       session_id=self.request.headers.get("X-Session-ID") or p.session_id,
+                       follow=None if first else j.request_id)
         try:
             self.queue = await self.svc.backend.submit(sub)  # registers nothing when it fails
         except (RedisError, OSError) as e:
@@ -441,7 +445,7 @@ class Generation:
                 self.cancel_reason = "deadline"
                 raise APIError(504, f"The request did not finish within {self.svc.request_timeout_s:g} s.",
                                code="timeout")
-            if self.queue.empty() and self.svc.backend.stalled(self.job.request_id):
+            if self.queue.empty() and self.svc.backend.stalled(self.rid):
                 raise self._interrupted(
                     "redis", "redis_interrupted",
                     "The service lost its Redis (it restarted or was unreachable) and no more tokens "
@@ -501,7 +505,7 @@ class Generation:
                 text += self.detok.flush()
             out, stopped = self.stopper.feed(text, final=ev.finished)
             if stopped and not ev.finished:
-                await self.svc.backend.cancel(self.job.request_id, "stop")
+                await self.svc.backend.cancel(self.rid, "stop")
             if stopped or ev.finished:
                 self.done = True
                 self.finish_reason = ("stop" if stopped else "length" if self.job.echo_only
@@ -514,10 +518,10 @@ class Generation:
     async def close(self) -> None:
         be = self.svc.backend
         if self.done or not self.submitted:
-            be.release(self.job.request_id)
+            be.release(self.rid)
         else:
             self.finish_reason = self.cancel_reason
-            await be.cancel(self.job.request_id, self.cancel_reason)
+            await be.cancel(self.rid, self.cancel_reason)
         e2e = time.perf_counter() - self.t0
         ttft = (self.t_first - self.t0) if self.t_first else None
         tpot = ((self.t_last - self.t_first) / (self.completion_tokens - 1)

@@ -259,6 +259,13 @@ class StepScheduler:
         out, self.cache_log = self.cache_log or [], []
         return out
 
+    def _follows_a_prefill(self, req: Request) -> bool:
+        """A choice of an n > 1 request (``meta["follow"]``: its first choice) waits while the first
+        choice's prompt is being computed here, then starts from its cached blocks."""
+        lead = self.requests.get(req.meta.get("follow") or "")
+        return (lead is not None and lead is not req and lead.status is not Status.FINISHED
+                and lead.num_computed_tokens < len(lead.prompt_ids) and self.cfg.enable_prefix_caching)
+
     def _within_quota(self, req: Request, num_new: int) -> bool:
         share = self.cfg.kv_quota.get(req.tier)
         if share is None:
@@ -362,6 +369,9 @@ class StepScheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting.popleft()
+            if self._follows_a_prefill(req):
+                skipped.append(req)
+                continue
             alone = not rows and not draft_rows and not verify_rows and not catchups
             hit = self._cached_prefix(req, budget, alone)
             extra = req.catchup[2] - req.catchup[1] if req.catchup else 0

@@ -150,8 +150,13 @@ class WorkerRegistry:
 
     # ---- placement ---------------------------------------------------------------------------
     def place(self, s: P.Submit, cands: list[WorkerState]) -> WorkerState:
-        """The worker with the longest reusable prefix of the prompt, unless it is overloaded;
-        otherwise the least loaded one."""
+        """Another choice of an n > 1 request goes where its first choice is (they share its prompt's
+        KV). Otherwise the worker with the longest reusable prefix of the prompt, unless it is
+        overloaded; otherwise the least loaded one."""
+        if s.follow:
+            lead = self.workers.get(self.placement.get(s.follow, ""))
+            if lead is not None and lead in cands:
+                return lead
         def load(w: WorkerState) -> tuple[int, int]:
             return w.core.num_unfinished(), sum(p.num_used for p in w.core.pools)
         least = min(cands, key=load)

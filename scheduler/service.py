@@ -139,7 +139,8 @@ class SchedulerService:
         try:
             w.core.add_request(s.request_id, s.prompt_ids, s.tier, s.params,
                                meta={"gateway_id": s.gateway_id, "arrival": s.arrival,
-                                     "session_id": s.session_id, "entry": entry, "seq_offset": seq_offset})
+                                     "session_id": s.session_id, "entry": entry, "seq_offset": seq_offset,
+                                     "follow": s.follow})
         except InvalidRequest as e:
             self.fail(s.request_id, s.gateway_id, str(e), e.code, e.status, entry)
             return

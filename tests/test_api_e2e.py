@@ -270,3 +270,79 @@ def test_sampling_parameters_reach_the_worker_and_act_as_in_the_engine(service, 
 def test_bad_sampling_parameters_are_400(service, models, body, param):
     r = post(service, "/v1/chat/completions", {"model": models[0], "messages": MSG, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# ---- n choices ----------------------------------------------------------------------------------
+def stats(service):
+    import redis
+    from core import protocol as P
+    return P.StatsSnapshot.decode(redis.Redis.from_url(service.redis_url).hget(P.STATS_KEY, "scheduler"))
+
+
+def settled_stats(service, after: float):
+    """The scheduler's snapshot written after `after` with nothing running (polled, with a deadline)."""
+    import time
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        s = stats(service)
+        if s is not None and s.updated > after and not any(s.running.values()) and not any(s.waiting.values()):
+            return s
+        time.sleep(0.1)
+    raise AssertionError(f"the scheduler did not settle: {stats(service)}")
+
+
+def test_n_seeded_choices_equal_the_requests_sent_one_by_one_and_share_one_prefill(service, models, fam):
+    import json
+    import time
+    prompt = fam.tokenizer("A prompt long enough to fill a few KV blocks, shared by every choice: "
+                           "red green blue cyan magenta")["input_ids"]
+    body = {"model": models[1], "prompt": prompt, "max_tokens": 6, "temperature": 0.9, "seed": 40,
+            "ignore_eos": True, "logprobs": 0}
+    before = settled_stats(service, 0)
+    t = time.time()
+    r = post(service, "/v1/completions", {**body, "n": 4}).json()
+    after = settled_stats(service, t)
+    # one prefill: choice 0 computes the prompt, the others only what the last partial block holds
+    computed = after.prefill_computed[0] - before.prefill_computed[0]
+    assert len(prompt) <= computed <= len(prompt) + 3 * 4, computed
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    alone = [post(service, "/v1/completions", {**body, "seed": 40 + i}).json() for i in range(4)]
+    for c, a in zip(r["choices"], alone):
+        lp, want = c["logprobs"], a["choices"][0]["logprobs"]
+        assert c["text"] == a["choices"][0]["text"] and lp["tokens"] == want["tokens"]
+        assert max(abs(x - y) for x, y in zip(lp["token_logprobs"], want["token_logprobs"])) < TOL  # batching
+    assert len({c["text"] for c in r["choices"]}) > 1  # different seeds, different samples
+    assert r["usage"]["completion_tokens"] == 4 * 6 and r["usage"]["prompt_tokens"] == len(prompt)
+    # streamed: every chunk names its choice; per index the same text
+    with httpx.stream("POST", service.url + "/v1/completions", json={**body, "n": 4, "stream": True,
+                                                                       "stream_options": {"include_usage": True}},
+                      timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    texts = {i: "" for i in range(4)}
+    finished = set()
+    for e in events[:-1]:
+        (ch,) = e["choices"]
+        texts[ch["index"]] += ch["text"]
+        if ch["finish_reason"]:
+            finished.add(ch["index"])
+    assert finished == {0, 1, 2, 3} and texts == {c["index"]: c["text"] for c in r["choices"]}
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 24
+
+
+def test_n_with_chat_and_echo(client, service, models, fam):
+    r = client.chat.completions.create(model=models[0], messages=MSG, max_tokens=4, temperature=0, n=2,
+                                       extra_body={"ignore_eos": True})
+    assert len(r.choices) == 2 and r.choices[0].message.content == r.choices[1].message.content  # greedy
+    prompt = "Echo me twice"
+    e = post(service, "/v1/completions", {"model": models[0], "prompt": prompt, "max_tokens": 0, "echo": True,
+                                          "logprobs": 1, "n": 2}).json()
+    a, b = e["choices"]
+    assert a["text"] == b["text"] == prompt and a["logprobs"] == b["logprobs"]
+    assert a["logprobs"]["token_logprobs"][0] is None and len(a["logprobs"]["tokens"]) > 1
+
+
+@pytest.mark.parametrize("n", [0, 17, "2"])
+def test_bad_n_is_400(service, models, n):
+    r = post(service, "/v1/chat/completions", {"model": models[0], "messages": MSG, "n": n})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text

@@ -419,11 +419,22 @@ def test_bad_completion_input_is_400(gw, body, param):
     _err(httpx.post(gw.url + "/v1/completions", json=body), 400, param=param)
 
 
-def test_n_above_one_is_400_with_openai_client(gw):
+def test_n_above_the_cap_is_400_with_openai_client(gw):
     with pytest.raises(openai.BadRequestError) as e:
-        gw.client().chat.completions.create(n=2, **CHAT)
-    assert e.value.status_code == 400 and e.value.code == "unsupported_parameter"
-    assert "n=2 is not supported" in e.value.message
+        gw.client().chat.completions.create(n=17, **CHAT)
+    assert e.value.status_code == 400 and e.value.code == "unsupported_parameter" and e.value.param == "n"
+    assert "at most 16" in e.value.message
+
+
+def test_n_choices_are_n_submits_following_the_first(gw, backend):
+    r = gw.client().chat.completions.create(n=3, seed=7, temperature=0.5, **CHAT)
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(c.message.content == PARIS for c in r.choices)
+    subs = [backend.submits[r.id]] + [backend.submits[f"{r.id}-{i}"] for i in (1, 2)]
+    assert [s.params.seed for s in subs] == [7, 8, 9]
+    assert [s.follow for s in subs] == [None, r.id, r.id]
+    assert r.usage.prompt_tokens == len(subs[0].prompt_ids)
+    one = gw.client().chat.completions.create(**CHAT)
+    assert r.usage.completion_tokens == 3 * one.usage.completion_tokens
 
 
 def test_unknown_model_is_404(gw):

@@ -324,7 +324,7 @@ def valid_body(doc: dict, path: str, body) -> bool:
 
 _BODIES: dict[str, st.SearchStrategy] = {}
 # fields that take only the values meaning "off": drawn often enough by the plain and dense strategies
-UNSUPPORTED = {"n", "best_of", "suffix", "tools", "functions"}
+UNSUPPORTED = {"best_of", "suffix", "tools", "functions"}
 
 
 def non_null(schema: dict) -> dict:
