@@ -6,6 +6,7 @@ never sees a 500 for a malformed request.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -216,14 +217,53 @@ def _n(body: dict) -> int:
     return n or 1
 
 
+# OpenAI (and vLLM) request fields this server does not implement: only the values that mean "off"
+# are accepted (compared type-strictly, as JSON Schema's enum does); anything else is a 400
+# unsupported_parameter naming the field, never accepted and ignored. gateway/openapi.py describes
+# each with exactly these values.
+NO_TOOLS = "tools and function calling are not supported"
+NO_STRUCTURED = "structured output is not supported yet"
+REFUSED: dict[str, tuple[tuple, str]] = {
+    "suffix": ((None, ""), "insertion ('suffix') is not supported"),
+    "response_format": ((None, {"type": "text"}), NO_STRUCTURED + ' (only {"type": "text"})'),
+    "guided_json": ((None,), NO_STRUCTURED),
+    "guided_regex": ((None,), NO_STRUCTURED),
+    "guided_choice": ((None,), NO_STRUCTURED),
+    "guided_grammar": ((None,), NO_STRUCTURED),
+    "structured_outputs": ((None,), NO_STRUCTURED),
+    "tool_choice": ((None, "none", "auto"), NO_TOOLS),
+    "function_call": ((None, "none", "auto"), NO_TOOLS),
+    "parallel_tool_calls": ((None, True), NO_TOOLS),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "audio": ((None,), "only text output is supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "reasoning_effort": ((None,), "these models do not reason on a budget"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "store": ((None, False), "completions are not stored"),
+    "metadata": ((None, {}), "completions are not stored (metadata goes with 'store')"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+}
+
+
+def _same(a, b) -> bool:
+    return type(a) is type(b) and a == b
+
+
 def _unsupported(body: dict) -> None:
     best_of = _int(body, "best_of", lo=1)
     if best_of not in (None, 1):
         raise invalid("'best_of' > 1 is not supported.", "best_of", code="unsupported_parameter")
-    if body.get("suffix") not in (None, ""):
-        raise invalid("'suffix' is not supported.", "suffix", code="unsupported_parameter")
-    if body.get("tools") or body.get("functions"):
-        raise invalid("tools/function calling is not supported.", "tools", code="unsupported_parameter")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise invalid(f"'{name}': {NO_TOOLS}.", name, code="unsupported_parameter")
+    for name, (off, why) in REFUSED.items():
+        v = body.get(name)
+        if not any(_same(v, o) for o in off):
+            allowed = " or ".join(json.dumps(o) for o in off)
+            shown = json.dumps(v, default=str)
+            shown = shown if len(shown) <= 60 else shown[:60] + "..."
+            raise invalid(f"'{name}': {shown} is not supported: {why}. Leave it out (or send {allowed}).",
+                          name, code="unsupported_parameter")
 
 
 def _max_tokens(body: dict, lim: Limits, echo: bool = False) -> int | None:

@@ -17,6 +17,9 @@ what the gateway may therefore still answer with a 400 for a body valid by this 
 * ``mfs.speculative.draft`` on a family-id (or ``auto``) request: the draft must be below the tier the
   complexity scorer picks for the prompt.
 
+Every field OpenAI defines is described: honoured, or (``gateway.openai_api.REFUSED``) accepted only with
+the values that mean "off", anything else a 400 ``unsupported_parameter``; none is accepted and ignored.
+
 Responses are described as exactly as the requests (``additionalProperties: false`` on the gateway's own
 objects); a stream's ``data:`` events are described by the media type's ``x-event-data`` schema.
 """
@@ -28,7 +31,7 @@ from core.sampling import SamplingParams
 from gateway.keys import CONFIG, KEYS, SERVICE
 from core.sampling import MAX_LOGIT_BIAS
 from gateway.openai_api import (INT32_MAX, MAX_CASCADE_WINDOW, MAX_LOGPROBS, MAX_N, MAX_REPETITION, MAX_SPEC_GAMMA,
-                                ROLES, Limits)
+                                REFUSED, ROLES, Limits)
 
 PATH = "/openapi.json"
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -236,9 +239,11 @@ def _common_params(f: _Facts) -> dict:
                                  "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
                                  "description": "Token id (a decimal string) -> a bias added to its logit before "
                                                 "penalties and sampling."}),
-        "suffix": {"enum": [None, ""], "description": "Not supported."},
         "tools": {"enum": FALSY, "description": "Not supported: only an empty value."},
         "functions": {"enum": FALSY, "description": "Not supported: only an empty value."},
+        # refused unless "off" (gateway.openai_api.REFUSED): a 400 unsupported_parameter, never ignored
+        **{name: {"enum": list(off), "description": f"Not supported ({why}): only the values meaning off."}
+           for name, (off, why) in REFUSED.items()},
     }
 
 
@@ -291,7 +296,8 @@ def _completion_params(f: _Facts) -> dict:
 
 def _request(f: _Facts, required: str, first: dict, description: str, extra: dict, **rules) -> dict:
     props = {"model": _ref("ModelId"), required: first, **_common_params(f), **extra}
-    # other fields are ignored (response_format, logit_bias, ...): the object stays open
+    # Every OpenAI field is described (honoured, or refused unless off); a field the description does not
+    # name is not read (the object stays open, as before: clients and SDKs add their own)
     return _obj(props, ["model", required], closed=False, anyOf=_per_model(f), description=description,
                 **rules)
 

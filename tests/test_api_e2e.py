@@ -346,3 +346,137 @@ def test_n_with_chat_and_echo(client, service, models, fam):
 def test_bad_n_is_400(service, models, n):
     r = post(service, "/v1/chat/completions", {"model": models[0], "messages": MSG, "n": n})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+
+
+# ---- never accept a parameter and ignore it -----------------------------------------------------
+REFUSED = {  # documented fields whose non-default values this server refuses (400 naming them)
+    "best_of": 2, "suffix": "x", "tools": [{"type": "function", "function": {"name": "f"}}],
+    "functions": [{"name": "f"}], "response_format": {"type": "json_object"}, "tool_choice": "required",
+    "function_call": {"name": "f"}, "parallel_tool_calls": False, "modalities": ["text", "audio"],
+    "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"},
+    "reasoning_effort": "low", "web_search_options": {}, "store": True, "metadata": {"k": "v"},
+    "service_tier": "flex", "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
+    "guided_grammar": "root ::= 'a'", "structured_outputs": {"json": {}},
+}
+SWEEP_PROMPT = "one one one two two"
+
+
+class Sweep:
+    """One endpoint's baseline (greedy, 8 tokens at the top tier) and how to send a variation of it."""
+
+    def __init__(self, service, models, fam, path):
+        self.service, self.fam, self.path = service, fam, path
+        self.chat = path.endswith("chat/completions")
+        first = {"messages": [{"role": "user", "content": SWEEP_PROMPT}]} if self.chat else {"prompt": SWEEP_PROMPT}
+        self.base = {"model": models[2], **first, "temperature": 0, "max_tokens": 8}
+        prompt = chat_ids(fam, first["messages"]) if self.chat else fam.tokenizer(SWEEP_PROMPT)["input_ids"]
+        self.ids = engine_tokens(fam, prompt, 2, max_tokens=8, temperature=0)  # what the baseline generates
+        self.baseline = self.send()
+        assert self.text(self.baseline) == fam.tokenizer.decode(self.ids)
+
+    def send(self, **kw) -> dict:
+        r = post(self.service, self.path, {**self.base, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def text(self, r: dict, i: int = 0) -> str:
+        c = r["choices"][i]
+        return c["message"]["content"] if self.chat else c["text"]
+
+    def differs(self, **kw) -> None:
+        assert self.text(self.send(**kw)) != self.text(self.baseline), kw
+
+    def stream(self, **kw) -> tuple[str, list[dict]]:
+        import json
+        with httpx.stream("POST", self.service.url + self.path, json={**self.base, "stream": True, **kw},
+                          timeout=60) as s:
+            body = "".join(s.iter_text())
+            kind = s.headers["content-type"]
+        return kind, [json.loads(e[6:]) for e in body.split("\n\n") if e.startswith("data: {")]
+
+
+def _session_listed(service, session: str) -> bool:
+    import redis
+    from core import protocol as P
+    return bool(redis.Redis.from_url(service.redis_url).exists(P.kv_session_key(session)))
+
+
+def check_stop(s: Sweep) -> None:
+    """A stop string taken from the baseline's text (its first occurrence, past the start): the text
+    ends just before it."""
+    text = s.text(s.baseline)
+    k = next(k for k in range(1, len(text) - 2) if text.find(text[k:k + 3]) == k and text[k:k + 3].strip())
+    r = s.send(stop=[text[k:k + 3]])
+    assert r["choices"][0]["finish_reason"] == "stop" and s.text(r) == text[:k], (text, k, r)
+
+
+def spec_requests(service) -> float:
+    text = httpx.get(service.url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("mfs_spec_requests_total{") and 'draft="small"' in line and 'target="large"' in line)
+
+
+def check_speculation(s: Sweep, models) -> bool:
+    before = spec_requests(s.service)
+    r = s.send(mfs={"speculative": {"draft": models[0]}})
+    return s.text(r) == s.text(s.baseline) and spec_requests(s.service) == before + 1
+
+
+def sweep_checks(s: Sweep, models, fam) -> dict:
+    """field -> a check that sends it with a non-default value and says (True) or asserts that it acted."""
+    hot = {"temperature": 1.5, "seed": 1}
+    eos = fam.tokenizer.eos_token_id
+    return {
+        "max_tokens": lambda: s.send(max_tokens=3)["usage"]["completion_tokens"] == 3,
+        "max_completion_tokens": lambda: s.send(max_completion_tokens=3)["usage"]["completion_tokens"] == 3,
+        "temperature": lambda: s.differs(**hot),
+        "seed": lambda: s.text(s.send(**hot)) != s.text(s.send(temperature=1.5, seed=2)),
+        "top_p": lambda: s.text(s.send(**hot, top_p=1e-6)) == s.text(s.baseline),
+        "top_k": lambda: s.text(s.send(**hot, top_k=1)) == s.text(s.baseline),
+        "min_p": lambda: s.text(s.send(**hot, min_p=1.0)) == s.text(s.baseline),
+        "stream": lambda: s.stream()[0].startswith("text/event-stream"),
+        "stream_options": lambda: s.stream(stream_options={"include_usage": True})[1][-1]["usage"][
+            "completion_tokens"] == 8,
+        "stop": lambda: check_stop(s),
+        "stop_token_ids": lambda: (lambda r: r["choices"][0]["finish_reason"] == "stop"
+                                   and r["usage"]["completion_tokens"] == s.ids.index(s.ids[2]) + 1
+                                  )(s.send(stop_token_ids=[s.ids[2]])),
+        "ignore_eos": lambda: (s.send(logit_bias={str(eos): 100})["usage"]["completion_tokens"] == 1
+                               and s.send(logit_bias={str(eos): 100}, ignore_eos=True)["usage"][
+                                   "completion_tokens"] == 8),
+        "session_id": lambda: (s.send(session_id=f"sweep-{s.path}") and _session_listed(s.service, f"sweep-{s.path}")),
+        "user": lambda: (s.send(user=f"sweep-user-{s.path}") and _session_listed(s.service, f"sweep-user-{s.path}")),
+        # speculation is exact (same text): it shows in the request's drafts, or at least in its being
+        # submitted with a draft tier (the scheduler's acceptance gate may keep a poor pair from drafting)
+        "mfs": lambda: check_speculation(s, models),
+        "n": lambda: len(s.send(n=2)["choices"]) == 2,
+        "frequency_penalty": lambda: s.differs(frequency_penalty=2),
+        "presence_penalty": lambda: s.differs(presence_penalty=2),
+        "repetition_penalty": lambda: s.differs(repetition_penalty=2),
+        "logit_bias": lambda: s.differs(logit_bias={str(s.ids[0]): -100}),
+        "logprobs": lambda: s.send(logprobs=True if s.chat else 1)["choices"][0]["logprobs"] is not None,
+        "top_logprobs": (lambda: len(s.send(logprobs=True, top_logprobs=2)["choices"][0]["logprobs"]["content"][0][
+            "top_logprobs"]) == 2) if s.chat else None,
+        "echo": (lambda: s.text(s.send(echo=True)).startswith(SWEEP_PROMPT)) if not s.chat
+        else None,
+    }
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_every_documented_field_has_an_effect_or_is_refused(service, models, fam, path):
+    """Each field of the OpenAPI description's request schema, sent with a non-default value: its
+    effect is observed, or it is a 400 naming it. A field documented but missing here fails the test."""
+    doc = httpx.get(service.url + "/openapi.json", timeout=30).json()
+    ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    fields = set(doc["components"]["schemas"][ref.rsplit("/", 1)[1]]["properties"]) - {"model", "messages", "prompt"}
+    s = Sweep(service, models, fam, path)
+    checks = {k: v for k, v in sweep_checks(s, models, fam).items() if v is not None}
+    refused = dict(REFUSED, **({"echo": True} if s.chat else {}))
+    assert fields == set(checks) | set(refused), (fields ^ (set(checks) | set(refused)))
+    for name in sorted(fields):
+        if name in refused:
+            r = post(service, path, {**s.base, name: refused[name]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
+            assert r.json()["error"]["code"] == "unsupported_parameter", (name, r.text)
+        else:
+            assert checks[name]() is not False, f"'{name}' was accepted and changed nothing observable"
