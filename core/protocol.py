@@ -156,6 +156,9 @@ class Submit(Record):
     model_id: str = ""
     arrival: float = 0.0
     session_id: str | None = None
+    # n > 1: the request id of the first choice. This choice is placed on its worker and admitted once
+    # that one's prompt is computed, so it starts from the prompt's cached blocks (one prefill).
+    follow: str | None = None
 
 
 @dataclass(slots=True)
@@ -166,10 +169,21 @@ class Cancel(Record):
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """One token's log-probability under the tier that produced it (log-softmax of that tier's raw
+    logits), and the most likely tokens at its position, most likely first."""
+    token: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class TokenEvent(Record):
     """Tokens of one request; ``seq`` is the index of ``token_ids[0]`` among its output tokens, so
     a client-side stream can drop duplicates and notice gaps."""
     TYPE = "tokens"
+    NESTED = {"logprobs": [TokenLogprob], "prompt_logprobs": [TokenLogprob]}
     request_id: str
     seq: int
     token_ids: list[int]
@@ -184,6 +198,8 @@ class TokenEvent(Record):
     status: int = 0                 # HTTP status the gateway should answer an error with
     draft_proposed: int = 0         # self-speculation so far (cumulative): draft tokens proposed...
     draft_accepted: int = 0         # ...and accepted by the verifying tier
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids (when asked)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (seq 0 only)
 
 
 @dataclass(slots=True)
@@ -198,6 +214,8 @@ class NewRequest:
     stop_ids: list[int]     # params' stop ids and, unless ignored, the model's EOS
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     seq_offset: int = 0     # output tokens streamed before a re-plan (after a worker was lost)
+    prompt_ids: list[int] = field(default_factory=list)  # only when the worker needs them (prompt
+    #                         log-probabilities, penalties); after a re-plan the streamed tokens end it
 
 
 @dataclass(slots=True)
@@ -216,7 +234,10 @@ class PlanRow:
     sample_all: bool = False  # a verification row (logits at every position): the worker accepts or
     #                           rejects `drafts` and streams the committed tokens
     drafts: list[int] = field(default_factory=list)  # verification: the round's draft tokens, one per
-    #                           position of token_ids ([last committed] + drafts[:-1])
+    #                           position of token_ids ([last committed] + drafts[:-1]); a draft row of a
+    #                           request with penalties: the round's drafts so far (they count)
+    logits_all: bool = False  # prompt log-probabilities: logits at every position (the last one
+    #                           samples when `sample`), each scoring the prompt token after it
 
 
 @dataclass(slots=True)

@@ -2,8 +2,12 @@
 worker, so it imports nothing heavy (the sampling math itself is worker/sampling.py)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (OpenAI's bound)
+MAX_LOGIT_BIAS = 1024  # token ids a request may bias
 
 
 @dataclass(slots=True)
@@ -26,9 +30,28 @@ class SamplingParams:
     # softmax probability of the last `cascade_window` sampled tokens falls below the threshold.
     cascade_threshold: float | None = None
     cascade_window: int = 4
+    # Log-probabilities, computed in the worker from the raw logits of the tier that produced each
+    # token (before logit_bias, penalties, temperature, top-k/p, min-p): None is off; k >= 0 returns
+    # the chosen token's log-probability and the k most likely tokens'. `prompt_logprobs` does the
+    # same for every prompt token but the first (echo); such a request reads nothing from the prefix
+    # cache, so that every prompt position is computed (the blocks it writes are cached as usual).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Logit transforms, applied per row in the worker in vLLM's order: logit_bias (token id -> added to
+    # its logit), then the penalties: repetition (HF: a logit of a token seen in the prompt or the
+    # output is divided by it when positive, multiplied when not), frequency (minus penalty x count in
+    # the output) and presence (minus penalty if in the output at all). Greedy takes the argmax of the
+    # result; sampling then applies temperature, min_p (drop tokens below min_p x the top probability),
+    # top_k and top_p.
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(self.stop_token_ids)  # a list off the wire: keep it hashable
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -50,10 +73,48 @@ class SamplingParams:
                 raise ValueError(f"cascade_window must be a positive integer, got {self.cascade_window!r}")
         if not 0.0 <= self.spec_stop_confidence <= 1.0:
             raise ValueError(f"spec_stop_confidence must be in [0, 1], got {self.spec_stop_confidence}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for t, b in self.logit_bias.items():
+            if t < 0 or not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias maps token ids >= 0 to values in [-100, 100], got {t}: {b}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}")
+
+    def resumed(self, done: int) -> SamplingParams:
+        """The parameters of this request resumed elsewhere after `done` output tokens were streamed
+        (a lost worker, a new scheduler leader): what is left of max_tokens, and no prompt
+        log-probabilities once the client has them (they came with the first token)."""
+        return replace(self, max_tokens=self.max_tokens - done,
+                       prompt_logprobs=self.prompt_logprobs if done == 0 else None)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty depends on the tokens so far (the worker keeps their counts)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def processed(self) -> bool:
+        """The logits go through logit_bias or a penalty before sampling."""
+        return self.penalized or bool(self.logit_bias)
+
+    @property
+    def needs_prompt(self) -> bool:
+        """The worker needs the prompt's token ids (to score them, or to count them for penalties)."""
+        return self.prompt_logprobs is not None or self.penalized
 
     def stop_ids(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
         """The tokens that end this request: its own stop ids, and the model's EOS unless ignored."""

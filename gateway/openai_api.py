@@ -6,12 +6,20 @@ never sees a 500 for a malformed request.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
 
+from core.sampling import MAX_LOGIT_BIAS
+from core.sampling import MAX_LOGPROBS as _MAX_LOGPROBS
+
 ROLES = ("system", "user", "assistant")
 INT32_MAX = (1 << 31) - 1
+MAX_LOGPROBS = _MAX_LOGPROBS  # top_logprobs (chat) / logprobs (completions) at most
+MAX_REPETITION = 10.0  # repetition_penalty at most (HF: > 0; 1 is off)
+MAX_N = 16             # choices per request
+LOGPROB_FLOOR = -9999.0  # what a -inf log-probability is reported as (JSON has no infinity)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
@@ -109,6 +117,14 @@ class GenParams:
     include_usage: bool = False
     session_id: str | None = None
     multilevel: MultiLevel = field(default_factory=MultiLevel)
+    logprobs: int | None = None       # alternatives per token (0: the chosen token's only); None: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias (ids checked later)
+    echo: bool = False                # completions: the prompt first (with its logprobs when asked)
+    n: int = 1                        # choices, each its own request (seed + i when seeded)
 
 
 @dataclass(slots=True)
@@ -193,31 +209,71 @@ def _stop(body: dict, lim: Limits) -> list[str]:
     return list(dict.fromkeys(stops))
 
 
-def _unsupported(body: dict) -> None:
+def _n(body: dict) -> int:
     n = _int(body, "n", lo=1)
-    if n not in (None, 1):
-        raise invalid(f"n={n} is not supported: this server returns exactly one choice per request "
-                      "(send n=1 or leave it out).", "n", code="unsupported_parameter")
+    if n is not None and n > MAX_N:
+        raise invalid(f"n={n} is more choices than this server gives one request (at most {MAX_N}).", "n",
+                      code="unsupported_parameter")
+    return n or 1
+
+
+# OpenAI (and vLLM) request fields this server does not implement: only the values that mean "off"
+# are accepted (compared type-strictly, as JSON Schema's enum does); anything else is a 400
+# unsupported_parameter naming the field, never accepted and ignored. gateway/openapi.py describes
+# each with exactly these values.
+NO_TOOLS = "tools and function calling are not supported"
+NO_STRUCTURED = "structured output is not supported yet"
+REFUSED: dict[str, tuple[tuple, str]] = {
+    "suffix": ((None, ""), "insertion ('suffix') is not supported"),
+    "response_format": ((None, {"type": "text"}), NO_STRUCTURED + ' (only {"type": "text"})'),
+    "guided_json": ((None,), NO_STRUCTURED),
+    "guided_regex": ((None,), NO_STRUCTURED),
+    "guided_choice": ((None,), NO_STRUCTURED),
+    "guided_grammar": ((None,), NO_STRUCTURED),
+    "structured_outputs": ((None,), NO_STRUCTURED),
+    "tool_choice": ((None, "none", "auto"), NO_TOOLS),
+    "function_call": ((None, "none", "auto"), NO_TOOLS),
+    "parallel_tool_calls": ((None, True), NO_TOOLS),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "audio": ((None,), "only text output is supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "reasoning_effort": ((None,), "these models do not reason on a budget"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "store": ((None, False), "completions are not stored"),
+    "metadata": ((None, {}), "completions are not stored (metadata goes with 'store')"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+}
+
+
+def _same(a, b) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def _unsupported(body: dict) -> None:
     best_of = _int(body, "best_of", lo=1)
     if best_of not in (None, 1):
         raise invalid("'best_of' > 1 is not supported.", "best_of", code="unsupported_parameter")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if _float(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise invalid(f"'{name}' is not supported.", name, code="unsupported_parameter")
-    lp = body.get("logprobs")
-    if lp not in (None, False, 0):
-        raise invalid("'logprobs' is not supported.", "logprobs", code="unsupported_parameter")
-    if body.get("echo") not in (None, False):
-        raise invalid("'echo' is not supported.", "echo", code="unsupported_parameter")
-    if body.get("suffix") not in (None, ""):
-        raise invalid("'suffix' is not supported.", "suffix", code="unsupported_parameter")
-    if body.get("tools") or body.get("functions"):
-        raise invalid("tools/function calling is not supported.", "tools", code="unsupported_parameter")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise invalid(f"'{name}': {NO_TOOLS}.", name, code="unsupported_parameter")
+    for name, (off, why) in REFUSED.items():
+        v = body.get(name)
+        if not any(_same(v, o) for o in off):
+            allowed = " or ".join(json.dumps(o) for o in off)
+            shown = json.dumps(v, default=str)
+            shown = shown if len(shown) <= 60 else shown[:60] + "..."
+            raise invalid(f"'{name}': {shown} is not supported: {why}. Leave it out (or send {allowed}).",
+                          name, code="unsupported_parameter")
 
 
-def _max_tokens(body: dict, lim: Limits) -> int | None:
+def _max_tokens(body: dict, lim: Limits, echo: bool = False) -> int | None:
+    """``max_completion_tokens`` wins over ``max_tokens``; 0 only with completions' echo (the prompt
+    scored, nothing generated)."""
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    v = _int(body, name, lo=1, hi=INT32_MAX)
+    v = _int(body, name, lo=0, hi=INT32_MAX)
+    if v == 0 and not echo:
+        raise invalid(f"'{name}' must be between 1 and {INT32_MAX}, got 0 (0 only with 'echo' on completions).",
+                      name)
     if v is not None and lim.max_tokens_cap and v > lim.max_tokens_cap:
         raise invalid(f"'{name}' may be at most {lim.max_tokens_cap} on this server, got {v}.", name)
     return v
@@ -306,9 +362,68 @@ def parse_multilevel(body: dict) -> MultiLevel:
     return ml
 
 
-def parse_params(body: dict, lim: Limits = DEFAULT_LIMITS) -> GenParams:
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Chat: ``logprobs`` (boolean) and ``top_logprobs`` (0..20, only with logprobs true); completions:
+    ``logprobs`` (0..20). Returns the number of alternatives per token, or None (off)."""
+    if not chat:
+        v = body.get("logprobs")
+        if v is False:
+            return None
+        if v is True:
+            raise invalid(f"'logprobs' on completions is the number of most likely tokens to return (0 to "
+                          f"{MAX_LOGPROBS}), not a boolean.", "logprobs")
+        return _int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
+    on = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if top is not None and not on:
+        raise invalid("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+    return (top or 0) if on else None
+
+
+def _repetition_penalty(body: dict) -> float:
+    v = body.get("repetition_penalty")
+    if v is None:
+        return 1.0
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= MAX_REPETITION:
+        raise invalid(f"'repetition_penalty' must be a number > 0 and at most {MAX_REPETITION:g} (1: off), "
+                      f"got {_short(v)}.", "repetition_penalty")
+    return float(v)
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """``{"<token id>": bias}``, bias in [-100, 100] (ids against the vocabulary: gateway.serving)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise invalid(f"'logit_bias' must be an object mapping token ids to numbers, got {_short(v)}.", "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise invalid(f"'logit_bias' may name at most {MAX_LOGIT_BIAS} tokens, got {len(v)}.", "logit_bias")
+    out = {}
+    for k, b in v.items():
+        if not (k.isascii() and k.isdigit() and len(k) <= 10 and k == str(int(k)) and int(k) <= INT32_MAX):
+            raise invalid(f"'logit_bias' keys must be token ids (decimal strings, no leading zeros), got "
+                          f"{_short(k, 40)}.", "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
+            raise invalid(f"'logit_bias' values must be numbers between -100 and 100, got {_short(b, 40)} for "
+                          f"token {k}.", "logit_bias")
+        out[int(k)] = float(b)
+    return out
+
+
+def _echo(body: dict, chat: bool) -> bool:
+    if chat:
+        if body.get("echo") not in (None, False):
+            raise invalid("'echo' is a completions parameter; chat completions do not take it.", "echo",
+                          code="unsupported_parameter")
+        return False
+    return _bool(body, "echo")
+
+
+def parse_params(body: dict, lim: Limits = DEFAULT_LIMITS, chat: bool = True) -> GenParams:
     _unsupported(body)
-    max_tokens = _max_tokens(body, lim)
+    echo = _echo(body, chat)
+    max_tokens = _max_tokens(body, lim, echo)
     top_k = _int(body, "top_k", lo=-1, hi=INT32_MAX)
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
@@ -327,7 +442,12 @@ def parse_params(body: dict, lim: Limits = DEFAULT_LIMITS) -> GenParams:
                      top_p=_float(body, "top_p", 1.0, 0.0, 1.0),
                      top_k=max(0, top_k or 0), seed=seed, stop=_stop(body, lim), stop_token_ids=stop_ids,
                      ignore_eos=_bool(body, "ignore_eos"), stream=stream, include_usage=include_usage,
-                     session_id=_session(body, lim), multilevel=parse_multilevel(body))
+                     session_id=_session(body, lim), multilevel=parse_multilevel(body),
+                     logprobs=_logprobs(body, chat), echo=echo, n=_n(body),
+                     min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
+                     presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+                     frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                     repetition_penalty=_repetition_penalty(body), logit_bias=_logit_bias(body))
 
 
 def _content(msg: dict, i: int) -> str:
@@ -368,7 +488,7 @@ def parse_chat(body, lim: Limits = DEFAULT_LIMITS) -> ChatRequest:
     if sum(len(m["content"]) for m in out) > lim.max_prompt_chars:
         raise invalid(f"The messages may have at most {lim.max_prompt_chars} characters together.",
                       "messages", code="prompt_too_long")
-    return ChatRequest(model, out, parse_params(body, lim))
+    return ChatRequest(model, out, parse_params(body, lim, chat=True))
 
 
 def parse_completion(body, lim: Limits = DEFAULT_LIMITS) -> CompletionRequest:
@@ -391,7 +511,7 @@ def parse_completion(body, lim: Limits = DEFAULT_LIMITS) -> CompletionRequest:
                       code="unsupported_parameter")
     else:
         raise invalid("'prompt' must be a non-empty string or a list of token ids.", "prompt")
-    return CompletionRequest(model, prompt, parse_params(body, lim))
+    return CompletionRequest(model, prompt, parse_params(body, lim, chat=False))
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -418,32 +538,81 @@ def served(tier_ids: list[str]) -> dict:
     return {"tiers": list(tier_ids), "escalations": max(0, len(tier_ids) - 1)}
 
 
-def chat_response(rid: str, model: str, created: int, text: str, finish: str, use: dict) -> dict:
+@dataclass(slots=True)
+class TokenInfo:
+    """One token as a response shows its log-probability: its text (the token decoded alone), its
+    log-probability (None: the first prompt token, which nothing predicts) and the most likely tokens
+    at its position, most likely first."""
+    text: str
+    logprob: float | None
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+def _lp(v: float) -> float:
+    return v if v > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="surrogatepass"))
+
+
+def chat_logprobs(items: list[TokenInfo]) -> dict:
+    """OpenAI's ``choices[i].logprobs`` of a chat completion (or chunk)."""
+    return {"content": [{"token": t.text, "logprob": _lp(t.logprob), "bytes": _bytes(t.text),
+                         "top_logprobs": [{"token": s, "logprob": _lp(v), "bytes": _bytes(s)} for s, v in t.top]}
+                        for t in items],
+            "refusal": None}
+
+
+def completion_logprobs(items: list[TokenInfo], offset: int = 0) -> dict:
+    """OpenAI's legacy ``choices[i].logprobs``; ``offset``: characters of the choice's text before the
+    first item (text_offset counts from there, each token adding its own text's length)."""
+    offsets = []
+    for t in items:
+        offsets.append(offset)
+        offset += len(t.text)
+    return {"tokens": [t.text for t in items],
+            "token_logprobs": [None if t.logprob is None else _lp(t.logprob) for t in items],
+            "top_logprobs": [None if t.logprob is None else {s: _lp(v) for s, v in t.top} for t in items],
+            "text_offset": offsets}
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice of a finished response."""
+    index: int
+    text: str
+    finish: str
+    logprobs: dict | None = None
+
+
+def chat_response(rid: str, model: str, created: int, choices: list[Choice], use: dict) -> dict:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": c.logprobs, "finish_reason": c.finish} for c in choices],
             "usage": use}
 
 
-def completion_response(rid: str, model: str, created: int, text: str, finish: str, use: dict) -> dict:
+def completion_response(rid: str, model: str, created: int, choices: list[Choice], use: dict) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish}
+                        for c in choices],
             "usage": use}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None,
-               with_usage: bool) -> dict:
+               with_usage: bool, logprobs: dict | None = None, index: int = 0) -> dict:
     c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+         "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
     if with_usage:
         c["usage"] = None
     return c
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None,
-                     with_usage: bool) -> dict:
+                     with_usage: bool, logprobs: dict | None = None, index: int = 0) -> dict:
     c = {"id": rid, "object": "text_completion", "created": created, "model": model,
-         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+         "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
     if with_usage:
         c["usage"] = None
     return c

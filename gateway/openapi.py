@@ -17,6 +17,9 @@ what the gateway may therefore still answer with a 400 for a body valid by this 
 * ``mfs.speculative.draft`` on a family-id (or ``auto``) request: the draft must be below the tier the
   complexity scorer picks for the prompt.
 
+Every field OpenAI defines is described: honoured, or (``gateway.openai_api.REFUSED``) accepted only with
+the values that mean "off", anything else a 400 ``unsupported_parameter``; none is accepted and ignored.
+
 Responses are described as exactly as the requests (``additionalProperties: false`` on the gateway's own
 objects); a stream's ``data:`` events are described by the media type's ``x-event-data`` schema.
 """
@@ -26,7 +29,9 @@ from importlib import metadata
 
 from core.sampling import SamplingParams
 from gateway.keys import CONFIG, KEYS, SERVICE
-from gateway.openai_api import INT32_MAX, MAX_CASCADE_WINDOW, MAX_SPEC_GAMMA, ROLES, Limits
+from core.sampling import MAX_LOGIT_BIAS
+from gateway.openai_api import (INT32_MAX, MAX_CASCADE_WINDOW, MAX_LOGPROBS, MAX_N, MAX_REPETITION, MAX_SPEC_GAMMA,
+                                REFUSED, ROLES, Limits)
 
 PATH = "/openapi.json"
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -35,6 +40,19 @@ ERROR_TYPES = ["invalid_request_error", "authentication_error", "permission_erro
                "timeout_error", "rate_limit_error", "service_unavailable", "server_error"]
 FINISH_REASONS = ["stop", "length"]
 FALSY = [None, False, 0, "", [], {}]  # what `body.get(x) or ...` reads as "not given"
+
+
+def id_pattern(top: int) -> str:
+    """A regex of the decimal strings 0..top, no leading zeros (logit_bias keys: the vocabulary's ids)."""
+    d = str(top)
+    alts = ["0"] + ([f"[1-9][0-9]{{0,{len(d) - 2}}}"] if len(d) > 1 else [])
+    for i, c in enumerate(d):  # same length as top: equal up to i, smaller at i, anything after
+        lo = 1 if i == 0 else 0
+        if int(c) > lo:
+            rest = f"[0-9]{{{len(d) - i - 1}}}" if i < len(d) - 1 else ""
+            alts.append(f"{d[:i]}[{lo}-{int(c) - 1}]{rest}")
+    alts.append(d)
+    return "^(" + "|".join(alts) + ")$"
 
 
 def _ref(name: str) -> dict:
@@ -197,22 +215,91 @@ def _common_params(f: _Facts) -> dict:
         "user": session,
         "mfs": {"description": "MFS multi-level sampling; what it takes depends on 'model': see anyOf."},
         # not supported: only the values that mean "off" are accepted (others: 400 unsupported_parameter)
-        "n": {"enum": [None, 1], "description": "Only 1: one choice per request."},
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N,
+                        "description": f"Choices (at most {MAX_N}): each its own request sharing the prompt's KV "
+                                       "through the prefix cache, choice i seeded with seed + i; usage counts the "
+                                       "prompt once and every choice's tokens; streamed chunks carry each "
+                                       "choice's index."}),
         "best_of": {"enum": [None, 1], "description": "Only 1."},
-        "frequency_penalty": {"enum": [None, 0], "description": "Not supported: only 0."},
-        "presence_penalty": {"enum": [None, 0], "description": "Not supported: only 0."},
-        "logprobs": {"enum": [None, False, 0], "description": "Not supported."},
-        "echo": {"enum": [None, False, 0], "description": "Not supported."},
-        "suffix": {"enum": [None, ""], "description": "Not supported."},
+        "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2,
+                                        "description": "Subtracted from a token's logit once per time it occurs "
+                                                       "in the output so far."}),
+        "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2,
+                                       "description": "Subtracted from the logit of every token in the output "
+                                                      "so far."}),
+        "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": MAX_REPETITION,
+                                         "description": "MFS/vLLM extension (Hugging Face semantics): the logit of "
+                                                        "a token in the prompt or the output is divided by it when "
+                                                        "positive, multiplied when not (1: off)."}),
+        "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1,
+                            "description": "MFS/vLLM extension: sample only tokens whose probability is at least "
+                                           "min_p times the most likely token's (after temperature)."}),
+        "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                 "propertyNames": {"pattern": id_pattern(f.vocab - 1)},
+                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                                 "description": "Token id (a decimal string) -> a bias added to its logit before "
+                                                "penalties and sampling."}),
         "tools": {"enum": FALSY, "description": "Not supported: only an empty value."},
         "functions": {"enum": FALSY, "description": "Not supported: only an empty value."},
+        # refused unless "off" (gateway.openai_api.REFUSED): a 400 unsupported_parameter, never ignored
+        **{name: {"enum": list(off), "description": f"Not supported ({why}): only the values meaning off."}
+           for name, (off, why) in REFUSED.items()},
     }
 
 
-def _request(f: _Facts, required: str, first: dict, description: str) -> dict:
-    props = {"model": _ref("ModelId"), required: first, **_common_params(f)}
-    # other fields are ignored (response_format, logit_bias, ...): the object stays open
-    return _obj(props, ["model", required], closed=False, anyOf=_per_model(f), description=description)
+LOGPROBS_NOTE = ("Log-probabilities are the log-softmax of the raw logits of the tier that produced each "
+                 "token (before temperature, penalties and logit_bias).")
+
+
+def _chat_params() -> dict:
+    return {
+        "echo": {"enum": [None, False, 0], "description": "Not on chat (a completions parameter)."},
+        "logprobs": _nullable({"type": "boolean", "description": "Return each output token's log-probability "
+                                                                 "in choices[].logprobs.content. " + LOGPROBS_NOTE}),
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                                   "description": "Most likely tokens per position; needs logprobs true."}),
+    }
+
+
+# top_logprobs (not null) needs logprobs true
+_TOP_NEEDS_LOGPROBS = {"if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+                       "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}}
+
+
+_ECHO = {"properties": {"echo": {"const": True}}, "required": ["echo"]}
+# max_tokens 0 (the one read: max_completion_tokens wins) needs echo
+_ZERO_NEEDS_ECHO = {"allOf": [
+    {"if": {"properties": {"max_completion_tokens": {"const": 0}}, "required": ["max_completion_tokens"]},
+     "then": _ECHO},
+    {"if": {"properties": {"max_tokens": {"const": 0}, "max_completion_tokens": {"type": "null"}},
+            "required": ["max_tokens"]},
+     "then": _ECHO}]}
+
+
+def _completion_params(f: _Facts) -> dict:
+    common = _common_params(f)
+    zero = "; 0 with echo: the prompt scored, nothing generated"
+    return {
+        "logprobs": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+                               {"enum": [None, False]}],
+                     "description": "Return each token's log-probability and this many most likely tokens per "
+                                    "position (null or false: off). " + LOGPROBS_NOTE},
+        "echo": _nullable({"type": "boolean", "description": "Return the prompt before the completion, with its "
+                                                             "tokens' log-probabilities when logprobs is set (the "
+                                                             "first token's is null)."}),
+        "max_tokens": {"anyOf": [{**common["max_tokens"]["anyOf"][0], "minimum": 0}, {"type": "null"}],
+                       "description": common["max_tokens"]["anyOf"][0]["description"] + zero + "."},
+        "max_completion_tokens": {"anyOf": [{**common["max_tokens"]["anyOf"][0], "minimum": 0}, {"type": "null"}],
+                                  "description": "Like max_tokens, and wins over it" + zero + "."},
+    }
+
+
+def _request(f: _Facts, required: str, first: dict, description: str, extra: dict, **rules) -> dict:
+    props = {"model": _ref("ModelId"), required: first, **_common_params(f), **extra}
+    # Every OpenAI field is described (honoured, or refused unless off); a field the description does not
+    # name is not read (the object stays open, as before: clients and SDKs add their own)
+    return _obj(props, ["model", required], closed=False, anyOf=_per_model(f), description=description,
+                **rules)
 
 
 def _chat_request(f: _Facts) -> dict:
@@ -227,7 +314,8 @@ def _chat_request(f: _Facts) -> dict:
     ], "description": "Text only: a string or text parts (joined with newlines). Other fields are ignored."}
     messages = {"type": "array", "minItems": 1, "maxItems": lim.max_messages, "items": message,
                 "description": f"All contents together at most {lim.max_prompt_chars} characters."}
-    return _request(f, "messages", messages, "OpenAI's chat completion request, text only, one choice.")
+    return _request(f, "messages", messages, "OpenAI's chat completion request, text only.",
+                    _chat_params(), **_TOP_NEEDS_LOGPROBS)
 
 
 def _completion_request(f: _Facts) -> dict:
@@ -239,7 +327,8 @@ def _completion_request(f: _Facts) -> dict:
     prompt = {"anyOf": [text, ids, {"type": "array", "minItems": 1, "maxItems": 1,
                                     "items": {"anyOf": [text, ids]}}],
               "description": "Text or token ids; a batch of one is accepted, larger batches are not."}
-    return _request(f, "prompt", prompt, "OpenAI's (legacy) completion request, one prompt, one choice.")
+    return _request(f, "prompt", prompt, "OpenAI's (legacy) completion request, one prompt.",
+                    _completion_params(f), **_ZERO_NEEDS_ECHO)
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -262,10 +351,31 @@ def _schemas(f: _Facts) -> dict:
                    "escalations": count}, ["tiers", "escalations"],
                   description="MFS extension: the tiers that produced the tokens, in order.")
     finish = {"enum": FINISH_REASONS}
+    number = {"type": "number"}
+    byte_list = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}}
+    top_entry = _obj({"token": {"type": "string"}, "logprob": number, "bytes": byte_list},
+                     ["token", "logprob", "bytes"])
+    chat_lp = _nullable(_obj({
+        "content": {"type": "array", "items": _obj({
+            "token": {"type": "string"}, "logprob": number, "bytes": byte_list,
+            "top_logprobs": {"type": "array", "maxItems": MAX_LOGPROBS, "items": top_entry}},
+            ["token", "logprob", "bytes", "top_logprobs"])},
+        "refusal": {"type": "null"}}, ["content", "refusal"],
+        description="Present (not null) when the request set logprobs: one entry per output token."))
+    cmpl_lp = _nullable(_obj({
+        "tokens": {"type": "array", "items": {"type": "string"}},
+        "token_logprobs": {"type": "array", "items": _nullable(number)},
+        "top_logprobs": {"type": "array", "items": _nullable({"type": "object", "additionalProperties": number,
+                                                              "maxProperties": MAX_LOGPROBS})},
+        "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}}},
+        ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+        description="Present (not null) when the request set logprobs: one entry per token (null for the "
+                    "first prompt token of an echo)."))
     base = {"created": {"type": "integer"}, "model": tier}
     chat_id = {"type": "string", "pattern": "^chatcmpl-[0-9a-f]{32}$"}
     cmpl_id = {"type": "string", "pattern": "^cmpl-[0-9a-f]{32}$"}
-    one = {"type": "array", "minItems": 1, "maxItems": 1}
+    one = {"type": "array", "minItems": 1, "maxItems": MAX_N}  # n choices
+    index = {"type": "integer", "minimum": 0, "maximum": MAX_N - 1}
 
     def chunk(obj: str, rid: dict, choice: dict) -> dict:
         return _obj({"id": rid, "object": {"const": obj}, **base,
@@ -295,27 +405,27 @@ def _schemas(f: _Facts) -> dict:
         "ChatCompletion": _obj({
             "id": chat_id, "object": {"const": "chat.completion"}, **base,
             "choices": {**one, "items": _obj({
-                "index": {"const": 0},
+                "index": index,
                 "message": _obj({"role": {"const": "assistant"}, "content": {"type": "string"}},
                                 ["role", "content"]),
-                "logprobs": {"type": "null"}, "finish_reason": finish},
+                "logprobs": chat_lp, "finish_reason": finish},
                 ["index", "message", "logprobs", "finish_reason"])},
             "usage": _ref("Usage"), "mfs": _ref("Served")},
             ["id", "object", "created", "model", "choices", "usage", "mfs"]),
         "TextCompletion": _obj({
             "id": cmpl_id, "object": {"const": "text_completion"}, **base,
             "choices": {**one, "items": _obj({
-                "index": {"const": 0}, "text": {"type": "string"}, "logprobs": {"type": "null"},
+                "index": index, "text": {"type": "string"}, "logprobs": cmpl_lp,
                 "finish_reason": finish}, ["index", "text", "logprobs", "finish_reason"])},
             "usage": _ref("Usage"), "mfs": _ref("Served")},
             ["id", "object", "created", "model", "choices", "usage", "mfs"]),
         "ChatCompletionChunk": chunk("chat.completion.chunk", chat_id, _obj({
-            "index": {"const": 0},
+            "index": index,
             "delta": _obj({"role": {"const": "assistant"}, "content": {"type": "string"}}),
-            "logprobs": {"type": "null"}, "finish_reason": _nullable(finish)},
+            "logprobs": chat_lp, "finish_reason": _nullable(finish)},
             ["index", "delta", "logprobs", "finish_reason"])),
         "TextCompletionChunk": chunk("text_completion", cmpl_id, _obj({
-            "index": {"const": 0}, "text": {"type": "string"}, "logprobs": {"type": "null"},
+            "index": index, "text": {"type": "string"}, "logprobs": cmpl_lp,
             "finish_reason": _nullable(finish)}, ["index", "text", "logprobs", "finish_reason"])),
         "Model": models,
         "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}},
@@ -441,10 +551,10 @@ def build(svc, cfg, *, auth: bool) -> dict:
                                       "content": {"application/json": {"schema": _ref("Model")}}},
                               **_err_refs(401, 404, 429, 503)}}},
             "/v1/chat/completions": _completion_op(
-                "createChatCompletion", "Chat completion (text only, one choice).", "ChatCompletionRequest",
+                "createChatCompletion", "Chat completion (text only).", "ChatCompletionRequest",
                 "ChatCompletion", "ChatCompletionChunk"),
             "/v1/completions": _completion_op(
-                "createCompletion", "Completion of a text or token-id prompt (one choice).",
+                "createCompletion", "Completion of a text or token-id prompt.",
                 "CompletionRequest", "TextCompletion", "TextCompletionChunk"),
             "/health": {"get": {
                 "operationId": "health", "summary": "Liveness: 200 with a live worker, else 503.",

@@ -33,8 +33,8 @@ from gateway.backend import Backend, max_context
 from gateway.detok import IncrementalDetokenizer
 from gateway.metrics import Metrics
 from gateway.openai_api import (MAX_CASCADE_WINDOW, MAX_SPEC_GAMMA, APIError, Cascade, ChatRequest,
-                                CompletionRequest, GenParams, MultiLevel, Speculative, context_overflow,
-                                invalid, model_not_found)
+                                CompletionRequest, GenParams, MultiLevel, Speculative, TokenInfo,
+                                context_overflow, invalid, model_not_found)
 from gateway.ratelimit import RateLimiter
 
 log = structlog.get_logger("gateway")
@@ -45,6 +45,15 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 class ClientGone(Exception):
     """The client closed its connection; nobody reads the answer."""
+
+
+@dataclass(slots=True)
+class Piece:
+    """What one token event adds to a response: text safe to send, the finish reason on the last
+    piece, and the log-probabilities of the piece's tokens (when the request asked)."""
+    text: str
+    finish: str | None = None
+    logprobs: list[TokenInfo] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -63,6 +72,13 @@ class Job:
     spec_stop_confidence: float = DEFAULT_PARAMS.spec_stop_confidence
     cascade_threshold: float | None = None  # confidence cascade from `tier` up, or off
     cascade_window: int = 4
+    prompt_text: str | None = None         # echo: the prompt as the response repeats it
+
+    @property
+    def echo_only(self) -> bool:
+        """Completions' echo with max_tokens 0: the prompt scored, nothing generated. The worker still
+        samples one token with the prompt's last position (it costs no extra forward); it is dropped."""
+        return self.max_tokens == 0
 
 
 class StopMatcher:
@@ -114,6 +130,7 @@ class Service:
         self.tier_names = [t.name for t in frontend.tiers]
         self.eos_ids = _eos_ids(self.tok)
         self.vocab_size = len(self.tok)
+        self._token_texts: dict[int, str] = {}
         self._set_multilevel_defaults(spec_draft_tier, spec_gamma, cascade_threshold, cascade_window)
 
     def _set_multilevel_defaults(self, draft, gamma, threshold, window) -> None:
@@ -216,7 +233,9 @@ class Service:
 
     # ---- preparing --------------------------------------------------------------------------
     @asynccontextmanager
-    async def generation(self, request, req: ChatRequest | CompletionRequest) -> AsyncIterator["Generation"]:
+    async def generation(self, request, req: ChatRequest | CompletionRequest) -> AsyncIterator[list["Generation"]]:
+        """The request's choices (``n`` of them), submitted; each is closed (cancelled if unfinished)
+        when the caller is done."""
         tier = self.resolve_model(req.model)
         if self.inflight >= self.max_inflight:
             raise APIError(429, f"This gateway is at its limit of {self.max_inflight} requests in "
@@ -224,19 +243,20 @@ class Service:
                            headers={"Retry-After": "1"})
         self.inflight += 1
         self.metrics.inflight.set(self.inflight)
-        gen = None
+        gens: list[Generation] = []
         try:
             job = await self._prepare(req, tier)
-            await admit(request, tokens=len(job.prompt_ids) + job.max_tokens)
-            gen = Generation(self, job, request)
-            await gen.start()
-            yield gen
+            await admit(request, tokens=len(job.prompt_ids) + job.params.n * job.max_tokens)
+            for i in range(job.params.n):  # choice 0 first: the others follow it (placement, prefix)
+                gens.append(Generation(self, job, request, i))
+                await gens[-1].start()
+            yield gens
         except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes away
-            if gen is not None:
+            for gen in gens:
                 gen.cancel_reason = "disconnect"
             raise
         finally:
-            if gen is not None:
+            for gen in gens:
                 await gen.close()
             self.inflight -= 1
             self.metrics.inflight.set(self.inflight)
@@ -264,6 +284,10 @@ class Service:
             raise invalid(f"The prompt has {len(ids)} tokens; this server takes at most "
                           f"{self.max_prompt_tokens}.", param, code="prompt_too_long")
         p = req.params
+        bad = sorted(t for t in p.logit_bias if t >= self.vocab_size)
+        if bad:
+            raise invalid(f"'logit_bias' names token {bad[0]}, out of range (vocabulary size {self.vocab_size}).",
+                          "logit_bias")
         ml = self.multilevel(p.multilevel, tier, routed == "auto")
         max_len = max_context(workers)
         asked = p.max_tokens
@@ -274,7 +298,22 @@ class Service:
             room = (max_len - len(ids)) if max_len is not None else None
             asked = min(x for x in (default, room, self.max_tokens_cap or None, 1 << 20) if x is not None)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return Job(f"{prefix}-{uuid.uuid4().hex}", kind, tier, ids, asked, p, routed, score, **ml)
+        echo = None
+        if p.echo:
+            echo = req.prompt if isinstance(req.prompt, str) else self.tok.decode(req.prompt)
+        return Job(f"{prefix}-{uuid.uuid4().hex}", kind, tier, ids, asked, p, routed, score, **ml,
+                   prompt_text=echo)
+
+    def token_text(self, token: int) -> str:
+        """A token decoded alone (what log-probabilities name it by), memoized per id."""
+        t = self._token_texts.get(token)
+        if t is None:
+            t = self._token_texts[token] = self.tok.decode([token])
+        return t
+
+    def token_info(self, lp: P.TokenLogprob, top: int) -> TokenInfo:
+        return TokenInfo(self.token_text(lp.token), lp.logprob,
+                         [(self.token_text(t), v) for t, v in zip(lp.top_ids[:top], lp.top_logprobs[:top])])
 
     def _chat_ids(self, messages: list[dict]) -> list[int]:
         try:
@@ -307,10 +346,14 @@ def _eos_ids(tok) -> list[int]:
 
 
 class Generation:
-    """One submitted request: yields ``(text, finish_reason)`` pieces, finish_reason on the last."""
+    """One submitted request (one choice of the response): yields :class:`Piece`s, the finish reason
+    on the last. Choice ``index`` > 0 of an n > 1 request is its own request (id ``<id>-<index>``, seed
+    + index), placed with choice 0 and admitted once choice 0's prompt is computed (``Submit.follow``)."""
 
-    def __init__(self, svc: Service, job: Job, request):
+    def __init__(self, svc: Service, job: Job, request, index: int = 0):
         self.svc, self.job, self.request = svc, job, request
+        self.index = index
+        self.rid = job.request_id if index == 0 else f"{job.request_id}-{index}"
         self.detok = IncrementalDetokenizer(svc.tok)
         self.stopper = StopMatcher(job.params.stop)
         self.stop_ids = set(job.params.stop_token_ids) | (set() if job.params.ignore_eos else set(svc.eos_ids))
@@ -322,6 +365,7 @@ class Generation:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.finish_reason: str | None = None
+        self.prompt_logprobs: list[P.TokenLogprob] | None = None  # echo with logprobs: from the first event
         self.done = False                 # the backend has finished (or been told to stop) the request
         self.submitted = False            # the Submit reached Redis (else there is nothing to cancel)
         self.cancel_reason = "abort"
@@ -330,7 +374,7 @@ class Generation:
         self.t_first: float | None = None
         self.t_last: float | None = None
         self.deadline = self.t0 + svc.request_timeout_s
-        self.log = log.bind(request_id=job.request_id)
+        self.log = log.bind(request_id=self.rid)
 
     @property
     def model(self) -> str:
@@ -345,24 +389,37 @@ class Generation:
         """Model ids of the tiers that served the request, in order (the requested one if no token)."""
         return [self.svc.tier_ids[t] for t in (self.tiers or [self.tier])]
 
-    @property
-    def draft(self) -> tuple[str | None, int, int] | None:
-        """(draft model id, proposed, accepted) once the request has speculated."""
-        if self.draft_proposed <= 0:
-            return None
-        d = self.job.spec_draft
-        return (self.svc.tier_ids[d] if d is not None else None), self.draft_proposed, self.draft_accepted
+    def echo_infos(self) -> list[TokenInfo]:
+        """Echo with logprobs: the prompt's tokens, the first with no log-probability (nothing predicts
+        it), the others as the request's tier scored them."""
+        k, ids = self.job.params.logprobs, self.job.prompt_ids
+        if k is None or not self.job.params.echo:
+            return []
+        scored = self.prompt_logprobs or []
+        if len(scored) != len(ids) - 1:
+            raise APIError(500, "The worker returned no log-probabilities for the prompt.", code="internal_error")
+        return [TokenInfo(self.svc.token_text(ids[0]), None)] + [self.svc.token_info(lp, k) for lp in scored]
 
     async def start(self) -> None:
         j, p = self.job, self.job.params
-        params = SamplingParams(max_tokens=j.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                                seed=p.seed, stop_token_ids=tuple(sorted(self.stop_ids)), ignore_eos=p.ignore_eos,
+        seed = p.seed
+        if seed is not None and self.index:  # choice i: seed + i (within int64)
+            seed = (seed + self.index + (1 << 63)) % (1 << 64) - (1 << 63)
+        first = self.index == 0
+        params = SamplingParams(max_tokens=max(1, j.max_tokens), temperature=p.temperature, top_k=p.top_k,
+                                top_p=p.top_p,
+                                seed=seed, stop_token_ids=tuple(sorted(self.stop_ids)), ignore_eos=p.ignore_eos,
                                 spec_draft_tier=j.spec_draft, spec_gamma=j.spec_gamma,
                                 spec_stop_confidence=j.spec_stop_confidence,
-                                cascade_threshold=j.cascade_threshold, cascade_window=j.cascade_window)
-        sub = P.Submit(request_id=j.request_id, gateway_id=self.svc.gateway_id, prompt_ids=j.prompt_ids,
+                                cascade_threshold=j.cascade_threshold, cascade_window=j.cascade_window,
+                                logprobs=p.logprobs, prompt_logprobs=p.logprobs if p.echo and first else None,
+                                min_p=p.min_p, presence_penalty=p.presence_penalty,
+                                frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+                                logit_bias=dict(p.logit_bias))
+        sub = P.Submit(request_id=self.rid, gateway_id=self.svc.gateway_id, prompt_ids=j.prompt_ids,
                        tier=j.tier, params=params, model_id=self.model, arrival=time.time(),
-                       session_id=self.request.headers.get("X-Session-ID") or p.session_id)
+                       session_id=self.request.headers.get("X-Session-ID") or p.session_id,
+                       follow=None if first else j.request_id)
         try:
             self.queue = await self.svc.backend.submit(sub)  # registers nothing when it fails
         except (RedisError, OSError) as e:
@@ -388,7 +445,7 @@ class Generation:
                 self.cancel_reason = "deadline"
                 raise APIError(504, f"The request did not finish within {self.svc.request_timeout_s:g} s.",
                                code="timeout")
-            if self.queue.empty() and self.svc.backend.stalled(self.job.request_id):
+            if self.queue.empty() and self.svc.backend.stalled(self.rid):
                 raise self._interrupted(
                     "redis", "redis_interrupted",
                     "The service lost its Redis (it restarted or was unreachable) and no more tokens "
@@ -405,7 +462,7 @@ class Generation:
         self.log.warning("request.interrupted", reason=reason, next_seq=self.next_seq)
         return APIError(503, message, code=code, headers={"Retry-After": retry_after})
 
-    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
+    async def pieces(self) -> AsyncIterator[Piece]:
         while not self.done:
             ev = await self._next_event()
             if ev.finish_reason == "error":
@@ -417,7 +474,13 @@ class Generation:
                 raise self._interrupted("gap", "stream_interrupted",
                                         f"Tokens of this request were lost in transit (expected token "
                                         f"{self.next_seq}, got {ev.seq}); retry the request.", "1")
-            ids = ev.token_ids[max(0, self.next_seq - ev.seq):]
+            skip = max(0, self.next_seq - ev.seq)
+            ids = ev.token_ids[skip:]
+            lps = ev.logprobs[skip:]
+            if ev.seq == 0 and ev.prompt_logprobs and self.prompt_logprobs is None:
+                self.prompt_logprobs = ev.prompt_logprobs
+            if self.job.echo_only:  # the token that finished the prompt is not the client's
+                ids, lps = [], []
             self.next_seq = max(self.next_seq, ev.seq + len(ev.token_ids))
             # The tier of new tokens only: a redelivered older event must not move `model` back.
             if 0 <= ev.tier < len(self.svc.tier_ids) and (ids or (ev.finished and not self.tiers)):
@@ -435,27 +498,30 @@ class Generation:
             elif not ev.finished:
                 continue  # a duplicate
             text_ids = ids[:-1] if ev.finish_reason == "stop" and ids and ids[-1] in self.stop_ids else ids
+            k = self.job.params.logprobs
+            infos = [] if k is None else [self.svc.token_info(lp, k) for lp in lps[:len(text_ids)]]
             text = self.detok.push(text_ids)
             if ev.finished:
                 text += self.detok.flush()
             out, stopped = self.stopper.feed(text, final=ev.finished)
             if stopped and not ev.finished:
-                await self.svc.backend.cancel(self.job.request_id, "stop")
+                await self.svc.backend.cancel(self.rid, "stop")
             if stopped or ev.finished:
                 self.done = True
-                self.finish_reason = "stop" if stopped else (ev.finish_reason or "stop")
-                yield out, self.finish_reason
+                self.finish_reason = ("stop" if stopped else "length" if self.job.echo_only
+                                      else (ev.finish_reason or "stop"))
+                yield Piece(out, self.finish_reason, infos)
                 return
-            if out:
-                yield out, None
+            if out or infos:
+                yield Piece(out, None, infos)
 
     async def close(self) -> None:
         be = self.svc.backend
         if self.done or not self.submitted:
-            be.release(self.job.request_id)
+            be.release(self.rid)
         else:
             self.finish_reason = self.cancel_reason
-            await be.cancel(self.job.request_id, self.cancel_reason)
+            await be.cancel(self.rid, self.cancel_reason)
         e2e = time.perf_counter() - self.t0
         ttft = (self.t_first - self.t0) if self.t_first else None
         tpot = ((self.t_last - self.t_first) / (self.completion_tokens - 1)

@@ -1,7 +1,9 @@
 """Thin HTTP views: body -> typed request (openai_api) -> Generation (serving) -> JSON or SSE."""
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 from redis.exceptions import RedisError
@@ -9,7 +11,7 @@ from redis.exceptions import RedisError
 from gateway import openai_api as api
 from gateway import openapi
 from gateway.keys import CONFIG, SERVICE
-from gateway.serving import ClientGone, Generation
+from gateway.serving import ClientGone, Generation, Piece
 
 
 async def read_json(request: web.Request):
@@ -67,36 +69,102 @@ async def openapi_json(request: web.Request) -> web.Response:
 
 # ---- completions ----------------------------------------------------------------------------
 async def _serve(request: web.Request, req) -> web.StreamResponse:
-    async with request.app[SERVICE].generation(request, req) as gen:
+    async with request.app[SERVICE].generation(request, req) as gens:
         if req.params.stream:
-            return await _stream(request, gen)
-        texts, finish = [], None
-        async for text, finish in gen.pieces():
-            texts.append(text)
-        return web.json_response(_final(gen, "".join(texts), finish))
+            return await _stream(request, gens)
+        texts: list[list[str]] = [[] for _ in gens]
+        lps: list[list[api.TokenInfo]] = [[] for _ in gens]
+        finish: list[str | None] = [None] * len(gens)
+        async for i, piece in _merged(gens):
+            texts[i].append(piece.text)
+            lps[i] += piece.logprobs
+            finish[i] = piece.finish
+        job = gens[0].job
+        if job.prompt_text is not None:  # echo: every choice repeats the prompt, scored once (choice 0)
+            echoed = gens[0].echo_infos()
+            for i in range(len(gens)):
+                texts[i].insert(0, job.prompt_text)
+                lps[i] = echoed + lps[i]
+        choices = [api.Choice(i, "".join(texts[i]), finish[i], _logprobs(job, lps[i])) for i in range(len(gens))]
+        return web.json_response(_final(gens, choices))
 
 
-def _usage(gen: Generation) -> dict:
-    return api.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens, gen.draft)
+async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Piece]]:
+    """(choice index, piece) as each choice's pieces come, until every choice has finished; an error of
+    any choice ends it (the caller closes them all)."""
+    if len(gens) == 1:
+        async for piece in gens[0].pieces():
+            yield 0, piece
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for piece in gen.pieces():
+                q.put_nowait((i, piece))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, item = await q.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield i, item
+            left -= item.finish is not None
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _final(gen: Generation, text: str, finish: str) -> dict:
-    j = gen.job
+def _usage(gens: list[Generation]) -> dict:
+    """The prompt once (its KV computed once: choice 0's cached tokens), every choice's completion."""
+    g0 = gens[0]
+    proposed = sum(g.draft_proposed for g in gens)
+    d = g0.job.spec_draft
+    draft = (g0.svc.tier_ids[d] if d is not None else None, proposed, sum(g.draft_accepted for g in gens))
+    return api.usage(g0.prompt_tokens, sum(g.completion_tokens for g in gens), g0.cached_tokens,
+                     draft if proposed else None)
+
+
+def _model(gens: list[Generation]) -> str:
+    """The response's `model`: the tier of the last token (the highest over the choices)."""
+    return max(gens, key=lambda g: g.tier).model
+
+
+def _served(gens: list[Generation]) -> dict:
+    return api.served(list(dict.fromkeys(m for g in gens for m in g.served_by)))
+
+
+def _logprobs(job, items: list[api.TokenInfo], offset: int = 0) -> dict | None:
+    """A choice's ``logprobs`` object (None when the request did not ask)."""
+    if job.params.logprobs is None:
+        return None
+    return api.chat_logprobs(items) if job.kind == "chat" else api.completion_logprobs(items, offset)
+
+
+def _final(gens: list[Generation], choices: list[api.Choice]) -> dict:
+    j = gens[0].job
     build = api.chat_response if j.kind == "chat" else api.completion_response
-    out = build(j.request_id, gen.model, j.created, text, finish, _usage(gen))
-    out["mfs"] = api.served(gen.served_by)
+    out = build(j.request_id, _model(gens), j.created, choices, _usage(gens))
+    out["mfs"] = _served(gens)
     return out
 
 
-def _chunk(gen: Generation, text: str | None, finish: str | None, role: bool = False) -> dict:
-    j, incl = gen.job, gen.job.params.include_usage
+def _chunk(gens: list[Generation], index: int, text: str | None, finish: str | None, role: bool = False,
+           lps: list[api.TokenInfo] | None = None, offset: int = 0) -> dict:
+    j, incl, model = gens[0].job, gens[0].job.params.include_usage, _model(gens)
+    lp = None if role else _logprobs(j, lps or [], offset)
     if j.kind == "completion":
-        c = api.completion_chunk(j.request_id, gen.model, j.created, text or "", finish, incl)
+        c = api.completion_chunk(j.request_id, model, j.created, text or "", finish, incl, lp, index)
     else:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        c = api.chat_chunk(j.request_id, gen.model, j.created, delta, finish, incl)
+        c = api.chat_chunk(j.request_id, model, j.created, delta, finish, incl, lp, index)
     if finish:
-        c["mfs"] = api.served(gen.served_by)
+        c["mfs"] = _served(gens)
     return c
 
 
@@ -104,34 +172,46 @@ def _sse(obj) -> bytes:
     return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
 
 
-async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
-    pieces = gen.pieces()
+async def _stream(request: web.Request, gens: list[Generation]) -> web.StreamResponse:
+    job = gens[0].job
+    pieces = _merged(gens)
     # Wait for the first piece before committing to 200: an immediate error keeps its real status.
     first = await anext(pieces)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no", "X-Request-Id": gen.job.request_id})
+                                       "X-Accel-Buffering": "no", "X-Request-Id": job.request_id})
     await resp.prepare(request)
     try:
-        if gen.job.kind == "chat":
-            await resp.write(_sse(_chunk(gen, None, None, role=True)))
-        text, finish = first
+        if job.kind == "chat":
+            for i in range(len(gens)):
+                await resp.write(_sse(_chunk(gens, i, None, None, role=True)))
+        offset = [0] * len(gens)  # completions' text_offset per choice, as the non-streamed answer counts it
+        if job.prompt_text is not None:  # echo: the prompt first (its logprobs came with the first token)
+            echoed = gens[0].echo_infos()
+            for i in range(len(gens)):
+                await resp.write(_sse(_chunk(gens, i, job.prompt_text, None, lps=echoed)))
+                offset[i] = sum(len(t.text) for t in echoed)
+        i, piece = first
         while True:
-            if text or finish:
-                await resp.write(_sse(_chunk(gen, text, finish)))
-            if finish:
+            if piece.text or piece.finish or piece.logprobs:
+                await resp.write(_sse(_chunk(gens, i, piece.text, piece.finish, lps=piece.logprobs,
+                                             offset=offset[i])))
+                offset[i] += sum(len(t.text) for t in piece.logprobs)
+            try:
+                i, piece = await anext(pieces)
+            except StopAsyncIteration:
                 break
-            text, finish = await anext(pieces)
-        if gen.job.params.include_usage:
-            obj = "chat.completion.chunk" if gen.job.kind == "chat" else "text_completion"
-            chunk = api.usage_chunk(gen.job.request_id, gen.model, gen.job.created, obj, _usage(gen))
-            chunk["mfs"] = api.served(gen.served_by)
+        if job.params.include_usage:
+            obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+            chunk = api.usage_chunk(job.request_id, _model(gens), job.created, obj, _usage(gens))
+            chunk["mfs"] = _served(gens)
             await resp.write(_sse(chunk))
         await resp.write(_sse(b"[DONE]"))
     except api.APIError as e:  # mid-stream: the status is sent already; say it in the stream
         request.app[SERVICE].metrics.errors.labels(str(e.status)).inc()
         await _write_quietly(resp, _sse(e.body()) + _sse(b"[DONE]"))
     except (ConnectionResetError, ClientGone):
-        gen.cancel_reason = "disconnect"
+        for gen in gens:
+            gen.cancel_reason = "disconnect"
     finally:
         await pieces.aclose()
     return resp

@@ -57,10 +57,12 @@ class Engine:
                              + ", ".join(t.name for t in self.model.tiers), "model_not_found", 404)
 
     def add_request(self, request_id: str, prompt_ids: list[int], tier: int | str,
-                    params: SamplingParams | None = None) -> None:
+                    params: SamplingParams | None = None, follow: str | None = None) -> None:
+        """``follow``: another request with the same prompt; this one is admitted once that one's
+        prompt is computed, and starts from its cached blocks (the n > 1 choices of one request)."""
         params = params or SamplingParams()
-        self.scheduler.add_request(request_id, prompt_ids, self.tier_index(tier), params)
-        self.runner.add(request_id, params)
+        self.scheduler.add_request(request_id, prompt_ids, self.tier_index(tier), params, meta={"follow": follow})
+        self.runner.add(request_id, params, prompt_ids)
 
     def abort_request(self, request_id: str) -> bool:
         self.runner.drop([request_id])
@@ -83,6 +85,9 @@ class Engine:
         if out.logits is not None:
             for o in outs:
                 o.logits = out.logits.get(o.request_id)
+        for o in outs:
+            o.logprobs = out.logprobs.get(o.request_id, [])[:len(o.new_token_ids)]
+            o.prompt_logprobs = out.prompt_logprobs.get(o.request_id, [])
         for o in outs:
             if o.finished:
                 self.runner.drop([o.request_id])

@@ -94,6 +94,8 @@ class StepScheduler:
                                  "context_length_exceeded")
         if cfg.vocab_size and (min(prompt_ids) < 0 or max(prompt_ids) >= cfg.vocab_size):
             raise InvalidRequest(f"token ids must be in [0, {cfg.vocab_size})")
+        if cfg.vocab_size and params.logit_bias and max(params.logit_bias) >= cfg.vocab_size:
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {cfg.vocab_size})")
         need = self.blocks_needed(min(len(prompt_ids) + params.max_tokens, cfg.max_model_len))
         segs = range(cfg.num_tiers if cascade else tier + 1) if cfg.served_tiers is None else range(1)
         small = min(self.pools[s].num_blocks for s in segs)
@@ -202,6 +204,8 @@ class StepScheduler:
         req.catchup = None
         if not self.cfg.enable_prefix_caching:
             return None
+        if req.params.prompt_logprobs is not None and not req.output_ids:
+            return None  # it scores every prompt position, so computes them all (its blocks are cached)
         chains = self._hashes(req, (req.num_tokens - 1) // self.cfg.block_size)
         hits = [self.pools[s].lookup(chain) for s, chain in enumerate(chains)]
         low = [min(len(h) for h in hits[:s + 1]) for s in range(len(hits))]  # cached in 0..s
@@ -254,6 +258,13 @@ class StepScheduler:
     def drain_cache_log(self) -> list[tuple[bytes, bool]]:
         out, self.cache_log = self.cache_log or [], []
         return out
+
+    def _follows_a_prefill(self, req: Request) -> bool:
+        """A choice of an n > 1 request (``meta["follow"]``: its first choice) waits while the first
+        choice's prompt is being computed here, then starts from its cached blocks."""
+        lead = self.requests.get(req.meta.get("follow") or "")
+        return (lead is not None and lead is not req and lead.status is not Status.FINISHED
+                and lead.num_computed_tokens < len(lead.prompt_ids) and self.cfg.enable_prefix_caching)
 
     def _within_quota(self, req: Request, num_new: int) -> bool:
         share = self.cfg.kv_quota.get(req.tier)
@@ -358,6 +369,9 @@ class StepScheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting.popleft()
+            if self._follows_a_prefill(req):
+                skipped.append(req)
+                continue
             alone = not rows and not draft_rows and not verify_rows and not catchups
             hit = self._cached_prefix(req, budget, alone)
             extra = req.catchup[2] - req.catchup[1] if req.catchup else 0

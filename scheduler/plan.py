@@ -1,5 +1,5 @@
 """The one translation from a scheduled step to the rows a worker runs: the in-process engine
-(worker/engine.py) executes them directly, the scheduler process (scheduler/service.py) sends them
+(mfs/engine.py) executes them directly, the scheduler process (scheduler/service.py) sends them
 in a StepPlan."""
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ def plan_rows(step: ScheduledStep) -> list[P.PlanRow]:
     rows of self-speculation."""
     rows = [P.PlanRow(r.request_id, r.tier, r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n),
                       r.num_computed_tokens, r.block_tables, r.num_computed_tokens + n == r.num_tokens,
-                      len(r.output_ids))
+                      len(r.output_ids),
+                      logits_all=r.params.prompt_logprobs is not None
+                      and r.num_computed_tokens < len(r.prompt_ids) - 1 and not r.output_ids)
             for r, n in step.rows]
     # Cross-tier catch-up rows: cached positions (or, after a cascade escalation, the history) whose
     # upper segments are computed this step.
@@ -22,7 +24,7 @@ def plan_rows(step: ScheduledStep) -> list[P.PlanRow]:
     # Self-speculation: draft rows run the draft tier's segments, verification rows the segments above
     # it from the hidden state the drafts stored at its exit, carrying the round's drafts.
     rows += [P.PlanRow(r.request_id, r.params.spec_draft_tier, [x], pos, r.block_tables, True,
-                       len(r.output_ids), draft=True)
+                       len(r.output_ids), draft=True, drafts=list(r.drafts) if r.params.penalized else [])
              for r, x, pos in step.drafts]
     rows += [P.PlanRow(r.request_id, r.tier, toks, a, r.block_tables, False, len(r.output_ids),
                        enter=r.params.spec_draft_tier + 1, sample_all=True, drafts=r.drafts[:len(toks)])
@@ -33,7 +35,8 @@ def plan_rows(step: ScheduledStep) -> list[P.PlanRow]:
 def new_requests(step: ScheduledStep) -> list[P.NewRequest]:
     """What the worker must learn of the requests it sees for the first time in this step."""
     return [P.NewRequest(r.request_id, r.meta.get("gateway_id", ""), r.tier, len(r.prompt_ids), r.params,
-                         sorted(r.stop_ids), r.num_cached_tokens, r.meta.get("seq_offset", 0))
+                         sorted(r.stop_ids), r.num_cached_tokens, r.meta.get("seq_offset", 0),
+                         list(r.prompt_ids) if r.params.needs_prompt else [])
             for r in step.new]
 
 

@@ -5,7 +5,6 @@ lost worker's requests on a live one. The service (scheduler/service.py) reads a
 this module owns the maps they change."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import redis
@@ -137,7 +136,7 @@ class WorkerRegistry:
             return False
         w = min(cands, key=lambda w: w.core.num_unfinished())
         meta = dict(req.meta, seq_offset=req.meta.get("seq_offset", 0) + len(req.output_ids))
-        params = dataclasses.replace(req.params, max_tokens=remaining)
+        params = req.params.resumed(len(req.output_ids))
         try:
             w.core.add_request(req.request_id, req.prompt_ids + req.output_ids, req.tier, params, meta=meta)
         except InvalidRequest as e:
@@ -151,8 +150,13 @@ class WorkerRegistry:
 
     # ---- placement ---------------------------------------------------------------------------
     def place(self, s: P.Submit, cands: list[WorkerState]) -> WorkerState:
-        """The worker with the longest reusable prefix of the prompt, unless it is overloaded;
-        otherwise the least loaded one."""
+        """Another choice of an n > 1 request goes where its first choice is (they share its prompt's
+        KV). Otherwise the worker with the longest reusable prefix of the prompt, unless it is
+        overloaded; otherwise the least loaded one."""
+        if s.follow:
+            lead = self.workers.get(self.placement.get(s.follow, ""))
+            if lead is not None and lead in cands:
+                return lead
         def load(w: WorkerState) -> tuple[int, int]:
             return w.core.num_unfinished(), sum(p.num_used for p in w.core.pools)
         least = min(cands, key=load)

@@ -82,6 +82,8 @@ class RequestOutput:
     logits: object = None
     tiers: list[int] = field(default_factory=list)         # cascade: every tier that served it
     escalated_at: list[int] = field(default_factory=list)  # output index where each escalation happened
+    logprobs: list = field(default_factory=list)         # per new token (core.protocol.TokenLogprob)
+    prompt_logprobs: list = field(default_factory=list)  # prompt tokens 1.., with the first output
 
 
 @dataclass(slots=True)

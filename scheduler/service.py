@@ -143,13 +143,14 @@ class SchedulerService:
                 self.end(s.request_id, entry)  # it ended; only the acknowledgement was missing
                 return
             s = dataclasses.replace(s, prompt_ids=s.prompt_ids + done,
-                                    params=dataclasses.replace(s.params, max_tokens=max_tokens - len(done)))
+                                    params=s.params.resumed(len(done)))
             seq_offset = len(done)
         w = reg.place(s, cands)
         try:
             w.core.add_request(s.request_id, s.prompt_ids, s.tier, s.params,
                                meta={"gateway_id": s.gateway_id, "arrival": s.arrival,
-                                     "session_id": s.session_id, "entry": entry, "seq_offset": seq_offset})
+                                     "session_id": s.session_id, "entry": entry, "seq_offset": seq_offset,
+                                     "follow": s.follow})
         except InvalidRequest as e:
             self.fail(s.request_id, s.gateway_id, str(e), e.code, e.status, entry)
             return

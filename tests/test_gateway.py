@@ -124,7 +124,10 @@ class FakeBackend(threading.Thread):
             for s in range(0, len(toks), chunk):
                 last = s + chunk >= len(toks)
                 ev = P.TokenEvent(sub.request_id, s, toks[s:s + chunk], last, finish if last else None,
-                                  tier=sub.tier, worker="w0", prompt_tokens=len(sub.prompt_ids))
+                                  tier=sub.tier, worker="w0", prompt_tokens=len(sub.prompt_ids),
+                                  logprobs=fake_logprobs(toks[s:s + chunk], sub.params.logprobs),
+                                  prompt_logprobs=fake_logprobs(sub.prompt_ids[1:], sub.params.prompt_logprobs)
+                                  if s == 0 else [])
                 out.append((delay, ev))
                 if duplicate and not last:
                     out.append((0.0, ev))  # at-least-once delivery: the gateway drops it by seq
@@ -145,6 +148,15 @@ class FakeBackend(threading.Thread):
                                            error=message, error_code=code, status=status)))
             return out
         return script
+
+
+def fake_logprobs(tokens: list[int], k: int | None) -> list[P.TokenLogprob]:
+    """What a worker sends for `tokens` when the request asked for k alternatives (None: nothing); the
+    values are made up (each token the most likely, at -0.5)."""
+    if k is None:
+        return []
+    return [P.TokenLogprob(t, -0.5, ([t] + [3 + i for i in range(k)])[:k], [-0.5 - i for i in range(k)])
+            for t in tokens]
 
 
 def register_worker(r: redis.Redis, worker: str = "w0", max_len: int = MAX_LEN) -> None:
@@ -400,17 +412,29 @@ def test_bad_chat_input_is_400(gw, body, param):
     ({"model": "smollm2-135m-small"}, "prompt"),
     ({"model": "smollm2-135m-small", "prompt": ["a", "b"]}, "prompt"),
     ({"model": "smollm2-135m-small", "prompt": [10 ** 9]}, "prompt"),
-    ({"model": "smollm2-135m-small", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "smollm2-135m-small", "prompt": "x", "echo": "yes"}, "echo"),
+    ({"model": "smollm2-135m-small", "prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
 ])
 def test_bad_completion_input_is_400(gw, body, param):
     _err(httpx.post(gw.url + "/v1/completions", json=body), 400, param=param)
 
 
-def test_n_above_one_is_400_with_openai_client(gw):
+def test_n_above_the_cap_is_400_with_openai_client(gw):
     with pytest.raises(openai.BadRequestError) as e:
-        gw.client().chat.completions.create(n=2, **CHAT)
-    assert e.value.status_code == 400 and e.value.code == "unsupported_parameter"
-    assert "n=2 is not supported" in e.value.message
+        gw.client().chat.completions.create(n=17, **CHAT)
+    assert e.value.status_code == 400 and e.value.code == "unsupported_parameter" and e.value.param == "n"
+    assert "at most 16" in e.value.message
+
+
+def test_n_choices_are_n_submits_following_the_first(gw, backend):
+    r = gw.client().chat.completions.create(n=3, seed=7, temperature=0.5, **CHAT)
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(c.message.content == PARIS for c in r.choices)
+    subs = [backend.submits[r.id]] + [backend.submits[f"{r.id}-{i}"] for i in (1, 2)]
+    assert [s.params.seed for s in subs] == [7, 8, 9]
+    assert [s.follow for s in subs] == [None, r.id, r.id]
+    assert r.usage.prompt_tokens == len(subs[0].prompt_ids)
+    one = gw.client().chat.completions.create(**CHAT)
+    assert r.usage.completion_tokens == 3 * one.usage.completion_tokens
 
 
 def test_unknown_model_is_404(gw):

@@ -63,7 +63,9 @@ VALID = {
     "stop": st.text(min_size=1, max_size=5) | st.lists(st.text(min_size=1, max_size=5), max_size=4),
     "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3), "ignore_eos": st.booleans(),
     "n": st.just(1), "user": st.text(max_size=20), "session_id": st.text(max_size=20),
-    "frequency_penalty": st.just(0), "logprobs": st.just(False), "echo": st.just(False),
+    "frequency_penalty": st.floats(-2, 2), "logprobs": st.just(False), "echo": st.just(False),
+    "presence_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.5, 2), "min_p": st.floats(0, 1),
+    "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=3),
 }
 EXTRA = ["best_of", "suffix", "tools", "functions", "presence_penalty", "response_format", "logit_bias"]
 text_part = st.fixed_dictionaries({"type": st.just("text"), "text": words})
@@ -211,7 +213,10 @@ SCHEMA_FUZZ = settings(FUZZ, max_examples=100,
 # `session_id` are ignored unless a string (only one of the two is read). Not mutated below.
 LENIENT = {"stop_token_ids", "user", "session_id"}
 # the `param` the gateway names for a bad field, where it is not the field's own name
-PARAM_ALIASES = {"functions": ("tools",), "stream_options": ("include_usage",)}
+PARAM_ALIASES = {"functions": ("tools",), "stream_options": ("include_usage",),
+                 # cross-field rules: the error names the field that needs the other one
+                 "logprobs": ("top_logprobs",),                          # top_logprobs needs logprobs true
+                 "echo": ("max_tokens", "max_completion_tokens")}       # max_tokens 0 needs echo
 json_values = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70)
                            | st.floats(allow_nan=False, allow_infinity=False) | chars,
                            lambda c: st.lists(c, max_size=4) | st.dictionaries(chars, c, max_size=4),
@@ -319,8 +324,7 @@ def valid_body(doc: dict, path: str, body) -> bool:
 
 _BODIES: dict[str, st.SearchStrategy] = {}
 # fields that take only the values meaning "off": drawn often enough by the plain and dense strategies
-UNSUPPORTED = {"n", "best_of", "frequency_penalty", "presence_penalty", "logprobs", "echo", "suffix", "tools",
-               "functions"}
+UNSUPPORTED = {"best_of", "suffix", "tools", "functions"}
 
 
 def non_null(schema: dict) -> dict:
@@ -330,6 +334,17 @@ def non_null(schema: dict) -> dict:
         others = {k: v for k, v in schema.items() if k != "anyOf"}
         return others | (rest[0] if len(rest) == 1 else {"anyOf": rest})
     return schema
+
+
+def _paired(body: dict) -> dict:
+    """The cross-field rules fields drawn alone can break: chat's top_logprobs needs logprobs true,
+    completions' max_tokens 0 needs echo."""
+    if "messages" in body and body.get("top_logprobs") is not None:
+        body["logprobs"] = True
+    read = body.get("max_completion_tokens")
+    if "prompt" in body and (read if read is not None else body.get("max_tokens")) == 0:
+        body["echo"] = True  # max_tokens 0 needs echo
+    return body
 
 
 def bodies(path: str) -> st.SearchStrategy:
@@ -355,7 +370,7 @@ def bodies(path: str) -> st.SearchStrategy:
                 body, chosen = args
                 strategies = {n: fields[n] if n != "mfs" else next(s for v, s in mfs if v.is_valid(body["model"]))
                               for n in chosen}
-                return st.fixed_dictionaries(strategies).map(lambda values: {**body, **values})
+                return st.fixed_dictionaries(strategies).map(lambda values: _paired({**body, **values}))
             focused = st.tuples(plain, st.lists(st.sampled_from(names), min_size=1, max_size=8,
                                                 unique=True)).flatmap(with_fields)
             _BODIES[path] = st.tuples(st.one_of(plain, dense, focused, focused), st.booleans()).map(

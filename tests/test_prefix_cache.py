@@ -199,3 +199,21 @@ def test_a_history_longer_than_the_step_budget_catches_up_in_a_step_of_its_own(l
     assert out == cold(llama_family, turn2, 2, 5)
     assert d["prefill_reused"] == [24, 0, 0]  # 6 full blocks of turn 1 + its answer
     assert d["prefill_computed"] == [len(turn2) - 24, len(turn2), len(turn2)]
+
+
+def test_followers_wait_for_the_first_choices_prompt_then_reuse_it(llama_family):
+    """The n > 1 choices of one request: the followers are admitted once the first choice's prompt is
+    computed and start from its cached blocks (one prefill); their outputs are a cold engine's."""
+    eng = make_engine(llama_family)
+    prompt = list(range(20, 43))  # 23 tokens: 5 full blocks
+    eng.add_request("c0", prompt, 2, greedy(4))
+    for i in (1, 2, 3):
+        eng.add_request(f"c{i}", prompt, 2, greedy(4), follow="c0")
+    out: dict[str, list[int]] = {f"c{i}": [] for i in range(4)}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+    want = cold(llama_family, prompt, 2, 4)
+    assert all(v == want for v in out.values())
+    assert eng.stats.prefill_computed[0] == len(prompt) + 3 * (len(prompt) - 5 * BS)
+    assert eng.stats.prefill_reused[0] == 3 * 5 * BS

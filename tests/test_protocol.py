@@ -82,6 +82,8 @@ def test_to_wire_is_asdict_without_the_deep_copy():
     new = [P.NewRequest("a", "g", 1, 5, SamplingParams(max_tokens=3, stop_token_ids=[1, 2]), [0])]
     records = [P.StepPlan(1, new, rows, ["x"], "s", 3), P.Submit("r", "g", [1, 2], 0, SamplingParams(seed=4)),
                P.StepResult("w", 2, {"r": 3}, verified={"r": [1, 2]}), P.TokenEvent("r", 0, [1], True, "stop"),
+               P.TokenEvent("r", 1, [4], logprobs=[P.TokenLogprob(4, -0.5, [4, 9], [-0.5, -1.5])],
+                            prompt_logprobs=[P.TokenLogprob(7, -2.0)]),
                P.Cancel("r")]
     for rec in records:
         assert P.to_wire(rec) == asdict(rec)

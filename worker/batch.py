@@ -96,13 +96,14 @@ def build_step(rows: list[PlanRow], num_segments: int, block_size: int,
             enter_slots=enter_slots, slot_mapping=ltensor(slots), block_tables=bt.to(device),
             q_start_loc=ltensor(qs), ctx_lens=ltensor([ctx[i] for i in active]),
             q_lens_host=[q_lens[i] for i in active], ctx_lens_host=[ctx[i] for i in active]))
-        leaving = [i for i in active if rows[i].tier == s and (rows[i].sample or rows[i].sample_all)]
-        # The exit reads the row's last token (every token for sample_all): its index among the
-        # segment's active tokens, or (in the general layout) in the whole batch.
+        leaving = [i for i in active if rows[i].tier == s
+                   and (rows[i].sample or rows[i].sample_all or rows[i].logits_all)]
+        # The exit reads the row's last token (every token for sample_all / logits_all): its index
+        # among the segment's active tokens, or (in the general layout) in the whole batch.
         base = {i: (starts[i] if general else qs[k]) for k, i in enumerate(active)}
         idx: list[int] = []
         for i in leaving:
-            js = range(q_lens[i]) if rows[i].sample_all else [q_lens[i] - 1]
+            js = range(q_lens[i]) if rows[i].sample_all or rows[i].logits_all else [q_lens[i] - 1]
             exit_items.extend((i, j) for j in js)
             idx.extend(base[i] + j for j in js)
         exit_idx.append(ltensor(idx) if leaving else None)

@@ -50,7 +50,7 @@ class WorkerSpec:
 
 class Runner(Protocol):
     """What the loop needs of a runner (worker/runner.py: ModelRunner)."""
-    def add(self, request_id: str, params: SamplingParams) -> None: ...
+    def add(self, request_id: str, params: SamplingParams, prompt_ids=None, seq_offset: int = 0) -> None: ...
     def drop(self, request_ids) -> None: ...
     def execute(self, rows: list[P.PlanRow]): ...  # -> an object shaped like runner.StepOutput
 
@@ -181,7 +181,7 @@ class WorkerLoop:
         for rid in plan.drop:
             self.live.pop(rid, None)
         for nr in plan.new:
-            self.runner.add(nr.request_id, nr.params)
+            self.runner.add(nr.request_id, nr.params, nr.prompt_ids, nr.seq_offset)
             self.live[nr.request_id] = Live(nr.gateway_id, nr.tier, nr.prompt_len, nr.params.max_tokens,
                                             frozenset(nr.stop_ids), nr.cached_tokens, nr.seq_offset)
         rows = plan.rows
@@ -214,7 +214,8 @@ class WorkerLoop:
             ev = P.TokenEvent(rid, live.seq_offset + row.num_output, sent, reason is not None, reason,
                               live.tier, self.id, live.prompt_len - live.seq_offset,
                               live.cached_tokens if first else 0, draft_proposed=live.draft_proposed,
-                              draft_accepted=live.draft_accepted)
+                              draft_accepted=live.draft_accepted, logprobs=out.logprobs.get(rid, [])[:len(sent)],
+                              prompt_logprobs=out.prompt_logprobs.get(rid, []) if first else [])
             pipe.xadd(P.out_stream(live.gateway_id), ev.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
             if reason:
                 self.live.pop(rid, None)

@@ -39,6 +39,8 @@ class NullOutput:
     verified: dict[str, list[int]] = field(default_factory=dict)
     accepted: dict[str, int] = field(default_factory=dict)
     escalate: list[str] = field(default_factory=list)
+    logprobs: dict = field(default_factory=dict)          # null workers compute none
+    prompt_logprobs: dict = field(default_factory=dict)
 
 
 def null_token(request_id: str, position: int) -> int:
@@ -55,7 +57,7 @@ class NullRunner:
         self.step_s = step_s
         self.params: dict[str, SamplingParams] = {}
 
-    def add(self, request_id: str, params: SamplingParams) -> None:
+    def add(self, request_id: str, params: SamplingParams, prompt_ids=None, seq_offset: int = 0) -> None:
         self.params[request_id] = params
 
     def drop(self, request_ids) -> None:

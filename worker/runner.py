@@ -10,6 +10,11 @@ Two decisions are made here because they need the logits and must precede any to
   distributions kept from the draft rows), and the committed tokens come back in ``verified``;
 * the confidence cascade: a cascade request's sampled row whose confidence window falls below its
   threshold returns no token; its id comes back in ``escalate`` instead.
+
+Log-probabilities are taken here too, from the raw logits of the row that produced each token (plain
+rows, and a verification row's positions: the target tier's), only for requests that ask; prompt
+log-probabilities (``logits_all`` rows) are gathered per position and handed out with the request's
+first token.
 """
 from __future__ import annotations
 
@@ -18,12 +23,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from core.protocol import PlanRow
+from core.protocol import PlanRow, TokenLogprob
 from worker.batch import build_step, order_rows
 from worker.kv_tensors import SegmentedKVCache
 from worker.model import NestedModel
 from worker.sampling import (SamplingParams, accept_greedy, accept_sampled, confidences, draw,
-                             make_generator, probs_for, sample)
+                             make_generator, probs_for, process_logits, sample, token_logprobs)
 
 
 @dataclass(slots=True)
@@ -41,6 +46,10 @@ class StepOutput:
     accepted: dict[str, int] = field(default_factory=dict)
     # Cascade requests whose row returned no token: the scheduler moves them up one tier.
     escalate: list[str] = field(default_factory=list)
+    # request -> one entry per token in `tokens` / `verified` (requests that asked for logprobs)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # request -> its prompt tokens 1..P-1 scored, with its first output token (echo)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -61,15 +70,39 @@ class ModelRunner:
         self.draft_probs: dict[str, dict[int, torch.Tensor]] = {}
         # request -> the confidences of its latest sampled rows (cascade requests)
         self.windows: dict[str, deque[float]] = {}
+        self.prompts: dict[str, list[int]] = {}  # requests that need their prompt (params.needs_prompt)
+        # request -> {prompt position: its token scored} until the first output token hands them out
+        self.prompt_scores: dict[str, dict[int, TokenLogprob]] = {}
+        # Requests with penalties: how often each token occurs in the output so far [V], and whether
+        # it occurs in the prompt or the output [V] (kept in step with the committed tokens).
+        self.counts: dict[str, torch.Tensor] = {}
+        self.seen: dict[str, torch.Tensor] = {}
 
-    def add(self, request_id: str, params: SamplingParams) -> None:
+    def add(self, request_id: str, params: SamplingParams, prompt_ids: list[int] | None = None,
+            num_output: int = 0) -> None:
+        """A new request; `prompt_ids` when its parameters need them, the last `num_output` of them
+        being output tokens it produced before a re-plan."""
         self.sampling[request_id] = (params, make_generator(params))
+        if params.needs_prompt:
+            if not prompt_ids:
+                raise ValueError(f"request {request_id}: its parameters need the prompt's token ids")
+            self.prompts[request_id] = list(prompt_ids)
+        if params.penalized:
+            v = self.model.cfg.vocab_size
+            ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+            out = ids[len(ids) - num_output:] if num_output else ids[:0]
+            self.counts[request_id] = torch.bincount(out, minlength=v).float()
+            self.seen[request_id] = torch.bincount(ids, minlength=v) > 0
 
     def drop(self, request_ids) -> None:
         for rid in request_ids:
             self.sampling.pop(rid, None)
             self.draft_probs.pop(rid, None)
             self.windows.pop(rid, None)
+            self.prompts.pop(rid, None)
+            self.prompt_scores.pop(rid, None)
+            self.counts.pop(rid, None)
+            self.seen.pop(rid, None)
 
     def execute(self, rows: list[PlanRow]) -> StepOutput:
         if self.tier_map is not None:  # copies: the caller keeps the global tiers (it streams them)
@@ -84,14 +117,26 @@ class ModelRunner:
             per_row.setdefault(i, []).append(k)
         plain: list[tuple[int, str]] = []    # (logits index, request) of rows sampling one token
         watched: list[tuple[int, str, PlanRow]] = []  # the cascade requests among them
+        first: set[str] = set()              # requests sampling their first output token
         for i, ks in per_row.items():
             r = rows[i]
             rid = r.request_id
-            if r.sample_all:
-                committed, k = self._verify(rid, r, logits[ks[0]:ks[-1] + 1])
-                out.verified[rid], out.accepted[rid] = committed, k
-                continue
             params = self.sampling[rid][0]
+            if r.sample_all:
+                lg = logits[ks[0]:ks[-1] + 1]
+                committed, k = self._verify(rid, r, lg)
+                out.verified[rid], out.accepted[rid] = committed, k
+                if params.logprobs is not None:
+                    out.logprobs[rid] = token_logprobs(lg[:len(committed)], committed,
+                                                       [params.logprobs] * len(committed))
+                continue
+            if r.logits_all:
+                self._score_prompt(rid, r, logits[ks[0]:ks[-1] + 1])
+                if not r.sample:
+                    continue
+                ks = ks[-1:]  # the last position samples
+            if r.num_output == 0 and not r.draft:
+                first.add(rid)
             if r.draft:
                 out.drafts[rid] = self._draft(rid, r, logits[ks[0]])
                 if params.spec_stop_confidence > 0:
@@ -108,18 +153,74 @@ class ModelRunner:
             sub = logits.index_select(0, torch.tensor([k for k, _ in plain], dtype=torch.long,
                                                       device=logits.device))
             states = [self.sampling[rid] for _, rid in plain]
-            toks = sample(sub, [st[0] for st in states], [st[1] for st in states])
+            ps = [st[0] for st in states]
+            proc = process_logits(sub, ps, [self.counts.get(rid) for _, rid in plain],
+                                  [self.seen.get(rid) for _, rid in plain])
+            toks = sample(proc, ps, [st[1] for st in states])
             out.tokens.update(zip((rid for _, rid in plain), toks))
+            asked = [j for j, st in enumerate(states) if st[0].logprobs is not None]
+            if asked:
+                lps = token_logprobs(sub[asked], [toks[j] for j in asked], [states[j][0].logprobs for j in asked])
+                out.logprobs.update((plain[j][1], [lp]) for j, lp in zip(asked, lps))
+            for rid in first & self.prompt_scores.keys():
+                if rid in out.tokens:
+                    out.prompt_logprobs[rid] = self._prompt_logprobs(rid)
+        for rid in self.counts.keys() & (out.tokens.keys() | out.verified.keys()):
+            self._commit(rid, out.verified[rid] if rid in out.verified else [out.tokens[rid]])
         if self.keep_logits:
-            out.logits = {rid: logits[ks[0]].clone() for i, ks in per_row.items()
+            out.logits = {rid: logits[ks[-1]].clone() for i, ks in per_row.items()
                           for rid in [rows[i].request_id] if rid in out.tokens}
         return out
+
+    # ---- prompt log-probabilities ----------------------------------------------------------
+    def _score_prompt(self, rid: str, r: PlanRow, lg: torch.Tensor) -> None:
+        """lg [n, V]: logits at the row's positions; position p scores prompt token p + 1."""
+        prompt, k = self.prompts[rid], self.sampling[rid][0].prompt_logprobs
+        m = min(len(r.token_ids), len(prompt) - 1 - r.start_pos)  # positions with a prompt token after
+        if m <= 0:
+            return
+        a = r.start_pos
+        scored = token_logprobs(lg[:m], prompt[a + 1:a + 1 + m], [k] * m)
+        self.prompt_scores.setdefault(rid, {}).update(zip(range(a + 1, a + 1 + m), scored))
+
+    def _prompt_logprobs(self, rid: str) -> list[TokenLogprob]:
+        scores, n = self.prompt_scores.pop(rid), len(self.prompts[rid])
+        assert len(scores) == n - 1, f"request {rid}: {len(scores)} of {n - 1} prompt tokens scored"
+        return [scores[p] for p in range(1, n)]
+
+    # ---- penalties --------------------------------------------------------------------------
+    def _commit(self, rid: str, toks: list[int]) -> None:
+        t = torch.tensor(toks, dtype=torch.long, device=self.device)
+        self.counts[rid].index_add_(0, t, torch.ones(len(toks), device=self.device))
+        self.seen[rid][t] = True
+
+    def _history(self, rid: str, extra: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(counts, seen) of a request whose output so far is followed by `extra` (a round's drafts)."""
+        c, sn = self.counts.get(rid), self.seen.get(rid)
+        if c is None or not extra:
+            return c, sn
+        t = torch.tensor(extra, dtype=torch.long, device=self.device)
+        c = c.index_add(0, t, torch.ones(len(extra), device=self.device))
+        sn = sn.clone()
+        sn[t] = True
+        return c, sn
+
+    def _processed(self, rid: str, lg: torch.Tensor, histories: list[list[int]]) -> torch.Tensor:
+        """lg [n, V]: logit_bias and penalties at n positions of one request, position i's history being
+        its output so far plus histories[i] (drafts): what plain decoding would apply there."""
+        params = self.sampling[rid][0]
+        if not params.processed:
+            return lg
+        hs = [self._history(rid, h) for h in histories]
+        return process_logits(lg, [params] * len(hs), [h[0] for h in hs], [h[1] for h in hs])
 
     # ---- self-speculative decoding ----------------------------------------------------------
     def _draft(self, rid: str, r: PlanRow, row_logits: torch.Tensor) -> int:
         """A draft token: greedy, the draft tier's argmax; sampled, a draw from the draft tier's
-        distribution q, which is kept (per input position) for the verification that follows."""
+        distribution q, which is kept (per input position) for the verification that follows. Its
+        penalties count the round's earlier drafts (the row carries them)."""
         params, gen = self.sampling[rid]
+        row_logits = self._processed(rid, row_logits[None], [r.drafts])[0]
         if params.greedy:
             return int(torch.argmax(row_logits))
         q = probs_for(row_logits.cpu(), params)
@@ -133,6 +234,8 @@ class ModelRunner:
         drafts = list(r.drafts)
         if len(drafts) != lg.shape[0]:
             raise ValueError(f"request {rid}: {len(drafts)} drafts for {lg.shape[0]} verified positions")
+        # position i follows the drafts before it: the same transforms plain decoding would apply there
+        lg = self._processed(rid, lg, [drafts[:i] for i in range(len(drafts))])
         if params.greedy:
             return accept_greedy(drafts, torch.argmax(lg, dim=-1).tolist())
         p = torch.stack([probs_for(row, params) for row in lg.cpu()])

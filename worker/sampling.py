@@ -1,14 +1,16 @@
-"""Per-request sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator;
-the acceptance rule of speculative decoding and the confidence the cascade watches."""
+"""Per-request sampling: logit_bias and penalties, greedy, temperature, min-p, top-k, top-p, with a
+per-request seeded generator; the acceptance rule of speculative decoding and the confidence the
+cascade watches."""
 from __future__ import annotations
 
 import torch
 
+from core.protocol import TokenLogprob
 # SamplingParams lives in the torch-free leaf (core/); re-exported for the callers that import it here.
 from core.sampling import SamplingParams
 
 __all__ = ["SamplingParams", "accept_greedy", "accept_sampled", "confidences", "draw", "make_generator",
-           "probs_for", "sample"]
+           "probs_for", "process_logits", "sample", "token_logprobs"]
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -19,9 +21,46 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return g
 
 
+def process_logits(logits: torch.Tensor, params: list[SamplingParams], counts: list[torch.Tensor | None],
+                   seen: list[torch.Tensor | None]) -> torch.Tensor:
+    """logits [N, V] -> the logits each row samples from: its logit_bias added, then its penalties
+    (vLLM's order and formulas). counts[i] [V]: how often each token occurs in row i's output so far;
+    seen[i] [V] bool: which tokens occur in its prompt or output (None for rows without penalties).
+    Rows that ask for neither are untouched, and with none in the batch the logits come back as they
+    are (no copy)."""
+    rows = [i for i, p in enumerate(params) if p.processed]
+    if not rows:
+        return logits
+    out = logits.clone()
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    x = out.index_select(0, idx)
+    for j, i in enumerate(rows):
+        bias = params[i].logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=x.device)
+            x[j].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=x.dtype, device=x.device))
+    pen = [j for j, i in enumerate(rows) if params[i].penalized]
+    if pen:
+        ps = [params[rows[j]] for j in pen]
+        col = lambda v: torch.tensor(v, dtype=x.dtype, device=x.device)[:, None]  # noqa: E731
+        c = torch.stack([counts[rows[j]] for j in pen]).to(x.dtype)
+        sn = torch.stack([seen[rows[j]] for j in pen])
+        rp = col([p.repetition_penalty for p in ps])
+        y = x[pen]
+        y = torch.where(sn, torch.where(y > 0, y / rp, y * rp), y)
+        y = y - col([p.frequency_penalty for p in ps]) * c - col([p.presence_penalty for p in ps]) * (c > 0)
+        x[pen] = y
+    out[idx] = x
+    return out
+
+
 def probs_for(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a non-greedy request samples from: [V] float32."""
+    """The distribution a non-greedy request samples from (its logits already processed): [V] float32.
+    Temperature, then min-p, top-k and top-p."""
     x = logits.float() / params.temperature
+    if params.min_p > 0.0:
+        p = torch.softmax(x, -1)
+        x = x.masked_fill(p < params.min_p * p.max(), float("-inf"))
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -48,6 +87,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         if not p.greedy:
             out[i] = draw(probs_for(logits[i].cpu(), p), generators[i])
     return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: list[int]) -> list[TokenLogprob]:
+    """logits [N, V] (raw: no temperature, penalties or bias), one chosen token per row -> its
+    log-softmax value and the row's `top[i]` most likely tokens, in one batched pass."""
+    x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    lp = torch.log_softmax(x, dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    k = max(top, default=0)
+    if k:
+        vals, ids = torch.topk(lp, k, dim=-1)
+        vals, ids = vals.tolist(), ids.tolist()
+    return [TokenLogprob(t, c, ids[i][:top[i]] if k else [], vals[i][:top[i]] if k else [])
+            for i, (t, c) in enumerate(zip(tokens, chosen))]
 
 
 def confidences(logits: torch.Tensor) -> list[float]:
