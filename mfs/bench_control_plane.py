@@ -33,6 +33,7 @@ import redis
 from core import protocol as P
 from core.redisconn import connect
 from core.sampling import SamplingParams
+from mfs.runtime import write_json
 
 WORKERS_PER_PROCESS = 32
 GATEWAY_ID = "bench-cp"
@@ -302,8 +303,7 @@ def run(args) -> int:
            "cpus": os.cpu_count(), "shards": 1, "prompt_tokens": args.prompt_tokens,
            "max_tokens": args.max_tokens, "leader_profiled": bool(prof_dir), "points": points}
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        write_json(args.json, out, indent=1)
     if args.plot:
         plot(out, args.plot)
     return 0

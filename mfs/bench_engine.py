@@ -8,7 +8,6 @@ alternating per repeat, and the medians over repeats are reported.
 """
 from __future__ import annotations
 
-import json
 import platform
 import random
 import statistics
@@ -16,7 +15,6 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -24,6 +22,7 @@ from tqdm import tqdm
 from mfs.engine import Engine
 from worker.model import standalone_tier, weight_bytes
 from worker.sampling import SamplingParams
+from mfs.runtime import write_json
 
 
 @dataclass(slots=True)
@@ -241,8 +240,7 @@ def run(args) -> int:
     }
     if not args.skip_generate:
         result["top_tier_vs_generate"] = run_top_vs_generate(fam, work, args)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     print_table(result)
     if args.plot:
         plot(result, args.plot)

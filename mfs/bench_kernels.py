@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from mfs.runtime import write_json
+
 
 @dataclass(frozen=True, slots=True)
 class Dims:
@@ -379,8 +381,7 @@ def run(args) -> int:
         result["kernels"] = time_kernels(timer)
         result["decode_step"] = time_decode_step(timer, args.ctx, args.bandwidth)
     _print_checks(result.get("correctness"))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     print(f"wrote {args.json}", flush=True)
     return 0 if ok else 1
 

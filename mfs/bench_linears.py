@@ -3,17 +3,16 @@ int8 / int4 kernels of :mod:`worker.quant` — on a model's linear shapes (defau
 at batch 1 and 16. Random weights: only shapes and bytes matter for speed."""
 from __future__ import annotations
 
-import json
 import platform
 import statistics
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from worker.quant import Int4Linear, Int8Linear
+from mfs.runtime import write_json
 
 # (name, in, out, per-step count in the 30-layer model)
 SMOLLM2_SHAPES = [("q/o 576->576", 576, 576, 60), ("k/v 576->192", 576, 192, 60),
@@ -84,6 +83,5 @@ def run(args) -> int:
                            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                            "torch": torch.__version__},
                "rows": rows, "step_ms": totals}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        write_json(args.json, res)
     return 0

@@ -21,6 +21,8 @@ import time
 
 import aiohttp
 
+from mfs.runtime import write_json
+
 WORDS = ("the a of to and in that it is was for on with as his they be at one have this from or had by "
          "word but what some we can out other were all there when up use your how said an each she which "
          "do their time if will way about many then them write would like so these her long make thing see "
@@ -256,7 +258,6 @@ def run_mode(args, mode: str, plan: dict, tok, replay: list | None) -> dict:
 def run(args) -> int:
     from datetime import datetime, timezone  # noqa: PLC0415
     import platform  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
     from family.manifest import load_frontend  # noqa: PLC0415
     fe = load_frontend(args.model, args.tiers)
     tok = fe.tokenizer
@@ -290,8 +291,7 @@ def run(args) -> int:
             "escalated_probe_mean_ttft_control_over_on": q(on["probe_control_ttft"]["mean"], on["probe_ttft"]["mean"]),
         }
         print_ratios(out["ratios"])
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
     if args.plot:
         plot(out, args.plot)
     return 0

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mfs.runtime import write_json
+
 LLAMA_CPP_MISSING = ("llama-cpp-python is not installed: llama.cpp skipped (`pip install "
                      "llama-cpp-python` builds it from source, about 12 minutes on 2 cores)")
 
@@ -283,8 +285,7 @@ def run(args) -> int:
            "model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
            "concurrency": args.concurrency, "mix": args.mix, "heldout_tokens": len(spec.windows) * args.seq_len,
            "notes": notes, "results": results, "logs": str(work)}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
     print_table(out)
     if args.plot:
         plot(out, args.plot)

@@ -14,15 +14,13 @@ upper layers a cascade escalation runs over the history, spread over the tokens)
 """
 from __future__ import annotations
 
-import json
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
 from mfs import data as D
-from mfs.runtime import save_figure
+from mfs.runtime import save_figure, write_json
 from mfs import eval_questions as Q
 from worker.family import load_family
 from mfs.engine import Engine
@@ -145,8 +143,7 @@ def run(args) -> int:
         print(f"{p['policy']:<32} {p['agreement']:>6.0%} {p['layers_per_token']:>10.1f} {p['cost_vs_top']:>8.2f}"
               + ("  <- meets the target" if p["meets_target"] else ""))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        write_json(args.json, out)
     if args.plot:
         plot(out, args.plot)
     return 0

@@ -22,6 +22,8 @@ from pathlib import Path
 import aiohttp
 import msgpack
 
+from mfs.runtime import write_json
+
 
 def _pct(xs: list[float], p: float) -> float:
     if not xs:
@@ -217,8 +219,7 @@ def run(args) -> int:
                          "throughput": n["throughput_tok_s"] / i["throughput_tok_s"],
                          "worker_peak_rss": n.get("worker_peak_rss_bytes", 0) / max(1, i.get("worker_peak_rss_bytes", 1))}
         print("nested / independent: " + ", ".join(f"{k} {v:.2f}" for k, v in out["ratios"].items()))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
     if args.plot:
         plot(out, args.plot)
     return 0

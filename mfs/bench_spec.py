@@ -2,16 +2,15 @@
 tier verifies only its upper segments) on a fixed prompt set, at 1 and N concurrent requests."""
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
 from mfs.engine import Engine
 from worker.sampling import SamplingParams
+from mfs.runtime import write_json
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -112,6 +111,5 @@ def run(args) -> int:
                   f"acceptance {row['acceptance'] or 0:.2f}, accepted/verification "
                   f"{row['accepted_per_verification'] or 0:.2f}, rounds {row['rounds']}, "
                   f"gated steps {gated}", flush=True)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     return 0

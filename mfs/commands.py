@@ -1,13 +1,9 @@
 """`mfs generate`, `mfs tiers` and `mfs up`: the commands a new user meets first."""
 from __future__ import annotations
 
-import argparse
 import sys
 
-import torch
-
 from worker.family import add_model_args, load_from_args
-
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:

@@ -10,7 +10,6 @@ optionally plots a PNG.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -20,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from mfs import data as D
-from mfs.runtime import save_figure
+from mfs.runtime import save_figure, write_json
 from mfs import eval_questions as Q
 from worker.family import build_model
 from family.manifest import manifest_for, resolve_base
@@ -233,8 +232,7 @@ def run(args) -> int:
                 print(f"  {r['name']:>8}: {r['answers'][i][:100]!r}")
     out = runs[0] if len(runs) == 1 else {"runs": runs}
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        write_json(args.json, out)
     if args.plot:
         plot(runs[0], args.plot) if len(runs) == 1 else plot_compare(runs, args.plot)
     if args.record_quality:

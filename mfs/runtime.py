@@ -56,3 +56,11 @@ def save_figure(fig, path, dpi: int = 100) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+
+
+def write_json(path, obj, indent: int = 2) -> None:
+    """A benchmark's or evaluation's JSON result, its folder created."""
+    import json  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(obj, indent=indent) + "\n")

@@ -9,13 +9,19 @@ from scheduler.service import SchedulerService
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture
 
 
-def test_a_leader_whose_lease_lapsed_writes_nothing_of_its_round(redis_url):
+def leader_a(redis_url) -> tuple[redis.Redis, SchedulerService]:
+    """A fresh Redis with scheduler A leading, its lease then expired in Redis (as if A were cut off)."""
     r = redis.Redis.from_url(redis_url)
     r.flushdb()
     a = SchedulerService(redis_url, Limits(), consumer="A", lease_s=1.0)
     a.setup()
     assert a.try_lead()
-    r.delete(P.LEADER_KEY)  # A is cut off: its lease expires in Redis...
+    r.delete(P.LEADER_KEY)
+    return r, a
+
+
+def test_a_leader_whose_lease_lapsed_writes_nothing_of_its_round(redis_url):
+    r, a = leader_a(redis_url)  # A is cut off: its lease expires in Redis...
     b = SchedulerService(redis_url, Limits(), consumer="B", lease_s=1.0)
     assert b.try_lead() and b.lease.epoch == a.lease.epoch + 1  # ...and B leads
     a.lease._last_renew -= 5.0  # A's own clock: its last renewal was longer than a lease ago
@@ -29,13 +35,8 @@ def test_a_leader_whose_lease_lapsed_writes_nothing_of_its_round(redis_url):
 
 def test_a_leader_whose_lease_lapsed_unnoticed_takes_it_back_and_writes(redis_url):
     """No one took over: renewing at write time succeeds (same epoch) and the round is written."""
-    r = redis.Redis.from_url(redis_url)
-    r.flushdb()
-    a = SchedulerService(redis_url, Limits(), consumer="A", lease_s=1.0)
-    a.setup()
-    assert a.try_lead()
+    r, a = leader_a(redis_url)
     epoch = a.lease.epoch
-    r.delete(P.LEADER_KEY)
     a.lease._last_renew -= 5.0
     r.xadd(P.REQ_STREAM, P.Cancel("x").encode())
     a.run_once()
