@@ -150,3 +150,23 @@ def test_logit_bias_beyond_the_vocabulary_is_refused(llama_family):
     with pytest.raises(InvalidRequest, match="logit_bias"):
         Engine(llama_family.model, block_size=4, num_blocks=64).add_request(
             "x", [5, 6], 0, SamplingParams(logit_bias={160: 1.0}))
+
+
+def test_extreme_but_valid_parameters_sample_a_real_token_instead_of_crashing():
+    """Found by schemathesis against the service: a tiny temperature, or a repetition penalty near 0,
+    overflowed to inf - inf = nan and torch.multinomial raised, killing the worker with every request
+    on it. Each still samples, from the distribution its definition gives in the limit."""
+    import torch
+
+    from worker.sampling import make_generator, process_logits, sample
+    logits = torch.tensor([[2.0, 5.0, -1.0, 4.0, 0.5]])
+    seen = torch.tensor([True, True, False, False, False])
+    for params in (SamplingParams(temperature=1e-300, seed=1),
+                   SamplingParams(temperature=1.0, repetition_penalty=2.2250738585e-313, seed=1),
+                   SamplingParams(temperature=1e-30, min_p=0.35, repetition_penalty=1e-300, seed=1)):
+        x = process_logits(logits, [params], [torch.zeros(5)], [seen])
+        assert not torch.isnan(x).any()
+        tok = sample(x, [params], [make_generator(params)])[0]
+        # the limit of each: the top logit after the penalty (token 1 when it is unpenalized, and the
+        # penalty near 0 blows seen positive logits up)
+        assert tok == int(torch.argmax(x[0]))

@@ -50,14 +50,20 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], counts: l
         y = torch.where(sn, torch.where(y > 0, y / rp, y * rp), y)
         y = y - col([p.frequency_penalty for p in ps]) * c - col([p.presence_penalty for p in ps]) * (c > 0)
         x[pen] = y
+    # A penalty near 0 (or a huge bias) may overflow: keep every logit a number, so the ranking stays
+    # and sampling never meets inf - inf (a request must not be able to crash its worker).
+    x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
     out[idx] = x
     return out
 
 
 def probs_for(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy request samples from (its logits already processed): [V] float32.
-    Temperature, then min-p, top-k and top-p."""
-    x = logits.float() / params.temperature
+    Temperature, then min-p, top-k and top-p. The top logit is subtracted before dividing by the
+    temperature, in float64 (a temperature below float32's range would divide by zero), so a tiny
+    temperature gives a (near) one-hot distribution instead of overflowing."""
+    x = logits.double()
+    x = (x - x.max()) / params.temperature
     if params.min_p > 0.0:
         p = torch.softmax(x, -1)
         x = x.masked_fill(p < params.min_p * p.max(), float("-inf"))
@@ -71,7 +77,7 @@ def probs_for(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = cum - p > params.top_p  # keep the smallest prefix whose mass reaches top_p
         sx = sx.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(0, si, sx)
-    return torch.softmax(x, -1)
+    return torch.softmax(x, -1).float()
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
