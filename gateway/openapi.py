@@ -512,10 +512,20 @@ def _completion_op(op_id: str, summary: str, request: str, final: str, chunk: st
                     "content": {
                         "application/json": {"schema": _ref(final)},
                         "text/event-stream": {
-                            "schema": {"type": "string"},
+                            # OpenAPI 3.1 reads `schema` of an event stream as one event's (as 3.2's
+                            # `itemSchema` says outright): its fields, not the stream's text
+                            "schema": _SSE_EVENT,
                             # what each `data:` line but the last ('[DONE]') holds
                             "x-event-data": {"anyOf": [_ref(chunk), _ref("ErrorResponse")]}}}},
             **_err_refs(400, 401, 404, 413, 429, 503, 504)}}}
+
+
+# One Server-Sent Event as a client's parser yields it.
+_SSE_EVENT = {
+    "type": "object", "required": ["data"],
+    "properties": {
+        "data": {"type": "string", "description": "a JSON chunk (x-event-data), or [DONE] last"},
+        "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
 def build(svc, cfg, *, auth: bool) -> dict:
