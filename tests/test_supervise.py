@@ -71,7 +71,9 @@ class Up:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             assert self.outer.poll() is None, f"mfs up exited early:\n{''.join(self.stderr)[-3000:]}"
-            if self.workers() >= n:
+            # serving: mfs up said so (its own start-up is over, and only from then on does it
+            # supervise; a child lost during start-up fails `mfs up` at once) and /health agrees
+            if any("mfs up: serving at" in ln for ln in self.stdout) and self.workers() >= n:
                 return time.monotonic() - t0
             time.sleep(0.2)
         raise AssertionError(f"{n} workers not registered in {timeout}s:\n{''.join(self.stderr)[-3000:]}")
