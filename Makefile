@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.mfs-installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup up test test-fast bench gpu-precipitate clean
+.PHONY: setup up test test-fast bench gpu-precipitate lm-eval clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,12 @@ test: setup
 OUT ?= runs/gpu-precipitate
 gpu-precipitate: setup
 	$(BIN)/mfs gpu-precipitate --out $(OUT)
+
+# lm-evaluation-harness against the running family, tier by tier, and transformers in-process
+# (docs/BENCHMARKS.md, "lm-evaluation-harness"); an optional extra, installed here only
+lm-eval: setup
+	$(BIN)/pip install -q 'lm-eval[api]==0.4.13'
+	$(BIN)/mfs lm-eval --json docs/lm-eval/capitals.json
 
 bench: setup
 	$(BIN)/mfs bench engine --json docs/bench/engine.json

@@ -14,6 +14,7 @@ COMMANDS = [
     ("mfs.commands", "add_up"),
     ("mfs.precipitate", "add_parser"),
     ("mfs.evaluate", "add_parser"),
+    ("mfs.lm_eval_run", "add_parser"),
     ("mfs.gpu_precipitate", "add_parser"),
 ]
 BENCHES = [
