@@ -11,6 +11,11 @@ Two decisions are made here because they need the logits and must precede any to
 * the confidence cascade: a cascade request's sampled row whose confidence window falls below its
   threshold returns no token; its id comes back in ``escalate`` instead.
 
+Structured output is applied here too: a request with a grammar (``SamplingParams.grammar``) has a
+matcher (worker/grammar.py) advanced with every token it commits; its sampled rows are masked to what
+the matcher allows, after logit_bias and penalties, batched over the rows that have one. A re-planned
+request rebuilds its matcher from the output tokens it had produced (the tail of ``prompt_ids``).
+
 Log-probabilities are taken here too, from the raw logits of the row that produced each token (plain
 rows, and a verification row's positions: the target tier's), only for requests that ask; prompt
 log-probabilities (``logits_all`` rows) are gathered per position and handed out with the request's
@@ -25,6 +30,7 @@ import torch
 
 from core.protocol import PlanRow, TokenLogprob
 from worker.batch import build_step, order_rows
+from worker.grammar import Grammars, mask_rows
 from worker.kv_tensors import SegmentedKVCache
 from worker.model import NestedModel
 from worker.sampling import (SamplingParams, accept_greedy, accept_sampled, confidences, draw,
@@ -54,8 +60,10 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: NestedModel, num_blocks: list[int], block_size: int,
-                 tier_map: dict[int, int] | None = None, keep_logits: bool = False):
+                 tier_map: dict[int, int] | None = None, keep_logits: bool = False, tokenizer=None):
         self.model = model
+        self.tokenizer = tokenizer  # for grammars (structured output); None: a grammar request is refused
+        self._grammars: Grammars | None = None  # built with the first grammar request
         cfg = model.cfg
         p = next(model.parameters())
         self.device = p.device
@@ -77,6 +85,7 @@ class ModelRunner:
         # it occurs in the prompt or the output [V] (kept in step with the committed tokens).
         self.counts: dict[str, torch.Tensor] = {}
         self.seen: dict[str, torch.Tensor] = {}
+        self.matchers: dict[str, object] = {}  # requests with a grammar: their xgrammar matcher
 
     def add(self, request_id: str, params: SamplingParams, prompt_ids: list[int] | None = None,
             num_output: int = 0) -> None:
@@ -93,6 +102,20 @@ class ModelRunner:
             out = ids[len(ids) - num_output:] if num_output else ids[:0]
             self.counts[request_id] = torch.bincount(out, minlength=v).float()
             self.seen[request_id] = torch.bincount(ids, minlength=v) > 0
+        if params.grammar is not None:
+            m = self.grammars().matcher(params.grammar)
+            for t in prompt_ids[len(prompt_ids) - num_output:] if num_output else []:
+                if not m.accept_token(t):
+                    raise ValueError(f"request {request_id}: its output so far does not follow its grammar")
+            self.matchers[request_id] = m
+
+    def grammars(self) -> Grammars:
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("this runner has no tokenizer: it cannot apply a grammar")
+            cfg = self.model.cfg
+            self._grammars = Grammars(self.tokenizer, cfg.vocab_size, list(cfg.eos_token_ids))
+        return self._grammars
 
     def drop(self, request_ids) -> None:
         for rid in request_ids:
@@ -103,6 +126,7 @@ class ModelRunner:
             self.prompt_scores.pop(rid, None)
             self.counts.pop(rid, None)
             self.seen.pop(rid, None)
+            self.matchers.pop(rid, None)
 
     def execute(self, rows: list[PlanRow]) -> StepOutput:
         if self.tier_map is not None:  # copies: the caller keeps the global tiers (it streams them)
@@ -156,7 +180,13 @@ class ModelRunner:
             ps = [st[0] for st in states]
             proc = process_logits(sub, ps, [self.counts.get(rid) for _, rid in plain],
                                   [self.seen.get(rid) for _, rid in plain])
+            ruled = [j for j, (_, rid) in enumerate(plain) if rid in self.matchers]
+            if ruled:  # structured output: what each grammar allows next (raw logits kept for logprobs)
+                allowed = self.grammars().allowed([self.matchers[plain[j][1]] for j in ruled])
+                proc = mask_rows(proc, ruled, allowed)
             toks = sample(proc, ps, [st[1] for st in states])
+            for j in ruled:
+                assert self.matchers[plain[j][1]].accept_token(toks[j]), f"{plain[j][1]}: token outside its grammar"
             out.tokens.update(zip((rid for _, rid in plain), toks))
             asked = [j for j, st in enumerate(states) if st[0].logprobs is not None]
             if asked:
