@@ -1,7 +1,7 @@
 """The per-token cost of a grammar mask on this CPU, xgrammar against llguidance (issue 15: pick the
 engine by measurement). For each engine: compile a JSON schema for the default family's tokenizer,
 then generate under it (a seeded draw from random logits, masked) and time, per token, filling the
-next-token bitmask and applying it to the logits row, and the matcher's advance.
+next-token bitmask and applying it to the logits row [1, V] float32, and the matcher's advance.
 
     .venv/bin/python -m mfs.bench_grammar [--tokens 2000] [--json out.json]
 """
@@ -51,6 +51,21 @@ class XGrammar:
     def advance(self, t: int) -> bool:
         assert self.m.accept_token(t)
         return self.m.is_terminated()
+
+
+class XGrammarAsRun(XGrammar):
+    """xgrammar's bitmask as the runner applies it (worker/grammar.py): unpacked in torch, so any
+    logits dtype and device take it (xgrammar's own CPU apply takes float32/16 only)."""
+    name = "xgrammar (runner's torch unpack)"
+
+    def __init__(self, tok, vocab: int):
+        super().__init__(tok, vocab)
+        from worker.grammar import Grammars
+        self.grammars = Grammars(tok, vocab, [tok.eos_token_id])
+
+    def mask(self, logits: torch.Tensor) -> None:
+        from worker.grammar import mask_rows
+        logits.copy_(mask_rows(logits, [0], self.grammars.allowed([self.m])))
 
 
 class LLGuidance:
@@ -126,7 +141,7 @@ def main(argv=None) -> None:
     vocab = len(tok)
     t0 = time.perf_counter()
     engines = []
-    for cls in (XGrammar, LLGuidance):
+    for cls in (XGrammar, XGrammarAsRun, LLGuidance):
         t0 = time.perf_counter()
         e = cls(tok, vocab)
         engines.append((e, round(time.perf_counter() - t0, 2)))

@@ -16,7 +16,7 @@ from core.sampling import SamplingParams
 from mfs.engine import Engine
 from tests.factories import tiny_llama_with_tokenizer
 from worker.family import load_family
-from worker.grammar import GrammarError, grammar_of
+from core.grammar import GrammarError, grammar_of
 
 TIERS = "2,4,6"
 # bounded (every string, number and array), so that a random model finishes well within max_tokens

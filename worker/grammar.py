@@ -11,45 +11,13 @@ matcher per request, advanced with each token the request commits (the runner ow
 """
 from __future__ import annotations
 
-import json
-import re
 from collections import OrderedDict
 
 import torch
 
+from core.grammar import grammar_of
+
 GRAMMAR_CACHE = 256  # compiled grammars kept (by spec)
-
-
-class GrammarError(ValueError):
-    """A spec xgrammar cannot compile (the gateway checks first: a client gets a 400 naming it)."""
-
-
-def _message(e: Exception) -> str:
-    # xgrammar's errors start with "[time] /project/cpp/file.cc:line: "
-    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip().splitlines()[0] if str(e).strip() else "")
-
-
-def choice_ebnf(choices: list[str]) -> str:
-    """guided_choice as a grammar: exactly one of the strings (EBNF string literals take JSON's escapes)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-def grammar_of(spec: tuple[str, str]):
-    """The tokenizer-free xgrammar.Grammar of a spec; raises GrammarError (what the gateway checks)."""
-    import xgrammar as xgr
-    kind, text = spec
-    try:
-        if kind == "json":
-            # compact separators (", " and ": "), no free whitespace: a small model cannot run away in
-            # whitespace, and the output is what json.dumps writes
-            return xgr.Grammar.from_json_schema(text, any_whitespace=False)
-        if kind == "regex":
-            return xgr.Grammar.from_regex(text)
-        if kind == "choice":
-            return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(text)))
-    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for any bad input
-        raise GrammarError(_message(e) or f"the {kind} grammar does not compile") from None
-    raise GrammarError(f"unknown grammar kind {kind!r}")
 
 
 class Grammars:
