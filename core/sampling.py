@@ -105,8 +105,6 @@ class SamplingParams:
                 raise ValueError(f"a grammar may have at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
             if self.ignore_eos:
                 raise ValueError("a grammar ends the output with EOS: it cannot be combined with ignore_eos")
-            if self.spec_draft_tier is not None:
-                raise ValueError("self-speculative decoding under a grammar is not supported")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):

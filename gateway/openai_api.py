@@ -502,11 +502,11 @@ def _grammar(body: dict) -> Grammar | None:
     if len(found) > 1:
         raise invalid("A request may constrain its output one way: " + ", ".join(STRUCTURED)
                       + f" (it has {found[0].param.split('.')[0]} and {found[1].param.split('.')[0]}).",
-                      found[1].param.split(".")[0])
+                      found[1].param.split(".")[0], code="conflicting_parameters")
     g = found[0] if found else None
     if g is not None and body.get("ignore_eos") is True:
         raise invalid(f"'ignore_eos' cannot go with structured output ('{g.param.split('.')[0]}'): the output "
-                      "ends where its grammar does, with eos.", "ignore_eos")
+                      "ends where its grammar does, with eos.", "ignore_eos", code="conflicting_parameters")
     return g
 
 

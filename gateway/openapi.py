@@ -252,9 +252,11 @@ STRUCTURED_NOTE = (" Structured output: every sampled token is masked to what th
                    "the worker; after logit_bias and penalties, before temperature, top-k/p and min-p); eos only "
                    "where the grammar may end, and the output ends (finish_reason stop) once it is complete. "
                    "JSON is written compactly (no free whitespace). At most one of response_format (json_object "
-                   "or json_schema), guided_json, guided_regex, guided_choice; not with ignore_eos, nor with "
-                   "mfs.speculative (400). A schema, regex or choice list that does not compile is a 400 naming "
-                   "the field (code invalid_grammar). Log-probabilities stay the raw model's.")
+                   "or json_schema), guided_json, guided_regex, guided_choice, and not with ignore_eos true (else 400 "
+                   "conflicting_parameters); with "
+                   "mfs.speculative the drafts are checked against the mask (exact). A schema, regex or choice "
+                   "list that does not compile is a 400 naming the field (code invalid_grammar). "
+                   "Log-probabilities stay the raw model's.")
 
 
 def _structured() -> dict:
@@ -281,20 +283,6 @@ def _structured() -> dict:
                                     "description": "vLLM extension: the output is exactly one of these strings."
                                                    + STRUCTURED_NOTE}),
     }
-
-
-def _set(name: str) -> dict:
-    return {"properties": {name: {"not": {"type": "null"}}}, "required": [name]}
-
-
-_GRAMMARS = [{"properties": {"response_format": {"type": "object", "required": ["type"],
-                                                 "properties": {"type": {"enum": ["json_object", "json_schema"]}}}},
-              "required": ["response_format"]},
-             _set("guided_json"), _set("guided_regex"), _set("guided_choice")]
-# at most one structured-output field; none with ignore_eos true
-_STRUCTURED_CONFLICTS = {"anyOf": [
-    *({"allOf": [a, b]} for i, a in enumerate(_GRAMMARS) for b in _GRAMMARS[i + 1:]),
-    {"allOf": [{"anyOf": _GRAMMARS}, {"properties": {"ignore_eos": {"const": True}}, "required": ["ignore_eos"]}]}]}
 
 
 LOGPROBS_NOTE = ("Log-probabilities are the log-softmax of the raw logits of the tier that produced each "
@@ -349,7 +337,7 @@ def _request(f: _Facts, required: str, first: dict, description: str, extra: dic
     # Every OpenAI field is described (honoured, or refused unless off); a field the description does not
     # name is not read (the object stays open, as before: clients and SDKs add their own)
     return _obj(props, ["model", required], closed=False, anyOf=_per_model(f), description=description,
-                **{"not": _STRUCTURED_CONFLICTS}, **rules)
+                **rules)
 
 
 def _chat_request(f: _Facts) -> dict:

@@ -181,7 +181,7 @@ class Service:
         raise invalid(f"{shown} names no tier of this family: use a tier name ({', '.join(self.tier_names)}), "
                       f"a model id ({', '.join(self.tier_ids)}) or an index (0..{n - 1}).", param)
 
-    def multilevel(self, ml: MultiLevel, tier: int, family: bool, grammar: str | None = None) -> dict:
+    def multilevel(self, ml: MultiLevel, tier: int, family: bool) -> dict:
         """Resolves the ``mfs`` extension against the server defaults and the request's final tier.
 
         * A cascade applies only to family-id requests (it starts at the scored tier); asked for on a
@@ -190,16 +190,8 @@ class Service:
           that is not is dropped silently, a draft the request named is a 400.
         * Both at once: asking for both is a 400 (parsing); otherwise an explicit choice beats a server
           default, and between two defaults the cascade wins (family requests).
-        * Structured output (``grammar``: the field that asked for it) does not speculate: asked for,
-          speculation is a 400; a server default is dropped.
         """
         spec, casc = ml.speculative, ml.cascade
-        if grammar is not None:
-            if isinstance(spec, Speculative):
-                raise invalid(f"Self-speculative decoding ('mfs.speculative') is not supported with structured "
-                              f"output ('{grammar}'); leave one out.", "mfs.speculative",
-                              code="unsupported_parameter")
-            spec = False
         top = len(self.tier_ids) - 1
         threshold, window = None, self.cascade_window
         if isinstance(casc, Cascade):
@@ -299,8 +291,7 @@ class Service:
                           "logit_bias")
         if p.grammar is not None:  # compiles? (xgrammar, as the worker will; off the event loop)
             await asyncio.to_thread(_check_grammar, p.grammar)
-        ml = self.multilevel(p.multilevel, tier, routed == "auto",
-                             p.grammar.param.split(".")[0] if p.grammar is not None else None)
+        ml = self.multilevel(p.multilevel, tier, routed == "auto")
         max_len = max_context(workers)
         asked = p.max_tokens
         if max_len is not None and (len(ids) >= max_len or len(ids) + (asked or 0) > max_len):

@@ -384,19 +384,16 @@ def check_error_doc(doc: dict, r: httpx.Response) -> dict:
     return r.json()["error"]
 
 
-STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice")
-
-
 def allowed_400(doc: dict, body: dict, err: dict) -> bool:
     """The rules the description cannot express (see gateway.openapi): the context and the prompt
     bounds counted in tokens or across messages, a draft checked against the scored tier, whether a
-    structured-output schema or regex compiles, and speculation refused under one."""
+    structured-output schema or regex compiles, and two structured-output fields at once (or one with
+    ignore_eos)."""
     family = [m for m in at(doc, "#/components/schemas/ModelId")["enum"]
               if m not in at(doc, "#/components/schemas/TierModelId")["enum"]]
     return (err["code"] in ("context_length_exceeded", "prompt_too_long")
             or (err["param"] == "mfs.speculative.draft" and body["model"] in family)
-            or err["code"] == "invalid_grammar"
-            or (err["param"] == "mfs.speculative" and any(body.get(k) is not None for k in STRUCTURED)))
+            or err["code"] in ("invalid_grammar", "conflicting_parameters"))
 
 
 def conforms(doc: dict, path: str, body: dict, r: httpx.Response) -> None:
