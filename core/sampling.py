@@ -8,6 +8,11 @@ from dataclasses import dataclass, field, replace
 
 MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (OpenAI's bound)
 MAX_LOGIT_BIAS = 1024  # token ids a request may bias
+# Structured output: a grammar the worker masks every sampled row with (worker/grammar.py, xgrammar).
+# The spec travels as (kind, text), never compiled: "json" (text: a JSON schema), "regex" (text: a
+# regular expression), "choice" (text: a JSON list of the strings allowed).
+GRAMMAR_KINDS = ("json", "regex", "choice")
+MAX_GRAMMAR_CHARS = 1 << 16
 
 
 @dataclass(slots=True)
@@ -48,9 +53,16 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Structured output: (kind, text), GRAMMAR_KINDS. Every sampled token is masked to what the grammar
+    # allows next (after logit_bias and penalties, before temperature and the rest); the model's EOS is
+    # allowed only where the grammar may end, and is all it allows once the grammar is complete, so the
+    # request ends there with "stop".
+    grammar: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(self.stop_token_ids)  # a list off the wire: keep it hashable
+        if self.grammar is not None:
+            self.grammar = tuple(self.grammar)
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
     def validate(self) -> None:
@@ -85,6 +97,14 @@ class SamplingParams:
         for t, b in self.logit_bias.items():
             if t < 0 or not -100.0 <= b <= 100.0:
                 raise ValueError(f"logit_bias maps token ids >= 0 to values in [-100, 100], got {t}: {b}")
+        if self.grammar is not None:
+            kind, text = self.grammar if len(self.grammar) == 2 else (None, None)
+            if kind not in GRAMMAR_KINDS or not isinstance(text, str) or not text:
+                raise ValueError(f"grammar must be (kind, text) with kind in {GRAMMAR_KINDS}, got {self.grammar!r}")
+            if len(text) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"a grammar may have at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
+            if self.ignore_eos:
+                raise ValueError("a grammar ends the output with EOS: it cannot be combined with ignore_eos")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
@@ -113,8 +133,9 @@ class SamplingParams:
 
     @property
     def needs_prompt(self) -> bool:
-        """The worker needs the prompt's token ids (to score them, or to count them for penalties)."""
-        return self.prompt_logprobs is not None or self.penalized
+        """The worker needs the prompt's token ids (to score them, to count them for penalties, or, for a
+        grammar, the output tokens a re-planned request already produced: the prompt's tail)."""
+        return self.prompt_logprobs is not None or self.penalized or self.grammar is not None
 
     def stop_ids(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
         """The tokens that end this request: its own stop ids, and the model's EOS unless ignored."""

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 
-from core.sampling import MAX_LOGIT_BIAS
+from core.sampling import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
 from core.sampling import MAX_LOGPROBS as _MAX_LOGPROBS
 
 ROLES = ("system", "user", "assistant")
@@ -78,6 +79,18 @@ DEFAULT_LIMITS = Limits()
 # ---- typed requests ---------------------------------------------------------------------------
 MAX_SPEC_GAMMA = 16      # draft tokens per verification round
 MAX_CASCADE_WINDOW = 64  # tokens the cascade's confidence is averaged over
+MAX_CHOICES = 256        # guided_choice strings
+# the structured-output fields: at most one per request
+STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice")
+
+
+@dataclass(slots=True, frozen=True)
+class Grammar:
+    """Structured output as the request asked it: core.sampling's (kind, text), and the field it came
+    from (a 400 about it names that field)."""
+    kind: str   # "json" (text: a JSON schema), "regex", "choice" (text: a JSON list of strings)
+    text: str
+    param: str
 
 
 @dataclass(slots=True, frozen=True)
@@ -125,6 +138,7 @@ class GenParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias (ids checked later)
     echo: bool = False                # completions: the prompt first (with its logprobs when asked)
     n: int = 1                        # choices, each its own request (seed + i when seeded)
+    grammar: Grammar | None = None    # structured output (response_format, guided_*)
 
 
 @dataclass(slots=True)
@@ -222,13 +236,10 @@ def _n(body: dict) -> int:
 # unsupported_parameter naming the field, never accepted and ignored. gateway/openapi.py describes
 # each with exactly these values.
 NO_TOOLS = "tools and function calling are not supported"
-NO_STRUCTURED = "structured output is not supported yet"
+NO_STRUCTURED = ("only response_format, guided_json, guided_regex and guided_choice give structured output "
+                 "here")
 REFUSED: dict[str, tuple[tuple, str]] = {
     "suffix": ((None, ""), "insertion ('suffix') is not supported"),
-    "response_format": ((None, {"type": "text"}), NO_STRUCTURED + ' (only {"type": "text"})'),
-    "guided_json": ((None,), NO_STRUCTURED),
-    "guided_regex": ((None,), NO_STRUCTURED),
-    "guided_choice": ((None,), NO_STRUCTURED),
     "guided_grammar": ((None,), NO_STRUCTURED),
     "structured_outputs": ((None,), NO_STRUCTURED),
     "tool_choice": ((None, "none", "auto"), NO_TOOLS),
@@ -420,6 +431,85 @@ def _echo(body: dict, chat: bool) -> bool:
     return _bool(body, "echo")
 
 
+def _text(v, param: str) -> str:
+    if len(v) > MAX_GRAMMAR_CHARS:
+        raise invalid(f"'{param}' may have at most {MAX_GRAMMAR_CHARS} characters, got {len(v)}.", param)
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid(f"'{param}' is not valid Unicode text.", param) from None
+    return v
+
+
+def _schema(v, param: str) -> str:
+    """A JSON schema (an object) -> its text."""
+    if not isinstance(v, dict):
+        raise invalid(f"'{param}' must be a JSON schema (an object), got {_short(v)}.", param)
+    return _text(json.dumps(v, ensure_ascii=False), param)  # key order kept: it is the output's
+
+
+def _response_format(v) -> Grammar | None:
+    name = "response_format"
+    if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
+        raise invalid(f"'{name}' must be {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} or "
+                      f"{{\"type\": \"json_schema\", \"json_schema\": {{\"name\": ..., \"schema\": {{...}}}}}}, "
+                      f"got {_short(v)}.", name)
+    if v["type"] != "json_schema":
+        _only(v, ("type",), name)
+        return None if v["type"] == "text" else Grammar("json", '{"type": "object"}', name)
+    _only(v, ("type", "json_schema"), name)
+    js = v.get("json_schema")
+    where = f"{name}.json_schema"
+    if not isinstance(js, dict):
+        raise invalid(f"'{where}' must be an object {{\"name\", \"schema\", \"strict\", \"description\"}}.", where)
+    _only(js, ("name", "schema", "strict", "description"), where)
+    n = js.get("name")
+    if not isinstance(n, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", n):
+        raise invalid(f"'{where}.name' is required: 1 to 64 letters, digits, '_' or '-', got {_short(n)}.",
+                      f"{where}.name")
+    if js.get("strict") is not None and not isinstance(js["strict"], bool):
+        raise invalid(f"'{where}.strict' must be a boolean.", f"{where}.strict")
+    if js.get("description") is not None and not isinstance(js["description"], str):
+        raise invalid(f"'{where}.description' must be a string.", f"{where}.description")
+    if js.get("schema") is None:
+        raise invalid(f"'{where}.schema' is required: the JSON schema the output follows.", f"{where}.schema")
+    return Grammar("json", _schema(js["schema"], f"{where}.schema"), f"{where}.schema")
+
+
+def _grammar(body: dict) -> Grammar | None:
+    """response_format (json_object, json_schema) or one of vLLM's guided_json / guided_regex /
+    guided_choice: at most one. Checked here for shape; whether it compiles, by the gateway
+    (gateway.serving, with the worker's grammar engine)."""
+    found: list[Grammar] = []
+    if body.get("response_format") is not None:
+        g = _response_format(body["response_format"])
+        if g is not None:
+            found.append(g)
+    if body.get("guided_json") is not None:
+        found.append(Grammar("json", _schema(body["guided_json"], "guided_json"), "guided_json"))
+    v = body.get("guided_regex")
+    if v is not None:
+        if not isinstance(v, str) or not v:
+            raise invalid(f"'guided_regex' must be a non-empty regular expression, got {_short(v)}.", "guided_regex")
+        found.append(Grammar("regex", _text(v, "guided_regex"), "guided_regex"))
+    v = body.get("guided_choice")
+    if v is not None:
+        if (not isinstance(v, list) or not v or len(v) > MAX_CHOICES
+                or not all(isinstance(c, str) and c for c in v)):
+            raise invalid(f"'guided_choice' must be a list of 1 to {MAX_CHOICES} non-empty strings, got "
+                          f"{_short(v)}.", "guided_choice")
+        found.append(Grammar("choice", _text(json.dumps(v, ensure_ascii=False), "guided_choice"), "guided_choice"))
+    if len(found) > 1:
+        raise invalid("A request may constrain its output one way: " + ", ".join(STRUCTURED)
+                      + f" (it has {found[0].param.split('.')[0]} and {found[1].param.split('.')[0]}).",
+                      found[1].param.split(".")[0], code="conflicting_parameters")
+    g = found[0] if found else None
+    if g is not None and body.get("ignore_eos") is True:
+        raise invalid(f"'ignore_eos' cannot go with structured output ('{g.param.split('.')[0]}'): the output "
+                      "ends where its grammar does, with eos.", "ignore_eos", code="conflicting_parameters")
+    return g
+
+
 def parse_params(body: dict, lim: Limits = DEFAULT_LIMITS, chat: bool = True) -> GenParams:
     _unsupported(body)
     echo = _echo(body, chat)
@@ -447,7 +537,8 @@ def parse_params(body: dict, lim: Limits = DEFAULT_LIMITS, chat: bool = True) ->
                      min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
                      presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
                      frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
-                     repetition_penalty=_repetition_penalty(body), logit_bias=_logit_bias(body))
+                     repetition_penalty=_repetition_penalty(body), logit_bias=_logit_bias(body),
+                     grammar=_grammar(body))
 
 
 def _content(msg: dict, i: int) -> str:

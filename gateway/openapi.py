@@ -29,9 +29,9 @@ from importlib import metadata
 
 from core.sampling import SamplingParams
 from gateway.keys import CONFIG, KEYS, SERVICE
-from core.sampling import MAX_LOGIT_BIAS
-from gateway.openai_api import (INT32_MAX, MAX_CASCADE_WINDOW, MAX_LOGPROBS, MAX_N, MAX_REPETITION, MAX_SPEC_GAMMA,
-                                REFUSED, ROLES, Limits)
+from core.sampling import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
+from gateway.openai_api import (INT32_MAX, MAX_CASCADE_WINDOW, MAX_CHOICES, MAX_LOGPROBS, MAX_N, MAX_REPETITION,
+                                MAX_SPEC_GAMMA, REFUSED, ROLES, Limits)
 
 PATH = "/openapi.json"
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -239,11 +239,49 @@ def _common_params(f: _Facts) -> dict:
                                  "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
                                  "description": "Token id (a decimal string) -> a bias added to its logit before "
                                                 "penalties and sampling."}),
+        **_structured(),
         "tools": {"enum": FALSY, "description": "Not supported: only an empty value."},
         "functions": {"enum": FALSY, "description": "Not supported: only an empty value."},
         # refused unless "off" (gateway.openai_api.REFUSED): a 400 unsupported_parameter, never ignored
         **{name: {"enum": list(off), "description": f"Not supported ({why}): only the values meaning off."}
            for name, (off, why) in REFUSED.items()},
+    }
+
+
+STRUCTURED_NOTE = (" Structured output: every sampled token is masked to what the grammar allows next (xgrammar, in "
+                   "the worker; after logit_bias and penalties, before temperature, top-k/p and min-p); eos only "
+                   "where the grammar may end, and the output ends (finish_reason stop) once it is complete. "
+                   "JSON is written compactly (no free whitespace). At most one of response_format (json_object "
+                   "or json_schema), guided_json, guided_regex, guided_choice, and not with ignore_eos true (else 400 "
+                   "conflicting_parameters); with "
+                   "mfs.speculative the drafts are checked against the mask (exact). A schema, regex or choice "
+                   "list that does not compile is a 400 naming the field (code invalid_grammar). "
+                   "Log-probabilities stay the raw model's.")
+
+
+def _structured() -> dict:
+    schema = {"type": "object", "description": "A JSON schema (the draft 2020-12 subset xgrammar follows; one it "
+                                               "cannot compile is a 400 invalid_grammar)."}
+    json_schema = _obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "schema": schema,
+                        "strict": _nullable({"type": "boolean", "description": "Any value: the schema is always "
+                                                                               "enforced."}),
+                        "description": _nullable({"type": "string"})}, ["name", "schema"])
+    return {
+        "response_format": _nullable({"anyOf": [
+            _obj({"type": {"const": "text"}}, ["type"], description="Plain text (the default)."),
+            _obj({"type": {"const": "json_object"}}, ["type"], description="Any JSON object."),
+            _obj({"type": {"const": "json_schema"}, "json_schema": json_schema}, ["type", "json_schema"],
+                 description="JSON following json_schema.schema.")],
+            "description": "The output's format." + STRUCTURED_NOTE}),
+        "guided_json": _nullable({**schema, "description": "vLLM extension: JSON following this schema."
+                                                           + STRUCTURED_NOTE}),
+        "guided_regex": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_GRAMMAR_CHARS,
+                                   "description": "vLLM extension: the output matches this regular expression."
+                                                  + STRUCTURED_NOTE}),
+        "guided_choice": _nullable({"type": "array", "minItems": 1, "maxItems": MAX_CHOICES,
+                                    "items": {"type": "string", "minLength": 1},
+                                    "description": "vLLM extension: the output is exactly one of these strings."
+                                                   + STRUCTURED_NOTE}),
     }
 
 

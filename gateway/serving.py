@@ -26,13 +26,14 @@ import structlog
 from redis.exceptions import RedisError
 
 from core import protocol as P
+from core.grammar import GrammarError, grammar_of
 from core.sampling import SamplingParams
 from gateway import complexity
 from gateway.auth import admit
 from gateway.backend import Backend, max_context
 from gateway.detok import IncrementalDetokenizer
 from gateway.metrics import Metrics
-from gateway.openai_api import (MAX_CASCADE_WINDOW, MAX_SPEC_GAMMA, APIError, Cascade, ChatRequest,
+from gateway.openai_api import (MAX_CASCADE_WINDOW, MAX_SPEC_GAMMA, APIError, Cascade, ChatRequest, Grammar,
                                 CompletionRequest, GenParams, MultiLevel, Speculative, TokenInfo,
                                 context_overflow, invalid, model_not_found)
 from gateway.ratelimit import RateLimiter
@@ -288,6 +289,8 @@ class Service:
         if bad:
             raise invalid(f"'logit_bias' names token {bad[0]}, out of range (vocabulary size {self.vocab_size}).",
                           "logit_bias")
+        if p.grammar is not None:  # compiles? (xgrammar, as the worker will; off the event loop)
+            await asyncio.to_thread(_check_grammar, p.grammar)
         ml = self.multilevel(p.multilevel, tier, routed == "auto")
         max_len = max_context(workers)
         asked = p.max_tokens
@@ -338,6 +341,15 @@ class Service:
             return list(self.tok(prompt)["input_ids"])
         except Exception as e:  # noqa: BLE001 - text the tokenizer cannot take is bad input
             raise invalid(f"The prompt cannot be tokenized: {e}", "prompt") from None
+
+
+def _check_grammar(g: Grammar) -> None:
+    try:
+        grammar_of((g.kind, g.text))
+    except GrammarError as e:
+        what = {"json": "JSON schema", "regex": "regular expression", "choice": "choice list"}[g.kind]
+        raise invalid(f"'{g.param}' is not a {what} this server can follow: {e}", g.param,
+                      code="invalid_grammar") from None
 
 
 def _eos_ids(tok) -> list[int]:
@@ -415,7 +427,8 @@ class Generation:
                                 logprobs=p.logprobs, prompt_logprobs=p.logprobs if p.echo and first else None,
                                 min_p=p.min_p, presence_penalty=p.presence_penalty,
                                 frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-                                logit_bias=dict(p.logit_bias))
+                                logit_bias=dict(p.logit_bias),
+                                grammar=(p.grammar.kind, p.grammar.text) if p.grammar is not None else None)
         sub = P.Submit(request_id=self.rid, gateway_id=self.svc.gateway_id, prompt_ids=j.prompt_ids,
                        tier=j.tier, params=params, model_id=self.model, arrival=time.time(),
                        session_id=self.request.headers.get("X-Session-ID") or p.session_id,

@@ -20,7 +20,8 @@ __all__ = ["Engine", "InvalidRequest", "RequestOutput"]
 class Engine:
     def __init__(self, model: NestedModel, *, block_size: int = 16, num_blocks: int | list[int] = 256,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, keep_logits: bool = False, **limits):
+                 max_model_len: int | None = None, keep_logits: bool = False, tokenizer=None, **limits):
+        """``tokenizer``: needed only by requests with a grammar (structured output)."""
         self.model = model
         nseg = model.num_segments
         blocks = num_blocks if isinstance(num_blocks, list) else [num_blocks] * nseg
@@ -29,7 +30,7 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             max_model_len=min(max_model_len or model.max_positions, model.max_positions),
             eos_token_ids=model.cfg.eos_token_ids, vocab_size=model.cfg.vocab_size, **limits))
-        self.runner = ModelRunner(model, blocks, block_size, keep_logits=keep_logits)
+        self.runner = ModelRunner(model, blocks, block_size, keep_logits=keep_logits, tokenizer=tokenizer)
         self._ids = itertools.count()
 
     # The scheduler's state, for tests and benchmarks.

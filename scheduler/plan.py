@@ -22,9 +22,11 @@ def plan_rows(step: ScheduledStep) -> list[P.PlanRow]:
                        enter=seg)
              for r, seg, a, b in step.catchups]
     # Self-speculation: draft rows run the draft tier's segments, verification rows the segments above
-    # it from the hidden state the drafts stored at its exit, carrying the round's drafts.
+    # it from the hidden state the drafts stored at its exit, carrying the round's drafts (draft rows carry
+    # the earlier drafts of their round when the runner needs them: penalties, a grammar).
     rows += [P.PlanRow(r.request_id, r.params.spec_draft_tier, [x], pos, r.block_tables, True,
-                       len(r.output_ids), draft=True, drafts=list(r.drafts) if r.params.penalized else [])
+                       len(r.output_ids), draft=True,
+                       drafts=list(r.drafts) if r.params.penalized or r.params.grammar is not None else [])
              for r, x, pos in step.drafts]
     rows += [P.PlanRow(r.request_id, r.tier, toks, a, r.block_tables, False, len(r.output_ids),
                        enter=r.params.spec_draft_tier + 1, sample_all=True, drafts=r.drafts[:len(toks)])

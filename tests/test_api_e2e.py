@@ -4,8 +4,13 @@ checked against the in-process engine and a dense forward of the same weights. C
 ``openai`` package and ``httpx``."""
 from __future__ import annotations
 
+import json
+import re
+from typing import Literal
+
 import httpx2 as httpx
 import openai
+import pydantic
 import pytest
 import torch
 
@@ -351,14 +356,15 @@ def test_bad_n_is_400(service, models, n):
 # ---- never accept a parameter and ignore it -----------------------------------------------------
 REFUSED = {  # documented fields whose non-default values this server refuses (400 naming them)
     "best_of": 2, "suffix": "x", "tools": [{"type": "function", "function": {"name": "f"}}],
-    "functions": [{"name": "f"}], "response_format": {"type": "json_object"}, "tool_choice": "required",
+    "functions": [{"name": "f"}], "tool_choice": "required",
     "function_call": {"name": "f"}, "parallel_tool_calls": False, "modalities": ["text", "audio"],
     "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"},
     "reasoning_effort": "low", "web_search_options": {}, "store": True, "metadata": {"k": "v"},
-    "service_tier": "flex", "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
-    "guided_grammar": "root ::= 'a'", "structured_outputs": {"json": {}},
+    "service_tier": "flex", "guided_grammar": "root ::= 'a'", "structured_outputs": {"json": {}},
 }
 SWEEP_PROMPT = "one one one two two"
+FLAG = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
+CHOICES = ["yes", "no way", "maybe \"so\""]
 
 
 class Sweep:
@@ -459,6 +465,12 @@ def sweep_checks(s: Sweep, models, fam) -> dict:
             "top_logprobs"]) == 2) if s.chat else None,
         "echo": (lambda: s.text(s.send(echo=True)).startswith(SWEEP_PROMPT)) if not s.chat
         else None,
+        # structured output: the text follows the grammar (the baseline's does not)
+        "response_format": lambda: json.loads(s.text(s.send(max_tokens=40, response_format={
+            "type": "json_schema", "json_schema": {"name": "flag", "schema": FLAG}}))) in ({"a": True}, {"a": False}),
+        "guided_json": lambda: json.loads(s.text(s.send(max_tokens=40, guided_json=FLAG))) in ({"a": True}, {"a": False}),
+        "guided_regex": lambda: re.fullmatch("[a-c]{1,4}", s.text(s.send(max_tokens=16, guided_regex="[a-c]{1,4}"))),
+        "guided_choice": lambda: s.text(s.send(max_tokens=16, guided_choice=CHOICES)) in CHOICES,
     }
 
 
@@ -480,3 +492,110 @@ def test_every_documented_field_has_an_effect_or_is_refused(service, models, fam
             assert r.json()["error"]["code"] == "unsupported_parameter", (name, r.text)
         else:
             assert checks[name]() is not False, f"'{name}' was accepted and changed nothing observable"
+
+
+# ---- structured output ------------------------------------------------------------------------------
+class Answer(pydantic.BaseModel):
+    colour: Literal["red", "green", "blue"]
+    sure: bool
+    count: int = pydantic.Field(ge=0, le=9)
+
+
+def test_the_openai_clients_parse_helper_returns_a_parsed_object(client, models):
+    r = client.chat.completions.parse(model=models[1], messages=MSG, response_format=Answer, max_tokens=60,
+                                      temperature=1.0, seed=5)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop" and isinstance(msg.parsed, Answer), msg
+    assert msg.parsed == Answer.model_validate_json(msg.content)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_structured_output_through_the_service_equals_the_engine(service, models, fam, path):
+    """Sampled, seeded: the service's text is the in-process engine's under the same grammar, streamed or
+    not; a json_schema, a regex and a choice each hold."""
+    chat = path.endswith("chat/completions")
+    prompt = chat_ids(fam, MSG) if chat else fam.tokenizer("The sky is")["input_ids"]
+    first = {"messages": MSG} if chat else {"prompt": prompt}
+    cases = [({"guided_regex": r"\d{2}-[a-z]{1,3}"}, ("regex", r"\d{2}-[a-z]{1,3}")),
+             ({"guided_choice": CHOICES}, ("choice", json.dumps(CHOICES))),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": FLAG, "strict": True}}},
+              ("json", json.dumps(FLAG)))]
+    for extra, spec in cases:
+        body = {"model": models[1], **first, "max_tokens": 40, "temperature": 1.0, "seed": 11, **extra}
+        r = post(service, path, body).json()
+        c = r["choices"][0]
+        text = c["message"]["content"] if chat else c["text"]
+        eng = Engine(fam.model, block_size=4, num_blocks=256, tokenizer=fam.tokenizer)
+        eng.add_request("ref", prompt, 1, SamplingParams(max_tokens=40, temperature=1.0, seed=11, grammar=spec))
+        toks = []
+        while eng.has_unfinished():
+            for o in eng.step():
+                toks += o.new_token_ids
+        eos = fam.tokenizer.eos_token_id
+        assert text == fam.tokenizer.decode([t for t in toks if t != eos]) and c["finish_reason"] == "stop", (extra, r)
+        if spec[0] == "regex":
+            assert re.fullmatch(spec[1], text)
+        elif spec[0] == "choice":
+            assert text in CHOICES
+        else:
+            assert json.loads(text) in ({"a": True}, {"a": False})
+
+
+def test_json_object_output_parses(service, models, fam):
+    """json_object allows any object; a random model rarely closes its strings, so the seed is one whose
+    engine output ends within max_tokens (seeded sampling is the same in the service)."""
+    prompt = chat_ids(fam, MSG)
+    spec = ("json", '{"type": "object"}')
+    for seed in range(40):
+        eng = Engine(fam.model, block_size=4, num_blocks=256, tokenizer=fam.tokenizer)
+        eng.add_request("ref", prompt, 0, SamplingParams(max_tokens=30, temperature=1.0, seed=seed, grammar=spec))
+        reason = None
+        while eng.has_unfinished():
+            reason = next((o.finish_reason for o in eng.step() if o.finished), reason)
+        if reason == "stop":
+            break
+    else:
+        pytest.fail("no seed in 0..39 ends a json_object within 30 tokens")
+    r = post(service, "/v1/chat/completions", {"model": models[0], "messages": MSG, "max_tokens": 30,
+                                               "temperature": 1.0, "seed": seed,
+                                               "response_format": {"type": "json_object"}}).json()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert isinstance(json.loads(r["choices"][0]["message"]["content"]), dict)
+    # not closed within max_tokens: a prefix of an object, finish_reason length
+    r = post(service, "/v1/chat/completions", {"model": models[0], "messages": MSG, "max_tokens": 3,
+                                               "temperature": 0, "response_format": {"type": "json_object"}}).json()
+    assert r["choices"][0]["message"]["content"].startswith("{")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/defs/y"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_object", "schema": {}}}, "response_format"),
+    ({"guided_json": {"type": "object", "properties": 3}}, "guided_json"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "(ab"}, "guided_regex"),
+    ({"guided_regex": ""}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a", 3]}, "guided_choice"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
+])
+def test_bad_structured_output_is_400_naming_the_field(service, models, body, param):
+    for path, first in (("/v1/chat/completions", {"messages": MSG}), ("/v1/completions", {"prompt": "Hi"})):
+        r = post(service, path, {"model": models[2], **first, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+
+
+def test_speculation_under_a_grammar_through_the_service_is_exact(service, models):
+    """Greedy: the drafts are checked against the mask, so speculating changes no token."""
+    body = {"model": models[2], "messages": MSG, "max_tokens": 40, "temperature": 0,
+            "guided_regex": r"[a-e]{2,6}( [a-e]{2,6}){0,3}"}
+    plain = post(service, "/v1/chat/completions", body).json()
+    spec = post(service, "/v1/chat/completions", {**body, "mfs": {"speculative": {"draft": models[0]}}}).json()
+    assert spec["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"], (plain, spec)
+    assert re.fullmatch(body["guided_regex"], spec["choices"][0]["message"]["content"])

@@ -386,11 +386,14 @@ def check_error_doc(doc: dict, r: httpx.Response) -> dict:
 
 def allowed_400(doc: dict, body: dict, err: dict) -> bool:
     """The rules the description cannot express (see gateway.openapi): the context and the prompt
-    bounds counted in tokens or across messages, and a draft checked against the scored tier."""
+    bounds counted in tokens or across messages, a draft checked against the scored tier, whether a
+    structured-output schema or regex compiles, and two structured-output fields at once (or one with
+    ignore_eos)."""
     family = [m for m in at(doc, "#/components/schemas/ModelId")["enum"]
               if m not in at(doc, "#/components/schemas/TierModelId")["enum"]]
     return (err["code"] in ("context_length_exceeded", "prompt_too_long")
-            or (err["param"] == "mfs.speculative.draft" and body["model"] in family))
+            or (err["param"] == "mfs.speculative.draft" and body["model"] in family)
+            or err["code"] in ("invalid_grammar", "conflicting_parameters"))
 
 
 def conforms(doc: dict, path: str, body: dict, r: httpx.Response) -> None:

@@ -11,6 +11,14 @@ Two decisions are made here because they need the logits and must precede any to
 * the confidence cascade: a cascade request's sampled row whose confidence window falls below its
   threshold returns no token; its id comes back in ``escalate`` instead.
 
+Structured output is applied here too: a request with a grammar (``SamplingParams.grammar``) has a
+matcher (worker/grammar.py) advanced with every token it commits; its sampled rows are masked to what
+the matcher allows, after logit_bias and penalties, batched over the rows that have one. A re-planned
+request rebuilds its matcher from the output tokens it had produced (the tail of ``prompt_ids``).
+Speculation stays exact under a grammar: a draft row and each position of a verification row are
+masked as plain decoding would mask them there (the matcher advanced through the round's earlier
+drafts, then rolled back), so the drafts are checked against the mask.
+
 Log-probabilities are taken here too, from the raw logits of the row that produced each token (plain
 rows, and a verification row's positions: the target tier's), only for requests that ask; prompt
 log-probabilities (``logits_all`` rows) are gathered per position and handed out with the request's
@@ -25,6 +33,7 @@ import torch
 
 from core.protocol import PlanRow, TokenLogprob
 from worker.batch import build_step, order_rows
+from worker.grammar import Grammars, mask_rows
 from worker.kv_tensors import SegmentedKVCache
 from worker.model import NestedModel
 from worker.sampling import (SamplingParams, accept_greedy, accept_sampled, confidences, draw,
@@ -54,8 +63,10 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: NestedModel, num_blocks: list[int], block_size: int,
-                 tier_map: dict[int, int] | None = None, keep_logits: bool = False):
+                 tier_map: dict[int, int] | None = None, keep_logits: bool = False, tokenizer=None):
         self.model = model
+        self.tokenizer = tokenizer  # for grammars (structured output); None: a grammar request is refused
+        self._grammars: Grammars | None = None  # built with the first grammar request
         cfg = model.cfg
         p = next(model.parameters())
         self.device = p.device
@@ -77,6 +88,7 @@ class ModelRunner:
         # it occurs in the prompt or the output [V] (kept in step with the committed tokens).
         self.counts: dict[str, torch.Tensor] = {}
         self.seen: dict[str, torch.Tensor] = {}
+        self.matchers: dict[str, object] = {}  # requests with a grammar: their xgrammar matcher
 
     def add(self, request_id: str, params: SamplingParams, prompt_ids: list[int] | None = None,
             num_output: int = 0) -> None:
@@ -93,6 +105,20 @@ class ModelRunner:
             out = ids[len(ids) - num_output:] if num_output else ids[:0]
             self.counts[request_id] = torch.bincount(out, minlength=v).float()
             self.seen[request_id] = torch.bincount(ids, minlength=v) > 0
+        if params.grammar is not None:
+            m = self.grammars().matcher(params.grammar)
+            for t in prompt_ids[len(prompt_ids) - num_output:] if num_output else []:
+                if not m.accept_token(t):
+                    raise ValueError(f"request {request_id}: its output so far does not follow its grammar")
+            self.matchers[request_id] = m
+
+    def grammars(self) -> Grammars:
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("this runner has no tokenizer: it cannot apply a grammar")
+            cfg = self.model.cfg
+            self._grammars = Grammars(self.tokenizer, cfg.vocab_size, list(cfg.eos_token_ids))
+        return self._grammars
 
     def drop(self, request_ids) -> None:
         for rid in request_ids:
@@ -103,6 +129,7 @@ class ModelRunner:
             self.prompt_scores.pop(rid, None)
             self.counts.pop(rid, None)
             self.seen.pop(rid, None)
+            self.matchers.pop(rid, None)
 
     def execute(self, rows: list[PlanRow]) -> StepOutput:
         if self.tier_map is not None:  # copies: the caller keeps the global tiers (it streams them)
@@ -156,7 +183,13 @@ class ModelRunner:
             ps = [st[0] for st in states]
             proc = process_logits(sub, ps, [self.counts.get(rid) for _, rid in plain],
                                   [self.seen.get(rid) for _, rid in plain])
+            ruled = [j for j, (_, rid) in enumerate(plain) if rid in self.matchers]
+            if ruled:  # structured output: what each grammar allows next (raw logits kept for logprobs)
+                allowed = self.grammars().allowed([self.matchers[plain[j][1]] for j in ruled])
+                proc = mask_rows(proc, ruled, allowed)
             toks = sample(proc, ps, [st[1] for st in states])
+            for j in ruled:
+                self._advance(plain[j][1], [toks[j]])
             out.tokens.update(zip((rid for _, rid in plain), toks))
             asked = [j for j, st in enumerate(states) if st[0].logprobs is not None]
             if asked:
@@ -165,6 +198,8 @@ class ModelRunner:
             for rid in first & self.prompt_scores.keys():
                 if rid in out.tokens:
                     out.prompt_logprobs[rid] = self._prompt_logprobs(rid)
+        for rid in self.matchers.keys() & out.verified.keys():
+            self._advance(rid, out.verified[rid])
         for rid in self.counts.keys() & (out.tokens.keys() | out.verified.keys()):
             self._commit(rid, out.verified[rid] if rid in out.verified else [out.tokens[rid]])
         if self.keep_logits:
@@ -214,13 +249,54 @@ class ModelRunner:
         hs = [self._history(rid, h) for h in histories]
         return process_logits(lg, [params] * len(hs), [h[0] for h in hs], [h[1] for h in hs])
 
+    # ---- structured output ------------------------------------------------------------------
+    def _advance(self, rid: str, toks: list[int]) -> None:
+        """The request's matcher follows its committed tokens (none after the grammar's end: a round may
+        commit past an eos, which ends the request there)."""
+        m = self.matchers[rid]
+        for t in toks:
+            if m.is_terminated():
+                return
+            assert m.accept_token(t), f"request {rid}: token {t} outside its grammar"
+
+    def _masks_along(self, rid: str, path: list[int], n: int, last_only: bool = False) -> torch.Tensor | None:
+        """[n, V] bool: what the request's grammar allows at n positions, position i following its output
+        so far plus path[:i] (a round's drafts); None without a grammar (``last_only``: only position
+        n - 1 is filled). The matcher is advanced through the path and rolled back. Positions past the
+        grammar's end (an earlier draft was eos) or past a draft it refuses are left unconstrained: a
+        round never commits a token there (the request ends at the eos; a refused draft is rejected)."""
+        m = self.matchers.get(rid)
+        if m is None:
+            return None
+        g = self.grammars()
+        masks = torch.ones(n, g.vocab_size, dtype=torch.bool)
+        steps = 0
+        for i in range(n):
+            if i != steps or m.is_terminated():
+                break
+            if not last_only or i == n - 1:
+                masks[i] = g.allowed([m])[0]
+            if i < n - 1 and m.accept_token(path[i]):
+                steps += 1
+        if steps:
+            m.rollback(steps)
+        return masks
+
+    def _ruled(self, rid: str, lg: torch.Tensor, path: list[int], last_only: bool = False) -> torch.Tensor:
+        """lg [n, V] masked by the request's grammar along path (the identity without one)."""
+        mk = self._masks_along(rid, path, lg.shape[0], last_only)
+        return lg if mk is None else lg.masked_fill(~mk.to(lg.device), float("-inf"))
+
     # ---- self-speculative decoding ----------------------------------------------------------
     def _draft(self, rid: str, r: PlanRow, row_logits: torch.Tensor) -> int:
         """A draft token: greedy, the draft tier's argmax; sampled, a draw from the draft tier's
         distribution q, which is kept (per input position) for the verification that follows. Its
         penalties count the round's earlier drafts (the row carries them)."""
         params, gen = self.sampling[rid]
-        row_logits = self._processed(rid, row_logits[None], [r.drafts])[0]
+        row_logits = self._processed(rid, row_logits[None], [r.drafts])
+        if rid in self.matchers:  # the mask at this draft's position: after the round's earlier drafts
+            row_logits = self._ruled(rid, row_logits.expand(len(r.drafts) + 1, -1), list(r.drafts), True)[-1:]
+        row_logits = row_logits[0]
         if params.greedy:
             return int(torch.argmax(row_logits))
         q = probs_for(row_logits.cpu(), params)
@@ -236,6 +312,7 @@ class ModelRunner:
             raise ValueError(f"request {rid}: {len(drafts)} drafts for {lg.shape[0]} verified positions")
         # position i follows the drafts before it: the same transforms plain decoding would apply there
         lg = self._processed(rid, lg, [drafts[:i] for i in range(len(drafts))])
+        lg = self._ruled(rid, lg, drafts)  # and the grammar's mask there (the drafts are checked against it)
         if params.greedy:
             return accept_greedy(drafts, torch.argmax(lg, dim=-1).tolist())
         p = torch.stack([probs_for(row, params) for row in lg.cpu()])

@@ -24,7 +24,7 @@ class WorkerService(WorkerLoop):
         # A standalone tier is cut from the fp32 family, then quantized like the nested one.
         fam = load_family(args.model, tiers=args.tiers, dtype=args.dtype, device=args.device,
                           kernels=args.kernels, weights="fp32" if standalone else args.weights)
-        model = fam.model
+        model, tokenizer = fam.model, fam.tokenizer  # the tokenizer: for grammars (structured output)
         ntiers = len(model.tiers)
         if standalone:
             k = args.standalone_tier
@@ -40,7 +40,7 @@ class WorkerService(WorkerLoop):
         else:
             tiers, tier_map, nseg = list(range(ntiers)), None, ntiers
         num_blocks = [args.num_blocks] * nseg
-        runner = ModelRunner(model, num_blocks, args.block_size, tier_map=tier_map)
+        runner = ModelRunner(model, num_blocks, args.block_size, tier_map=tier_map, tokenizer=tokenizer)
         self.model = model
         cfg = model.cfg
         spec = WorkerSpec(tiers, ntiers, num_blocks, args.block_size, min(args.max_model_len, model.max_positions),
