@@ -31,6 +31,7 @@ class Grammars:
                                                   stop_token_ids=list(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self.stop_token_ids = [t for t in stop_token_ids if 0 <= t < vocab_size]
         self.words = (vocab_size + 31) // 32
         self._shift = torch.arange(32, dtype=torch.int32)
 
@@ -53,7 +54,14 @@ class Grammars:
         for i, m in enumerate(matchers):
             m.fill_next_token_bitmask(bm, i)
         bits = (bm[:, :, None] >> self._shift) & 1  # [n, words, 32], little-endian within a word
-        return bits.reshape(len(matchers), -1)[:, :self.vocab_size].bool()
+        allowed = bits.reshape(len(matchers), -1)[:, :self.vocab_size].bool()
+        # A grammar that allows no token of this vocabulary here (found by schemathesis: a guided_choice
+        # of strings this tokenizer's table cannot spell) must not leave a row with nothing to sample,
+        # which killed the worker with every request on it: the request ends here (EOS) instead.
+        stuck = ~allowed.any(dim=-1)
+        if bool(stuck.any()) and self.stop_token_ids:
+            allowed[stuck.nonzero()[:, 0][:, None], torch.tensor(self.stop_token_ids)] = True
+        return allowed
 
 
 def mask_rows(logits: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> torch.Tensor:

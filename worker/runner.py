@@ -257,7 +257,10 @@ class ModelRunner:
         for t in toks:
             if m.is_terminated():
                 return
-            assert m.accept_token(t), f"request {rid}: token {t} outside its grammar"
+            if not m.accept_token(t):
+                # the EOS Grammars.allowed gives a row its grammar left with no token: it ends there
+                assert t in self.grammars().stop_token_ids, f"request {rid}: token {t} outside its grammar"
+                return
 
     def _masks_along(self, rid: str, path: list[int], n: int, last_only: bool = False) -> torch.Tensor | None:
         """[n, V] bool: what the request's grammar allows at n positions, position i following its output
