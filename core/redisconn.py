@@ -127,24 +127,23 @@ def _sentinel_kwargs(target: RedisTarget) -> dict:
     return {"socket_timeout": 1.0, "socket_connect_timeout": 1.0, "retry": Retry(NoBackoff(), 0)}
 
 
-def connect(target: RedisTarget | str, **overrides) -> redis.Redis:
-    """A synchronous client (scheduler, worker, launcher, benchmarks); ``overrides`` win."""
+def _client(target: RedisTarget | str, overrides: dict, client_cls, sentinel_cls):
     t = target if isinstance(target, RedisTarget) else RedisTarget.parse(target)
     kw = connection_kwargs(t) | overrides
     if not t.sentinel:
-        return redis.Redis.from_url(t.url, **kw)
-    s = Sentinel(list(t.sentinels), sentinel_kwargs=_sentinel_kwargs(t))
+        return client_cls.from_url(t.url, **kw)
+    s = sentinel_cls(list(t.sentinels), sentinel_kwargs=_sentinel_kwargs(t))
     return s.master_for(t.master, db=t.db, password=t.password, **kw)
+
+
+def connect(target: RedisTarget | str, **overrides) -> redis.Redis:
+    """A synchronous client (scheduler, worker, launcher, benchmarks); ``overrides`` win."""
+    return _client(target, overrides, redis.Redis, Sentinel)
 
 
 def connect_async(target: RedisTarget | str, **overrides) -> aioredis.Redis:
     """An asyncio client (the gateway); ``overrides`` win (the gateway retries twice, quickly)."""
-    t = target if isinstance(target, RedisTarget) else RedisTarget.parse(target)
-    kw = connection_kwargs(t) | overrides
-    if not t.sentinel:
-        return aioredis.Redis.from_url(t.url, **kw)
-    s = AsyncSentinel(list(t.sentinels), sentinel_kwargs=_sentinel_kwargs(t))
-    return s.master_for(t.master, db=t.db, password=t.password, **kw)
+    return _client(target, overrides, aioredis.Redis, AsyncSentinel)
 
 
 def add_redis_args(p: argparse.ArgumentParser, url_default: str | None = DEFAULT_URL) -> None:
