@@ -3,11 +3,14 @@ engine by measurement). For each engine: compile a JSON schema for the default f
 then generate under it (a seeded draw from random logits, masked) and time, per token, filling the
 next-token bitmask and applying it to the logits row [1, V] float32, and the matcher's advance.
 
-    .venv/bin/python -m mfs.bench_grammar [--tokens 2000] [--json out.json]
+    mfs bench grammar [--tokens 2000] [--json out.json]
+
+llguidance is not in the lock (xgrammar won): `.venv/bin/pip install llguidance` to measure it too;
+without it its row is skipped with a note.
 """
 from __future__ import annotations
 
-import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -129,32 +132,36 @@ def run(engine, vocab: int, tokens: int, seed: int = 0) -> dict:
             "mask_us_mean": round(1e6 * statistics.mean(mask_s), 1), "advance_us_median": us(adv_s)}
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=2000)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args(argv)
+def add_parser(sub) -> None:
+    p = sub.add_parser("grammar", help="per-token cost of a structured-output mask: xgrammar vs llguidance")
+    p.add_argument("--tokens", type=int, default=2000)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=cli)
+
+
+def cli(a) -> int:
+    from family.manifest import load_frontend  # noqa: PLC0415
+    from mfs.runtime import write_json  # noqa: PLC0415
     torch.set_num_threads(a.threads)
-    from family.manifest import load_frontend
     tok = load_frontend("default").tokenizer
     vocab = len(tok)
-    t0 = time.perf_counter()
-    engines = []
-    for cls in (XGrammar, XGrammarAsRun, LLGuidance):
+    classes = [XGrammar, XGrammarAsRun]
+    notes = []
+    if importlib.util.find_spec("llguidance") is None:
+        notes.append("llguidance not installed (`.venv/bin/pip install llguidance`): its row is skipped")
+        print(notes[-1], flush=True)
+    else:
+        classes.append(LLGuidance)
+    rows = []
+    for cls in classes:
         t0 = time.perf_counter()
         e = cls(tok, vocab)
-        engines.append((e, round(time.perf_counter() - t0, 2)))
-    rows = []
-    for e, setup_s in engines:
+        setup_s = round(time.perf_counter() - t0, 2)
         r = run(e, vocab, a.tokens)
         r["tokenizer_setup_s"] = setup_s
         rows.append(r)
-        print(json.dumps(r))
+        print(json.dumps(r), flush=True)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"vocab": vocab, "threads": a.threads, "results": rows}, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+        write_json(a.json, {"vocab": vocab, "threads": a.threads, "notes": notes, "results": rows}, indent=1)
+    return 0

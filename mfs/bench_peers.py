@@ -284,8 +284,9 @@ def run(args) -> int:
                        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__},
            "model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
            "concurrency": args.concurrency, "mix": args.mix, "heldout_tokens": len(spec.windows) * args.seq_len,
-           "notes": notes, "results": results, "logs": str(work)}
+           "notes": notes, "results": results}
     write_json(args.json, out)
+    print(f"logs in {work}", flush=True)
     print_table(out)
     if args.plot:
         plot(out, args.plot)

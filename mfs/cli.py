@@ -26,6 +26,7 @@ BENCHES = [
     ("mfs.bench_spec", "add_parser"),
     ("mfs.bench_route", "add_parser"),
     ("mfs.bench_control_plane", "add_parser"),
+    ("mfs.bench_grammar", "add_parser"),
 ]
 
 

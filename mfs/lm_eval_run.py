@@ -36,7 +36,16 @@ def _task_dir(work: Path) -> Path:
     return d
 
 
-def _lm_eval(model: str, model_args: str, tasks: Path, out: Path, extra: list[str], log: Path) -> dict:
+def _portable(cmd: list[str], names: dict[str, str]) -> str:
+    """The command as anyone can rerun it: this run's paths and URL named ($WORK, $BASE, $URL)."""
+    text = " ".join(["python"] + cmd[1:])
+    for value, name in names.items():
+        text = text.replace(value, name)
+    return text
+
+
+def _lm_eval(model: str, model_args: str, tasks: Path, out: Path, extra: list[str], log: Path,
+             names: dict[str, str]) -> dict:
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks", TASK,
@@ -56,7 +65,7 @@ def _lm_eval(model: str, model_args: str, tasks: Path, out: Path, extra: list[st
         d = json.loads(line)
         loglik[d["doc_id"]] = [float(r[0]) for r in d["filtered_resps"]]
     return {"acc": res["acc,none"], "acc_stderr": res.get("acc_stderr,none"), "items": len(loglik),
-            "seconds": round(time.monotonic() - t0, 1), "command": " ".join(cmd), "loglik": loglik}
+            "seconds": round(time.monotonic() - t0, 1), "command": _portable(cmd, names), "loglik": loglik}
 
 
 def add_parser(sub) -> None:
@@ -94,6 +103,8 @@ def run(args) -> int:
     if gguf:
         raise RuntimeError(f"no Hugging Face copy of {folder / gguf} to give transformers")
     print(f"mfs lm-eval: task {TASK} ({TASK_DIR}), base weights {folder}; outputs in {work}", flush=True)
+    # in the recorded commands: $WORK (the task YAML is $WORK/tasks), $BASE (the base weights), $URL
+    names = {str(work): "$WORK", str(folder): "$BASE"}
     worker_args = ["--threads", str(args.threads)] if args.threads else []
     tiers: dict[str, dict] = {}
     with Service(args.model, workers=1, schedulers=1, worker_args=worker_args) as svc:
@@ -105,10 +116,10 @@ def run(args) -> int:
             margs = (f"model={mid},base_url={svc.url}/v1/completions,num_concurrent={args.concurrency},"
                      f"max_retries=3,tokenized_requests=True,tokenizer_backend=huggingface,tokenizer={folder}")
             tiers[mid] = _lm_eval("local-completions", margs, tasks, work / mid, limit + ["--batch_size", "1"],
-                                  work / f"{mid}.log")
+                                  work / f"{mid}.log", {**names, svc.url: "$URL"})
             print(f"  {mid:28s} acc {tiers[mid]['acc']:.3f} ({tiers[mid]['seconds']:.0f} s)", flush=True)
     hf = _lm_eval("hf", f"pretrained={folder},dtype=float32", tasks, work / "transformers",
-                  limit + ["--batch_size", "8", "--device", "cpu"], work / "transformers.log")
+                  limit + ["--batch_size", "8", "--device", "cpu"], work / "transformers.log", names)
     top = f"{manifest.family}-{manifest.tiers[-1].name}"
     print(f"  {'transformers (in-process)':28s} acc {hf['acc']:.3f} ({hf['seconds']:.0f} s)")
     same = tiers[top]["acc"] == hf["acc"]

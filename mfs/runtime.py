@@ -3,8 +3,10 @@ natively (on AVX2 a bf16 matmul is ~50x slower than fp32), and progress bars tha
 stderr is not a terminal."""
 from __future__ import annotations
 
+import json
 import sys
 from functools import cache
+from pathlib import Path
 
 import torch
 
@@ -49,8 +51,6 @@ def progress(**kw):
 
 def save_figure(fig, path, dpi: int = 100) -> None:
     """Lays out, writes (creating the folder) and closes a matplotlib figure."""
-    from pathlib import Path  # noqa: PLC0415
-
     import matplotlib.pyplot as plt  # noqa: PLC0415
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -60,7 +60,5 @@ def save_figure(fig, path, dpi: int = 100) -> None:
 
 def write_json(path, obj, indent: int = 2) -> None:
     """A benchmark's or evaluation's JSON result, its folder created."""
-    import json  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(obj, indent=indent) + "\n")
