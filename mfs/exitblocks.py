@@ -266,11 +266,53 @@ def export(model: NestedModel, out: Path, base_ref: dict, family: str, tiers: li
              quality=info.get("quality")).write(out)
 
 
-def tier_specs(spec: str, num_layers: int, block_layers: int, init: str) -> list[TierSpec]:
+def parse_block_layers(spec: str | int, lower: int) -> list[int]:
+    """``--block-layers``: one count for every lower tier, or one per lower tier (lowest first)."""
+    vals = [int(v) for v in str(spec).split(",") if v.strip()]
+    if len(vals) == 1:
+        vals = vals * lower
+    if len(vals) != lower or any(v < 1 for v in vals):
+        raise ValueError(f"--block-layers {spec!r}: give one count >= 1, or one per lower tier ({lower})")
+    return vals
+
+
+def tier_specs(spec: str, num_layers: int, block_layers: str | int, init: str) -> list[TierSpec]:
     tiers = parse_tiers(spec, num_layers)
-    for t in tiers[:-1]:
-        t.exit = {"norm": "own", "block": {"layers": block_layers, "init": init}, "head": "shared"}
+    for t, n in zip(tiers[:-1], parse_block_layers(block_layers, len(tiers) - 1)):
+        t.exit = {"norm": "own", "block": {"layers": n, "init": init}, "head": "shared"}
     return tiers
+
+
+_RESIDUAL_OUT = ("o_proj", "down_proj")
+
+
+def warm_start(model: NestedModel, path: str | Path, lower: list[int], log=print) -> None:
+    """Loads the exit norms and exit-block layers of an earlier exit-blocks artifact. A tier whose
+    block now has more layers than the file gives it keeps the loaded layers first; each extra layer
+    (already a copy of a trunk layer, from ``--init``) gets zero output projections (o_proj,
+    down_proj), so it starts as the identity on the residual stream and the tier starts exactly
+    where the artifact left it."""
+    from safetensors.torch import load_file  # noqa: PLC0415
+    sd = load_file(str(path))
+    with torch.no_grad():
+        for t in lower:
+            name = model.exit_param_name(t)
+            if name not in sd:
+                raise ValueError(f"--init-from {path}: no exit norm {name!r} for tier {t}")
+            model.exit_norms[t].copy_(sd[name].float())
+            blk = model.exit_block(t)
+            have = sorted({int(k.split(".")[2]) for k in sd if k.startswith(f"exit_blocks.{t}.")})
+            if len(have) > len(blk):
+                raise ValueError(f"--init-from {path}: tier {t} has {len(have)} block layers there, "
+                                 f"{len(blk)} here (--block-layers may only add layers)")
+            for i in have:
+                pre = f"exit_blocks.{t}.{i}."
+                blk[i].load_state_dict({k[len(pre):]: v.float() for k, v in sd.items() if k.startswith(pre)})
+            for layer in list(blk)[len(have):]:
+                for lin in _RESIDUAL_OUT:
+                    getattr(layer, lin).weight.zero_()
+            log(f"warm start: tier {t} loads {len(have)} block layer(s) from {path}, "
+                f"{len(blk) - len(have)} new identity layer(s)")
 
 
 # ---- the run -----------------------------------------------------------------------------------
@@ -301,6 +343,8 @@ def run(args) -> int:
     lower = list(range(model.num_segments - 1))
     if not lower:
         raise ValueError("--tiers needs at least two tiers: exit blocks are for the lower ones")
+    if args.init_from and not (args.resume and (out / STATE).exists()):
+        warm_start(model, args.init_from, lower, log)
     eos = model.cfg.eos_token_ids[0] if model.cfg.eos_token_ids else (tok.eos_token_id or 0)
     H = model.cfg.hidden_size
 
@@ -378,9 +422,11 @@ def run(args) -> int:
                     "data": args.data, "data_tokens": mix, "topk": args.topk, "seed": args.seed,
                     "lr": args.lr, "ce": args.ce, "quality": quality, **rates}
             notes = (f"{family} cut after layers {[t.layers for t in tiers]}: the trunk is the frozen "
-                     f"original; each lower tier has a {args.block_layers}-layer exit block and its own norm "
-                     f"(mfs precipitate --method exit-blocks, {st['tokens']:,} trained tokens, "
-                     f"{rec['train_minutes']} min). Held-out: " + ", ".join(
+                     f"original; each lower tier has an exit block ("
+                     + ", ".join(f"{model.tiers[t].name} {len(model.exit_block(t))} layer(s)" for t in lower)
+                     + f") and its own norm (mfs precipitate --method exit-blocks, {st['tokens']:,} trained tokens"
+                     + (f" after a warm start from {Path(args.init_from).name}" if args.init_from else "")
+                     + f", {rec['train_minutes']} min). Held-out: " + ", ".join(
                          f"{n} perplexity {q['ppl_vs_top']}x top, greedy agreement {q['agree_top']:.0%}"
                          for n, q in quality.items() if n != "floor") + ".")
             export(model, out, base_ref, family, tiers, lower, info, notes)
@@ -444,8 +490,12 @@ def run(args) -> int:
 def add_arguments(p):
     """The exit-block options of ``mfs precipitate`` (shared ones live in mfs.precipitate)."""
     g = p.add_argument_group("--method exit-blocks")
-    g.add_argument("--block-layers", type=int, default=1, help="decoder layers per exit block")
+    g.add_argument("--block-layers", default="1",
+                   help="decoder layers per exit block: one count, or one per lower tier (e.g. 2,1)")
     g.add_argument("--init", default="copy:last", help="exit-block init: copy:last or copy:N")
+    g.add_argument("--init-from", default=None, metavar="SAFETENSORS",
+                   help="warm start from an earlier exit-blocks artifact; layers added by --block-layers "
+                        "start as the identity (zero output projections)")
     g.add_argument("--cache-tokens", type=int, default=160_000, help="training tokens to cache")
     g.add_argument("--cache-batch", type=int, default=4, help="windows per teacher forward")
     g.add_argument("--heldout-tokens", type=int, default=8192, help="held-out pydoc tokens (as mfs eval)")
