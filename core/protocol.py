@@ -7,6 +7,7 @@ name                              type        what
 ================================  ==========  =========================================================
 ``mfs:req``                       stream      gateway -> scheduler: ``submit`` / ``cancel`` (group ``scheduler``)
 ``mfs:done``                      stream      worker -> scheduler: step results (group ``scheduler``)
+``mfs:shards``                    set         shard names whose scheduler has started (see "Shards")
 ``mfs:plan:{worker}``             stream      scheduler -> worker: step plans (group ``worker``)
 ``mfs:out:{gateway}``             stream      worker/scheduler -> gateway: tokens, finishes, errors
 ``mfs:workers``                   set         worker ids that have registered
@@ -26,6 +27,13 @@ name                              type        what
                                               new leader to resume it; deleted when it ends
 ================================  ==========  =========================================================
 
+Shards: the control plane may be split into shards, each a scheduler leader (with its standbys) and
+the workers that joined it. The default shard ``0`` uses the names above; a shard ``s`` suffixes its own:
+``mfs:req:{s}``, ``mfs:done:{s}``, ``mfs:workers:{s}``, ``mfs:scheduler:leader:{s}``,
+``mfs:scheduler:epoch:{s}`` and the field ``scheduler:{s}`` of ``mfs:stats`` (:class:`Shard`). Everything
+else (plans, outputs, registrations, the KV directory, progress) is keyed by worker, gateway, session or
+request and shared. A gateway picks the shard of each request (``gateway.backend.choose_shard``).
+
 Every stream entry has two fields: ``t`` (the record type) and ``d`` (the msgpack body).
 
 Delivery: a ``submit`` entry stays pending in the ``scheduler`` group until its request ends (finished,
@@ -37,6 +45,7 @@ XADD carries ``MAXLEN ~`` as a backstop.
 """
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import asdict, dataclass, field, fields
 from functools import cache
@@ -57,6 +66,55 @@ WORKER_TTL_S = 5
 LEADER_KEY = "mfs:scheduler:leader"
 EPOCH_KEY = "mfs:scheduler:epoch"
 PROGRESS_TTL_S = 24 * 3600
+SHARDS_SET = "mfs:shards"
+DEFAULT_SHARD = "0"
+_SHARD_NAME = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """The keys of one shard of the control plane (see "Shards" above); the default shard keeps the
+    unsuffixed names, so one shard behaves (and reads in redis-cli) as before shards existed."""
+    name: str = DEFAULT_SHARD
+
+    def __post_init__(self):
+        if not _SHARD_NAME.match(self.name):
+            raise ValueError(f"shard name {self.name!r}: 1-32 characters of A-Z a-z 0-9 _ -")
+
+    def _key(self, base: str) -> str:
+        return base if self.name == DEFAULT_SHARD else f"{base}:{self.name}"
+
+    @property
+    def req_stream(self) -> str:
+        return self._key(REQ_STREAM)
+
+    @property
+    def done_stream(self) -> str:
+        return self._key(DONE_STREAM)
+
+    @property
+    def workers_set(self) -> str:
+        return self._key(WORKERS_SET)
+
+    @property
+    def leader_key(self) -> str:
+        return self._key(LEADER_KEY)
+
+    @property
+    def epoch_key(self) -> str:
+        return self._key(EPOCH_KEY)
+
+    @property
+    def stats_field(self) -> str:
+        """The field of ``mfs:stats`` its leader writes."""
+        return self._key("scheduler")
+
+
+def shard_of_stats_field(name: str) -> str | None:
+    """``scheduler`` -> the default shard, ``scheduler:{s}`` -> ``s``; None for other fields."""
+    if name == "scheduler":
+        return DEFAULT_SHARD
+    return name.split(":", 1)[1] if name.startswith("scheduler:") else None
 
 
 def plan_stream(worker: str) -> str:
@@ -314,6 +372,7 @@ class WorkerInfo:
     device: str = ""
     kernels: str = ""
     weights: str = "fp32"   # the weight format it serves (--weights)
+    shard: str = DEFAULT_SHARD  # the control-plane shard it joined (its scheduler plans its steps)
     pid: int = 0
     epoch: int = 0          # the newest scheduler epoch it has seen in a plan
     heartbeat: float = 0.0
@@ -345,9 +404,11 @@ class WorkerInfo:
 
 @dataclass(slots=True)
 class StatsSnapshot:
-    """The leading scheduler's gauges and counters, field ``scheduler`` of the hash ``mfs:stats``
-    (msgpack), written every half second; ``/metrics``, the launcher and the benchmarks read it."""
+    """A shard's leading scheduler's gauges and counters, field ``scheduler`` (``scheduler:{s}`` for
+    shard ``s``) of the hash ``mfs:stats`` (msgpack), written every half second; ``/metrics``, the
+    launcher and the benchmarks read it."""
     leader: str = ""                  # the leading scheduler's consumer name
+    shard: str = DEFAULT_SHARD
     epoch: int = 0
     takeovers: int = 0
     updated: float = 0.0              # wall clock of the write

@@ -1,5 +1,12 @@
 """The gateway's side of Redis: submit and cancel requests, route token events, watch workers.
 
+Shards (core.protocol "Shards"): each request goes to one shard's ``mfs:req``, chosen by
+:func:`choose_shard` among the shards with a live worker serving its tier: the shard its session last
+ran on (the KV directory's ``mfs:kv:session:{session}``, so the next turn finds its KV), else the least
+loaded (the shards' published waiting + running requests, plus what this gateway sent since it last
+read them). A second choice of the same request (``n`` > 1) follows the first; a Cancel goes to the
+shard its submit went to. With one shard none of this costs a Redis command.
+
 One reader task XREADs the gateway's own stream ``mfs:out:{gateway}`` (BLOCK) and puts each
 :class:`TokenEvent` on the queue of its request; events for requests this gateway no longer waits
 for (finished, cancelled, or from before a restart) are dropped. Duplicates are the consumer's
@@ -35,9 +42,47 @@ UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
 @dataclass(slots=True)
 class LiveWorker:
-    """What the gateway reads of a registration (core.protocol.WorkerInfo): one HGET per worker."""
+    """What the gateway reads of a registration (core.protocol.WorkerInfo): one HMGET per worker."""
     worker_id: str
     max_model_len: int | None
+    shard: str = P.DEFAULT_SHARD
+    tiers: tuple[int, ...] = ()
+
+
+def choose_shard(tier: int, workers: list[LiveWorker], load: dict[str, float], known: list[str],
+                 session_shard: str | None = None) -> str:
+    """The shard for a new request: among the shards with a live worker serving ``tier`` (else any shard
+    with a live worker, else the ``known`` ones: the scheduler answers what is wrong), the session's
+    shard if it is one of them, else the least loaded (ties: the first by name)."""
+    cands = sorted({w.shard for w in workers if tier in w.tiers}) or sorted({w.shard for w in workers})
+    cands = cands or sorted(known) or [P.DEFAULT_SHARD]
+    if session_shard in cands:
+        return session_shard
+    return min(cands, key=lambda s: (load.get(s, 0.0), s))
+
+
+def merge_stats(parts: list[dict]) -> dict:
+    """The shards' ``mfs:stats`` snapshots as one: numbers summed, maps merged key by key, lists summed
+    element by element; text (leader, shard) from the first."""
+    out: dict = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = _merge(out[k], v) if k in out else v
+    return out
+
+
+def _merge(a, b):
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a + b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return merge_stats([a, b])
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        n = max(len(a), len(b))
+        return [_merge(a[i], b[i]) if i < len(a) and i < len(b) else (a[i] if i < len(a) else b[i])
+                for i in range(n)]
+    return a
 
 
 class Backoff:
@@ -68,7 +113,11 @@ class Backend:
         self.metrics = metrics  # gateway.metrics.Metrics or None
         self._queues: dict[str, asyncio.Queue[P.TokenEvent]] = {}
         self._suspect: dict[str, float] = {}        # request_id -> monotonic deadline for its next event
-        self._pending_cancels: dict[str, str] = {}  # request_id -> reason, not written yet (Redis down)
+        self._pending_cancels: dict[str, tuple[str, str]] = {}  # request_id -> (reason, shard), not written yet
+        self.shards: list[str] = [P.DEFAULT_SHARD]  # shards whose scheduler has started (mfs:shards)
+        self._shard_of: dict[str, str] = {}          # request_id -> the shard its submit went to
+        self._workers: list[LiveWorker] = []         # the last live_workers() answer
+        self._shard_load: dict[str, float] = {}      # published waiting + running, + sent since
         self.events_routed = 0
         self.events_dropped = 0
         self.down_since: float | None = None        # monotonic start of the current outage
@@ -84,24 +133,43 @@ class Backend:
         q: asyncio.Queue[P.TokenEvent] = asyncio.Queue()
         self._queues[sub.request_id] = q
         try:
-            await self.redis.xadd(P.REQ_STREAM, sub.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
+            shard = await self.shard_for(sub)
+            self._shard_of[sub.request_id] = shard
+            await self.redis.xadd(P.Shard(shard).req_stream, sub.encode(), maxlen=P.STREAM_MAXLEN,
+                                  approximate=True)
         except BaseException:
             self._queues.pop(sub.request_id, None)
+            self._shard_of.pop(sub.request_id, None)
             raise
+        self._shard_load[shard] = self._shard_load.get(shard, 0.0) + 1
         return q
+
+    async def shard_for(self, sub: P.Submit) -> str:
+        """See the module docstring; one HGET when several shards could take a request of a session."""
+        if sub.follow and sub.follow in self._shard_of:
+            return self._shard_of[sub.follow]
+        if len(self.shards) <= 1 and all(w.shard == P.DEFAULT_SHARD for w in self._workers):
+            return self.shards[0] if self.shards else P.DEFAULT_SHARD
+        session_shard = None
+        if sub.session_id:
+            raw = await self.redis.hget(P.kv_session_key(sub.session_id), "shard")
+            session_shard = raw.decode() if isinstance(raw, bytes) else raw
+        return choose_shard(sub.tier, self._workers, self._shard_load, self.shards, session_shard)
 
     def release(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
         self._suspect.pop(request_id, None)
+        self._shard_of.pop(request_id, None)
 
     async def cancel(self, request_id: str, reason: str) -> None:
+        shard = self._shard_of.get(request_id, P.DEFAULT_SHARD)
         self.release(request_id)
         try:
-            await self.redis.xadd(P.REQ_STREAM, P.Cancel(request_id, reason).encode(),
+            await self.redis.xadd(P.Shard(shard).req_stream, P.Cancel(request_id, reason).encode(),
                                   maxlen=P.STREAM_MAXLEN, approximate=True)
         except UNREACHABLE as e:  # written once Redis is back (the heartbeat does)
             self._redis_failed("cancel", e)
-            self._pending_cancels[request_id] = reason
+            self._pending_cancels[request_id] = (reason, shard)
             while len(self._pending_cancels) > MAX_PENDING_CANCELS:
                 self._pending_cancels.pop(next(iter(self._pending_cancels)))
             log.info("cancel.deferred", request_id=request_id, reason=reason, error=str(e))
@@ -113,8 +181,9 @@ class Backend:
             return
         todo = list(self._pending_cancels.items())
         pipe = self.redis.pipeline(transaction=False)
-        for rid, reason in todo:
-            pipe.xadd(P.REQ_STREAM, P.Cancel(rid, reason).encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
+        for rid, (reason, shard) in todo:
+            pipe.xadd(P.Shard(shard).req_stream, P.Cancel(rid, reason).encode(), maxlen=P.STREAM_MAXLEN,
+                      approximate=True)
         try:
             await pipe.execute()
         except UNREACHABLE:
@@ -248,6 +317,7 @@ class Backend:
                 self._redis_ok("heartbeat")
                 self._check_run_id(server.get("run_id") if isinstance(server, dict) else None)
                 await self._flush_cancels()
+                await self._refresh_shards()
             except asyncio.CancelledError:
                 raise
             except UNREACHABLE as e:
@@ -261,32 +331,69 @@ class Backend:
             backoff.reset()
             await asyncio.sleep(self.heartbeat_s)
 
+    async def _refresh_shards(self) -> None:
+        """The shard list, and (with several shards) their published load: once per heartbeat."""
+        names = sorted(_text(s) for s in await self.redis.smembers(P.SHARDS_SET))
+        self.shards = names or [P.DEFAULT_SHARD]
+        if len(self.shards) > 1:
+            self._shard_load = {
+                s: float(sum((st.get("waiting") or {}).values()) + sum((st.get("running") or {}).values()))
+                for s, st in (await self.shard_stats()).items()}
+
     async def live_workers(self) -> list[LiveWorker]:
-        """Registered workers whose key still exists (it expires without their heartbeat)."""
-        ids = sorted(w.decode() if isinstance(w, bytes) else w
-                     for w in await self.redis.smembers(P.WORKERS_SET))
+        """Registered workers (of every known shard) whose key still exists (it expires without their
+        heartbeat)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for s in self.shards:
+            pipe.smembers(P.Shard(s).workers_set)
+        ids = sorted({_text(w) for members in await pipe.execute() for w in members})
         if not ids:
+            self._workers = []
             return []
         pipe = self.redis.pipeline(transaction=False)
         for w in ids:
-            pipe.exists(P.worker_key(w))
-            pipe.hget(P.worker_key(w), "max_model_len")
-        res = await pipe.execute()
+            pipe.hmget(P.worker_key(w), "max_model_len", "shard", "tiers", "started")
         out = []
-        for i, w in enumerate(ids):
-            if res[2 * i]:
-                out.append(LiveWorker(w, _as_int(res[2 * i + 1])))
+        for w, (mml, shard, tiers, started) in zip(ids, await pipe.execute()):
+            if mml is None and started is None:
+                continue  # expired
+            out.append(LiveWorker(w, _as_int(mml), _text(shard) if shard else P.DEFAULT_SHARD,
+                                  _tiers(tiers)))
+        self._workers = out
+        return out
+
+    async def shard_stats(self) -> dict[str, dict]:
+        """Each shard's leader's published snapshot (msgpack dicts), by shard name."""
+        out = {}
+        for name, raw in (await self.redis.hgetall(P.STATS_KEY)).items():
+            shard = P.shard_of_stats_field(_text(name))
+            if shard is None:
+                continue
+            try:
+                stats = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+            except Exception:  # noqa: BLE001
+                continue
+            if isinstance(stats, dict):
+                out[shard] = stats
         return out
 
     async def scheduler_stats(self) -> dict:
-        raw = await self.redis.hget(P.STATS_KEY, "scheduler")
-        if not raw:
-            return {}
-        try:
-            stats = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-        except Exception:  # noqa: BLE001
-            return {}
-        return stats if isinstance(stats, dict) else {}
+        """The shards' snapshots merged (one shard: its own)."""
+        per = await self.shard_stats()
+        return merge_stats([per[s] for s in sorted(per)])
+
+
+def _tiers(raw) -> tuple[int, ...]:
+    """A registration's msgpack ``tiers``; () when absent or unreadable (the worker's tiers unknown)."""
+    try:
+        v = msgpack.unpackb(raw) if raw else ()
+    except Exception:  # noqa: BLE001 - a bad registration must not fail the request
+        return ()
+    return tuple(int(t) for t in v if isinstance(t, int)) if isinstance(v, (list, tuple)) else ()
+
+
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def _as_int(v) -> int | None:

@@ -91,10 +91,11 @@ class BlockDirectory:
         return self._record(keys=keys, args=[worker, self.ttl_s, sum(last.values())] + hexes)
 
     def touch_session(self, session: str, worker: str, started: str, tier: int,
-                      chains: list[list[bytes]]) -> None:
+                      chains: list[list[bytes]], shard: str = P.DEFAULT_SHARD) -> None:
+        """``shard``: the worker's control-plane shard (a gateway routes the session's next turn there)."""
         key, owned = P.kv_session_key(session), P.kv_sessions_key(worker)
         p = self.r.pipeline(transaction=True)
-        p.hset(key, mapping={"worker": worker, "started": started, "tier": tier,
+        p.hset(key, mapping={"worker": worker, "started": started, "tier": tier, "shard": shard,
                              "chains": msgpack.packb(chains, use_bin_type=True), "last_use": time.time()})
         p.expire(key, self.ttl_s)
         p.sadd(owned, session)

@@ -1,4 +1,4 @@
-"""`mfs bench control-plane`: how many workers one leading scheduler can drive.
+"""`mfs bench control-plane`: how many workers one leading scheduler can drive, and what shards add.
 
 Null workers (worker/null.py: the real worker protocol, no model, a fixed simulated step time) and a
 closed-loop synthetic client (it submits to `mfs:req` as a gateway does, with a gateway heartbeat, and
@@ -12,6 +12,11 @@ real Redis. For each worker count, after a warm-up, one measured window reports:
 * the leader's CPU (share of one core, and CPU ms per step), Redis's CPU, the null workers' and the
   client's CPU (they share this machine: on a small machine they compete with the leader);
 * Redis commands and network bytes per generated token.
+
+With ``--shards 1,2,4`` each point runs that many shards (core.protocol "Shards"): one scheduler per
+shard, the null workers spread over them round-robin, and the client's submits too (a gateway's
+least-loaded choice spreads an even load the same way); steps, CPU and the gaps are summed or pooled
+over the shards, and the busiest leader's CPU share is reported beside the total.
 
 The gateway's HTTP/SSE work is not in the loop (a gateway scales out by adding gateways); the scheduler,
 Redis and the worker protocol are the real ones."""
@@ -68,8 +73,10 @@ def _redis_counters(r: redis.Redis) -> dict[str, float]:
 class Client:
     """Keeps `concurrency` requests in flight: submits, reads token events, replaces each finished one."""
 
-    def __init__(self, r: redis.Redis, concurrency: int, prompt_tokens: int, max_tokens: int, tiers: int):
+    def __init__(self, r: redis.Redis, concurrency: int, prompt_tokens: int, max_tokens: int, tiers: int,
+                 shards: int = 1):
         self.r, self.concurrency = r, concurrency
+        self.streams = [P.Shard(str(s)).req_stream for s in range(shards)]
         self.prompt_tokens, self.max_tokens, self.tiers = prompt_tokens, max_tokens, tiers
         self.next_id = 0
         self.tokens = 0
@@ -83,7 +90,7 @@ class Client:
         prompt = [3 + (i * 7 + k) % 40000 for k in range(self.prompt_tokens)]  # distinct: no prefix reuse
         s = P.Submit(f"cp-{i}", GATEWAY_ID, prompt, i % self.tiers,
                      SamplingParams(max_tokens=self.max_tokens, ignore_eos=True), arrival=time.time())
-        pipe.xadd(P.REQ_STREAM, s.encode())
+        pipe.xadd(self.streams[i % len(self.streams)], s.encode())
 
     def heartbeat(self) -> None:
         while not self.stop.wait(P.HEARTBEAT_S):
@@ -118,10 +125,17 @@ class Client:
                 self.r.xtrim(stream, minid=last, approximate=True)
 
 
+def _snapshots(r: redis.Redis) -> list[P.StatsSnapshot]:
+    return [s for k, v in r.hgetall(P.STATS_KEY).items()
+            if P.shard_of_stats_field(k.decode()) is not None and (s := P.StatsSnapshot.decode(v)) is not None]
+
+
 def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, max_tokens: int,
-                  warmup_s: float, seconds: float, log_dir: Path, say, profile: Path | None = None) -> dict:
+                  warmup_s: float, seconds: float, log_dir: Path, say, profile: Path | None = None,
+                  shards: int = 1) -> dict:
     from mfs.launch import EmbeddedRedis  # noqa: PLC0415
-    rs = EmbeddedRedis(data_dir=str(log_dir / f"redis-{workers}")).start()
+    tag = f"{shards}x{workers}"
+    rs = EmbeddedRedis(data_dir=str(log_dir / f"redis-{tag}")).start()
     procs: list[subprocess.Popen] = []
     stats_files: list[Path] = []
     client = None
@@ -136,21 +150,24 @@ def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, m
 
     try:
         r = connect(rs.url)
-        prof = ["cProfile", "-o", str(profile), "-m"] if profile else []
-        sched = spawn(f"scheduler-{workers}", prof + ["scheduler", "--redis-url", rs.url,
-                                                     "--max-num-seqs", str(max(rows, 1))])
+        scheds = []
+        for s in range(shards):
+            prof = ["cProfile", "-o", f"{profile}.shard{s}" if shards > 1 else str(profile), "-m"] if profile else []
+            scheds.append(spawn(f"scheduler-{tag}-s{s}", prof + [
+                "scheduler", "--redis-url", rs.url, "--max-num-seqs", str(max(rows, 1)), "--shard", str(s)]))
+        shard_list = ",".join(str(s) for s in range(shards))
         nulls = []
         for k in range(math.ceil(workers / WORKERS_PER_PROCESS)):
             n = min(WORKERS_PER_PROCESS, workers - k * WORKERS_PER_PROCESS)
-            f = log_dir / f"null-{workers}-{k}.json"
+            f = log_dir / f"null-{tag}-{k}.json"
             stats_files.append(f)
-            nulls.append(spawn(f"null-{workers}-{k}", [
+            nulls.append(spawn(f"null-{tag}-{k}", [
                 "worker.null", "--redis-url", rs.url, "--workers", str(n), "--prefix", f"n{k}-",
-                "--step-ms", str(step_ms), "--stats-file", str(f)]))
+                "--step-ms", str(step_ms), "--stats-file", str(f), "--shards", shard_list]))
         deadline = time.monotonic() + 120
         while True:
-            snap = P.StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
-            if snap is not None and snap.workers >= workers:
+            snaps = _snapshots(r)
+            if len(snaps) == shards and sum(s.workers for s in snaps) >= workers:
                 break
             for p in procs:
                 if p.poll() is not None:
@@ -158,18 +175,21 @@ def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, m
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{workers} null workers did not register within 120 s (logs: {log_dir})")
             time.sleep(0.2)
-        client = Client(connect(rs.url), workers * rows, prompt_tokens, max_tokens, 3)
+        client = Client(connect(rs.url), workers * rows, prompt_tokens, max_tokens, 3, shards)
         ct = threading.Thread(target=client.run, daemon=True)
         ct.start()
         time.sleep(warmup_s)
 
         def sample():
-            snap = P.StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
+            snaps = _snapshots(r)
             return {"t": time.monotonic(), "wall": time.time(), "tokens": client.tokens,
-                    "leader_cpu": _cpu_s(sched.pid), "null_cpu": sum(_cpu_s(p.pid) for p in nulls),
-                    "client_cpu": time.process_time(), "machine_busy": _machine_busy_s(), "steps": snap.steps,
-                    "roundtrip": snap.step_roundtrip_s, "forward": snap.step_forward_s,
-                    **_redis_counters(r)}
+                    "leader_cpu": sum(_cpu_s(p.pid) for p in scheds),
+                    **{f"leader_cpu_{i}": _cpu_s(p.pid) for i, p in enumerate(scheds)},
+                    "null_cpu": sum(_cpu_s(p.pid) for p in nulls),
+                    "client_cpu": time.process_time(), "machine_busy": _machine_busy_s(),
+                    **{f"steps_{s.shard}": s.steps for s in snaps},
+                    "steps": sum(s.steps for s in snaps), "roundtrip": sum(s.step_roundtrip_s for s in snaps),
+                    "forward": sum(s.step_forward_s for s in snaps), **_redis_counters(r)}
 
         a = sample()
         time.sleep(seconds)
@@ -191,14 +211,16 @@ def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, m
         ideal = workers / (step_ms / 1000)
         tokens = d["tokens"]
         point = {
-            "workers": workers, "step_ms": step_ms, "rows_per_worker": rows, "seconds": round(dt, 2),
+            "shards": shards, "workers": workers, "step_ms": step_ms, "rows_per_worker": rows, "seconds": round(dt, 2),
             "steps_per_s": round(steps / dt, 1), "ideal_steps_per_s": round(ideal, 1),
             "keeps_up": steps / dt >= 0.9 * ideal, "efficiency": round(steps / dt / ideal, 3),
             "tokens_per_s": round(tokens / dt, 1),
+            "steps_per_s_by_shard": {str(s): round(d.get(f"steps_{s}", 0) / dt, 1) for s in range(shards)},
             "gap_ms_p50": round(_pct(gaps, 50) * 1000, 2), "gap_ms_p99": round(_pct(gaps, 99) * 1000, 2),
             "gap_samples": len(gaps),
             "overhead_ms_per_step_mean": round((d["roundtrip"] - d["forward"]) / max(steps, 1) * 1000, 2),
-            "leader_cpu_share": round(d["leader_cpu"] / dt, 3),
+            "leader_cpu_share": round(d["leader_cpu"] / dt, 3),  # all leaders together, in cores
+            "busiest_leader_cpu_share": round(max(d[f"leader_cpu_{i}"] for i in range(shards)) / dt, 3),
             "leader_cpu_ms_per_step": round(d["leader_cpu"] / max(steps, 1) * 1000, 3),
             "redis_cpu_share": round(d["cpu_s"] / dt, 3),
             "null_workers_cpu_share": round(d["null_cpu"] / dt, 3),
@@ -210,10 +232,11 @@ def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, m
             "redis_bytes_per_token": round(d["bytes"] / max(tokens, 1), 1),
             "client_errors": len(client.errors),
         }
-        say(f"{workers:4d} null workers @ {step_ms:g} ms: {point['steps_per_s']:8.1f} steps/s of "
+        say(f"{shards} shard(s), {workers:4d} null workers @ {step_ms:g} ms: {point['steps_per_s']:8.1f} steps/s of "
             f"{ideal:8.1f} ideal ({point['efficiency']:.0%}), {point['tokens_per_s']:8.1f} tok/s, gap p50 "
             f"{point['gap_ms_p50']:.2f} / p99 {point['gap_ms_p99']:.2f} ms, leader CPU "
-            f"{point['leader_cpu_share']:.0%} ({point['leader_cpu_ms_per_step']:.2f} ms/step), "
+            f"{point['leader_cpu_share']:.0%} ({point['leader_cpu_ms_per_step']:.2f} ms/step; busiest leader "
+            f"{point['busiest_leader_cpu_share']:.0%}), "
             f"{point['redis_commands_per_token']:.1f} Redis cmds and {point['redis_bytes_per_token']:.0f} B/token; "
             f"machine {point['machine_cpus_busy']:.1f} of {os.cpu_count()} CPUs busy")
         return point
@@ -238,23 +261,26 @@ def plot(out: dict, path: str) -> None:
 
     from mfs.runtime import save_figure  # noqa: PLC0415
     pts = out["points"]
-    ws = [p["workers"] for p in pts]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot(ws, [p["steps_per_s"] for p in pts], "o-", label="achieved")
-    ax1.plot(ws, [p["ideal_steps_per_s"] for p in pts], "k--", label="ideal (workers / step time)")
+    ideal = sorted({(p["workers"], p["ideal_steps_per_s"]) for p in pts})
+    ax1.plot([w for w, _ in ideal], [i for _, i in ideal], "k--", label="ideal (workers / step time)")
+    for n in sorted({p.get("shards", 1) for p in pts}):
+        sp = [p for p in pts if p.get("shards", 1) == n]
+        ws = [p["workers"] for p in sp]
+        ax1.plot(ws, [p["steps_per_s"] for p in sp], "o-", label=f"achieved, {n} shard(s)")
+        ax2.plot(ws, [p["gap_ms_p99"] for p in sp], "s-", label=f"gap p99, {n} shard(s)")
+        ax2.plot(ws, [p["busiest_leader_cpu_share"] * 100 for p in sp], "^:",
+                 label=f"busiest leader CPU %, {n} shard(s)")
     ax1.set_xscale("log", base=2)
     ax1.set_yscale("log")
-    ax1.set_xlabel("null workers (one shard)")
+    ax1.set_xlabel("null workers")
     ax1.set_ylabel("steps/s")
-    ax1.legend()
+    ax1.legend(fontsize=7)
     ax1.set_title(f"step time {pts[0]['step_ms']:g} ms, {pts[0]['rows_per_worker']} rows/worker")
-    ax2.plot(ws, [p["gap_ms_p50"] for p in pts], "o-", label="gap p50")
-    ax2.plot(ws, [p["gap_ms_p99"] for p in pts], "s-", label="gap p99")
-    ax2.plot(ws, [p["leader_cpu_share"] * 100 for p in pts], "^-", label="leader CPU % of a core")
     ax2.set_xscale("log", base=2)
-    ax2.set_xlabel("null workers (one shard)")
+    ax2.set_xlabel("null workers")
     ax2.set_ylabel("ms  /  %")
-    ax2.legend()
+    ax2.legend(fontsize=7)
     ax2.set_title("what the control plane adds per step")
     save_figure(fig, path)
 
@@ -263,6 +289,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("control-plane", help="one scheduler leader driving null workers: steps/s, "
                                              "latency added per step, CPU, Redis cost per token")
     p.add_argument("--workers", default="8,32,128", help="comma-separated null-worker counts")
+    p.add_argument("--shards", default="1", help="comma-separated shard counts (each point: a leader per shard)")
     p.add_argument("--step-ms", type=float, default=15.0, help="simulated step time of every worker")
     p.add_argument("--rows", type=int, default=8, help="requests in flight per worker (its batch)")
     p.add_argument("--prompt-tokens", type=int, default=32)
@@ -281,10 +308,14 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     try:
         counts = [int(x) for x in args.workers.split(",")]
+        shard_counts = [int(x) for x in args.shards.split(",")]
     except ValueError:
-        raise ValueError(f"--workers must be comma-separated integers, got {args.workers!r}") from None
+        raise ValueError(f"--workers and --shards must be comma-separated integers, got {args.workers!r}, "
+                         f"{args.shards!r}") from None
     if not counts or min(counts) < 1 or args.rows < 1 or args.step_ms <= 0 or args.seconds <= 0:
         raise ValueError("--workers >= 1 each, --rows >= 1, --step-ms > 0, --seconds > 0")
+    if not shard_counts or min(shard_counts) < 1 or any(n > w for n in shard_counts for w in counts):
+        raise ValueError("--shards >= 1 each, and no more shards than workers at any point")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="mfs-cp-"))
     log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -298,9 +329,10 @@ def run(args) -> int:
         prof_dir.mkdir(parents=True, exist_ok=True)
     points = [measure_point(n, args.step_ms, args.rows, args.prompt_tokens, args.max_tokens, args.warmup,
                             args.seconds, log_dir, say,
-                            profile=prof_dir / f"leader-{n}.pstats" if prof_dir else None) for n in counts]
+                            profile=prof_dir / f"leader-{k}x{n}.pstats" if prof_dir else None, shards=k)
+              for k in shard_counts for n in counts]
     out = {"benchmark": "control-plane", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "cpus": os.cpu_count(), "shards": 1, "prompt_tokens": args.prompt_tokens,
+           "cpus": os.cpu_count(), "shards": shard_counts, "prompt_tokens": args.prompt_tokens,
            "max_tokens": args.max_tokens, "leader_profiled": bool(prof_dir), "points": points}
     if args.json:
         write_json(args.json, out, indent=1)

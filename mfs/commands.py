@@ -132,7 +132,10 @@ def add_up(sub) -> None:
                    help="independent: each tier a standalone copy on its own worker (the baseline)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores - 1)")
     p.add_argument("--schedulers", type=int, default=2,
-                   help="scheduler processes: one leads, the others stand by to take over (1: no standby)")
+                   help="scheduler processes per shard: one leads, the others stand by to take over (1: no standby)")
+    p.add_argument("--shards", type=int, default=1,
+                   help="control-plane shards, each with its own leader and request stream; worker i joins "
+                        "shard i mod SHARDS (docs/SCALING.md)")
     p.add_argument("--log-dir", default=None, help="one log file per process (default: a new temp dir)")
     p.add_argument("--restart-limit", type=int, default=5,
                    help="a process that exits is restarted with backoff; more than this many restarts of "

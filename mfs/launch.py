@@ -117,7 +117,10 @@ class Service:
                  redis_url: str | None = None, worker_args: list[str] | None = None,
                  scheduler_args: list[str] | None = None, gateway_args: list[str] | None = None,
                  log_dir: str | None = None, dtype: str | None = None, gateway: bool = True,
-                 schedulers: int = 1, die_with_parent: bool = False, redis_timeout: float | None = None):
+                 schedulers: int = 1, die_with_parent: bool = False, redis_timeout: float | None = None,
+                 shards: int = 1):
+        if shards < 1 or schedulers < 1:
+            raise ValueError("shards and schedulers must be >= 1")
         self.model, self.tiers, self.workers, self.layout = model, tiers, workers, layout
         self.host, self.port = host, port or free_port()
         # a server or a Sentinel group (redis+sentinel://…, core.redisconn); None: an embedded one
@@ -129,7 +132,8 @@ class Service:
         self.gateway_args = gateway_args or []
         self.dtype = dtype
         self.with_gateway = gateway
-        self.schedulers = schedulers  # one leads; the others stand by to take over
+        self.schedulers = schedulers  # per shard: one leads; the others stand by to take over
+        self.shards = shards  # control-plane shards "0".."shards-1"; worker i joins shard i mod shards
         # children get SIGTERM if this process dies (`mfs up`; only from the thread that starts them)
         self.die_with_parent = die_with_parent
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="mfs-logs-"))
@@ -179,12 +183,23 @@ class Service:
         self._spawn(name, module, args)
         return self.procs[name]
 
+    def _shard_args(self, i: int) -> list[str]:
+        return ["--shard", str(i % self.shards)] if self.shards > 1 else []
+
+    def scheduler_plan(self) -> list[tuple[str, list[str]]]:
+        """(name, extra args) of every scheduler: ``schedulers`` per shard, the first of each leads."""
+        out = []
+        for s in range(self.shards):
+            base = "scheduler" if s == 0 else f"scheduler-s{s}"
+            out += [(base if i == 0 else f"{base}-{i + 1}", self._shard_args(s)) for i in range(self.schedulers)]
+        return out
+
     def worker_plan(self) -> list[tuple[str, list[str]]]:
         if self.layout == "nested":
-            return [(f"w{i}", []) for i in range(self.workers)]
+            return [(f"w{i}", self._shard_args(i)) for i in range(self.workers)]
         from family.manifest import manifest_for  # noqa: PLC0415
         manifest, _ = manifest_for(self.model, self.tiers)
-        return [(f"w{i}-{t.name}", ["--standalone-tier", str(k)])
+        return [(f"w{i}-{t.name}", ["--standalone-tier", str(k)] + self._shard_args(i))
                 for i in range(self.workers) for k, t in enumerate(manifest.tiers)]
 
     def start(self, timeout: float = 240.0) -> "Service":
@@ -195,8 +210,8 @@ class Service:
         r = ["--redis-url", self.redis_url]
         if self.redis_timeout is not None:
             r += ["--redis-timeout", str(self.redis_timeout)]
-        for i in range(self.schedulers):
-            self._spawn("scheduler" if i == 0 else f"scheduler-{i + 1}", "scheduler", r + self.scheduler_args)
+        for name, extra in self.scheduler_plan():
+            self._spawn(name, "scheduler", r + extra + self.scheduler_args)
         for wid, extra in self.worker_plan():
             self._spawn(f"worker-{wid}", "worker", r + self._model_args() + ["--worker-id", wid] + extra
                         + self.worker_args)
@@ -241,8 +256,9 @@ class Service:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._check_alive()
-            snap = P.StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
-            if snap is not None and snap.workers >= n:  # the scheduler has seen them, not only Redis
+            snaps = [P.StatsSnapshot.decode(v) for k, v in r.hgetall(P.STATS_KEY).items()
+                     if P.shard_of_stats_field(k.decode()) is not None]
+            if sum(s.workers for s in snaps if s is not None) >= n:  # the schedulers have seen them
                 return
             time.sleep(0.25)
         raise TimeoutError(f"{n} workers did not register within {timeout:.0f}s (logs: {self.log_dir})")
@@ -353,7 +369,7 @@ def up(args) -> int:
     external = args.redis_url or args.redis_sentinel
     svc = Service(args.model, tiers=args.tiers, workers=args.workers, layout=args.layout,
                   host=args.host, port=args.port, worker_args=worker_args, dtype=args.dtype,
-                  schedulers=args.schedulers, log_dir=args.log_dir, die_with_parent=True,
+                  schedulers=args.schedulers, shards=args.shards, log_dir=args.log_dir, die_with_parent=True,
                   redis_url=target_from_args(args).as_url() if external else None,
                   redis_timeout=args.redis_timeout if args.redis_timeout != DEFAULT_TIMEOUT_S else None)
 

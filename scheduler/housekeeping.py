@@ -62,9 +62,10 @@ class GatewayReaper:
             log.warning("gateway gone: its requests cancelled", gateway=gw, cancelled=len(gone))
 
 
-def trim_streams(r: redis.Redis) -> None:
-    """``mfs:req`` keeps what is pending (requests in flight) or unread; ``mfs:done`` what is unread."""
-    for stream in (P.REQ_STREAM, P.DONE_STREAM):
+def trim_streams(r: redis.Redis, shard: P.Shard = P.Shard()) -> None:
+    """The shard's ``mfs:req`` keeps what is pending (requests in flight) or unread; its ``mfs:done``
+    what is unread."""
+    for stream in (shard.req_stream, shard.done_stream):
         try:
             groups = {g["name"].decode() if isinstance(g["name"], bytes) else g["name"]: g
                       for g in r.xinfo_groups(stream)}

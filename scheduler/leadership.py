@@ -39,8 +39,10 @@ _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL
 class Lease:
     """The leadership lease of one scheduler process, and the epoch it took with it."""
 
-    def __init__(self, r: redis.Redis, consumer: str, lease_s: float, renew_every_s: float = 0.5):
+    def __init__(self, r: redis.Redis, consumer: str, lease_s: float, renew_every_s: float = 0.5,
+                 shard: P.Shard = P.Shard()):
         self.r = r
+        self.shard = shard
         self.consumer = consumer
         self.lease_ms = int(lease_s * 1000)
         self.renew_every_s = renew_every_s
@@ -52,8 +54,8 @@ class Lease:
 
     def acquire(self) -> bool:
         """Takes the lease if nobody holds it, with an epoch above every one a worker has seen."""
-        epoch = int(self._acquire(keys=[P.LEADER_KEY, P.EPOCH_KEY],
-                                  args=[self.consumer, self.lease_ms, epoch_floor(self.r)]))
+        epoch = int(self._acquire(keys=[self.shard.leader_key, self.shard.epoch_key],
+                                  args=[self.consumer, self.lease_ms, epoch_floor(self.r, self.shard)]))
         if not epoch:
             return False
         self.epoch = epoch
@@ -74,7 +76,7 @@ class Lease:
         return time.monotonic() - self._last_renew < self.lease_ms / 1000
 
     def renew_now(self) -> bool:
-        if self._renew(keys=[P.LEADER_KEY, P.EPOCH_KEY], args=[self.consumer, self.lease_ms, self.epoch]):
+        if self._renew(keys=[self.shard.leader_key, self.shard.epoch_key], args=[self.consumer, self.lease_ms, self.epoch]):
             self._last_renew = time.monotonic()
             return True
         return False
@@ -82,15 +84,15 @@ class Lease:
     def release(self) -> None:
         """Hands the lease over now rather than when it expires (only if it is still ours)."""
         try:
-            self._release(keys=[P.LEADER_KEY], args=[self.consumer])
+            self._release(keys=[self.shard.leader_key], args=[self.consumer])
         except redis.RedisError:
             pass
 
 
-def epoch_floor(r: redis.Redis) -> int:
-    """The newest epoch any registered worker has seen (Redis may have lost the counter)."""
+def epoch_floor(r: redis.Redis, shard: P.Shard = P.Shard()) -> int:
+    """The newest epoch any worker of the shard has seen (Redis may have lost the counter)."""
     floor = 0
-    for wid in r.smembers(P.WORKERS_SET):
+    for wid in r.smembers(shard.workers_set):
         e = r.hget(P.worker_key(wid.decode()), "epoch")
         floor = max(floor, int(e or 0))
     return floor
@@ -107,16 +109,16 @@ def claim_pending(r: redis.Redis, stream: str, consumer: str) -> Iterator[tuple]
             return
 
 
-def claim_requests(r: redis.Redis, consumer: str) -> tuple[list[tuple], list[tuple], int]:
+def claim_requests(r: redis.Redis, consumer: str, shard: P.Shard = P.Shard()) -> tuple[list[tuple], list[tuple], int]:
     """What a former leader left pending: its stale results are acknowledged (counted), its submits and
     cancels come back as (entry id, record) for the new leader to handle; unreadable entries are
     acknowledged."""
     stale = 0
-    for entry_id, _ in claim_pending(r, P.DONE_STREAM, consumer):  # results of a former leader's plans
-        r.xack(P.DONE_STREAM, P.SCHEDULER_GROUP, entry_id)
+    for entry_id, _ in claim_pending(r, shard.done_stream, consumer):  # results of a former leader's plans
+        r.xack(shard.done_stream, P.SCHEDULER_GROUP, entry_id)
         stale += 1
     subs, cancels = [], []
-    for entry_id, fields in claim_pending(r, P.REQ_STREAM, consumer):
+    for entry_id, fields in claim_pending(r, shard.req_stream, consumer):
         try:
             rec = P.decode(fields) if fields else None
         except (ValueError, TypeError, KeyError):
@@ -126,13 +128,13 @@ def claim_requests(r: redis.Redis, consumer: str) -> tuple[list[tuple], list[tup
         elif isinstance(rec, P.Cancel):
             cancels.append((entry_id, rec))
         else:  # trimmed away or unreadable
-            r.xack(P.REQ_STREAM, P.SCHEDULER_GROUP, entry_id)
+            r.xack(shard.req_stream, P.SCHEDULER_GROUP, entry_id)
     return subs, cancels, stale
 
 
-def drop_idle_consumers(r: redis.Redis, consumer: str) -> None:
+def drop_idle_consumers(r: redis.Redis, consumer: str, shard: P.Shard = P.Shard()) -> None:
     """Former leaders' consumers hold nothing once their entries are claimed: delete them."""
-    for stream in (P.REQ_STREAM, P.DONE_STREAM):
+    for stream in (shard.req_stream, shard.done_stream):
         for c in r.xinfo_consumers(stream, P.SCHEDULER_GROUP):
             name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
             if name != consumer and not c["pending"]:

@@ -46,9 +46,10 @@ class Limits:
 
 
 class WorkerRegistry:
-    def __init__(self, r: redis.Redis, limits: Limits):
+    def __init__(self, r: redis.Redis, limits: Limits, shard: P.Shard = P.Shard()):
         self.r = r
         self.limits = limits
+        self.shard = shard  # only the workers that joined this shard
         self.workers: dict[str, WorkerState] = {}
         self.placement: dict[str, str] = {}  # request id -> worker id
         self.directory = BlockDirectory(r, limits.directory_ttl_s)
@@ -70,11 +71,11 @@ class WorkerRegistry:
         """Joins the workers that registered, drops those whose registration expired or that restarted.
         Returns the dropped workers' requests no live worker could take, with why (the caller fails them)."""
         orphans: list[tuple[Request, str]] = []
-        ids = {m.decode() for m in self.r.smembers(P.WORKERS_SET)}
+        ids = {m.decode() for m in self.r.smembers(self.shard.workers_set)}
         for wid in ids:
             raw = self.r.hgetall(P.worker_key(wid))
             if not raw:
-                self.r.srem(P.WORKERS_SET, wid)
+                self.r.srem(self.shard.workers_set, wid)
                 continue
             info = P.WorkerInfo.from_hash(raw)
             if info is None:  # a heartbeat after a Redis restart; the full hash follows

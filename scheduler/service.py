@@ -53,16 +53,17 @@ log = structlog.get_logger(__name__)
 
 class SchedulerService:
     def __init__(self, redis_target: RedisTarget | str, limits: Limits, consumer: str | None = None,
-                 lease_s: float = 3.0, housekeeping_s: float = 2.0):
+                 lease_s: float = 3.0, housekeeping_s: float = 2.0, shard: str = P.DEFAULT_SHARD):
         self.target = redis_target if isinstance(redis_target, RedisTarget) else RedisTarget.parse(redis_target)
         self.r = connect(self.target)
         self.limits = limits
         # unique per process across hosts: two containers both run their scheduler as pid 1
         self.consumer = consumer or f"sched-{socket.gethostname()}-{os.getpid()}"
-        self.lease = Lease(self.r, self.consumer, lease_s)
+        self.shard = P.Shard(shard)  # the shard it plans for: its streams, workers set, lease, epoch
+        self.lease = Lease(self.r, self.consumer, lease_s, shard=self.shard)
         self.leader = False
         self.takeovers = 0
-        self.registry = WorkerRegistry(self.r, limits)
+        self.registry = WorkerRegistry(self.r, limits, shard=self.shard)
         self.reaper = GatewayReaper(self.r)
         self._last_refresh = 0.0
         self._last_stats = 0.0
@@ -78,7 +79,8 @@ class SchedulerService:
         self.round = None
 
     def setup(self) -> None:
-        for stream in (P.REQ_STREAM, P.DONE_STREAM):
+        self.r.sadd(P.SHARDS_SET, self.shard.name)  # gateways route to the shards listed here
+        for stream in (self.shard.req_stream, self.shard.done_stream):
             try:
                 # from the start: submits that arrived before any scheduler did are served too
                 self.r.xgroup_create(stream, P.SCHEDULER_GROUP, id="0", mkstream=True)
@@ -100,14 +102,14 @@ class SchedulerService:
         if now:
             p = self.r.pipeline(transaction=False)
         if entry is not None:
-            p.xack(P.REQ_STREAM, P.SCHEDULER_GROUP, entry)
+            p.xack(self.shard.req_stream, P.SCHEDULER_GROUP, entry)
         p.delete(P.progress_key(rid))
         if now:
             p.execute()
 
     def end_entry(self, entry) -> None:
         if entry is not None:
-            self.r.xack(P.REQ_STREAM, P.SCHEDULER_GROUP, entry)
+            self.r.xack(self.shard.req_stream, P.SCHEDULER_GROUP, entry)
 
     def fail(self, rid: str, gateway: str, message: str, code: str, status: int, entry=None) -> None:
         self.end(rid, entry)
@@ -184,7 +186,8 @@ class SchedulerService:
                 if req.meta.get("session_id") and w.core.cfg.enable_prefix_caching:
                     full = req.num_computed_tokens // w.core.cfg.block_size
                     self.registry.directory.touch_session(req.meta["session_id"], w.worker_id, w.started, req.tier,
-                                                 [c[:full] for c in req.block_hashes])
+                                                          [c[:full] for c in req.block_hashes],
+                                                          shard=self.shard.name)
             elif o.new_token_ids:  # what a new leader would resume it from
                 key = P.progress_key(o.request_id)
                 pipe.append(key, P.encode_progress(o.new_token_ids))
@@ -207,10 +210,11 @@ class SchedulerService:
             w.inflight, w.sent_at = sched, time.monotonic()
 
     def write_stats(self) -> None:
-        snap = snapshot(self.registry, leader=self.consumer, epoch=self.lease.epoch, takeovers=self.takeovers,
+        snap = snapshot(self.registry, leader=self.consumer, shard=self.shard.name, epoch=self.lease.epoch,
+                        takeovers=self.takeovers,
                         gateway_cancels=self.reaper.gateway_cancels, steps=self.step_count,
                         step_roundtrip_s=self.step_roundtrip_s, step_forward_s=self.step_forward_s)
-        self.r.hset(P.STATS_KEY, "scheduler", snap.encode())
+        self.r.hset(P.STATS_KEY, self.shard.stats_field, snap.encode())
 
     # ---- leadership ----------------------------------------------------------------------------
     def try_lead(self) -> bool:
@@ -247,7 +251,7 @@ class SchedulerService:
         self.registry.clear()
         self.refresh_workers()
         self._last_refresh = time.monotonic()
-        subs, cancels, stale = claim_requests(self.r, self.consumer)
+        subs, cancels, stale = claim_requests(self.r, self.consumer, self.shard)
         # Workers re-register within a heartbeat after Redis comes back: wait for them (up to their
         # TTL) rather than failing the requests in flight for want of a worker.
         deadline = time.monotonic() + P.WORKER_TTL_S + 1
@@ -263,10 +267,10 @@ class SchedulerService:
             self.on_submit(sub, entry_id, P.decode_progress(raw))
         for entry_id, c in cancels:
             self.on_cancel(c)
-            self.r.xack(P.REQ_STREAM, P.SCHEDULER_GROUP, entry_id)
-        drop_idle_consumers(self.r, self.consumer)
+            self.r.xack(self.shard.req_stream, P.SCHEDULER_GROUP, entry_id)
+        drop_idle_consumers(self.r, self.consumer, self.shard)
         self.takeovers += 1
-        log.info("leading", consumer=self.consumer, epoch=self.lease.epoch, workers=sorted(self.registry.workers),
+        log.info("leading", consumer=self.consumer, shard=self.shard.name, epoch=self.lease.epoch, workers=sorted(self.registry.workers),
                  resumed=len(self.registry.placement), submits_pending=len(subs), stale_results=stale)
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -297,7 +301,7 @@ class SchedulerService:
             self._last_refresh = now
         busy = any(w.inflight is not None for w in self.registry.workers.values())
         # Results first: placement then sees the load and cache they leave behind.
-        resp = self.r.xreadgroup(P.SCHEDULER_GROUP, self.consumer, {P.DONE_STREAM: ">", P.REQ_STREAM: ">"},
+        resp = self.r.xreadgroup(P.SCHEDULER_GROUP, self.consumer, {self.shard.done_stream: ">", self.shard.req_stream: ">"},
                                  count=256, block=100 if busy else 250)
         # One round trip for the round's writes: acks, progress, plans (they were one each).
         pipe = self.round = self.r.pipeline(transaction=False)
@@ -315,12 +319,12 @@ class SchedulerService:
             self._last_stats = now
         if now - self._last_gc > self.housekeeping_s:
             self.reaper.reap_gateways(self.registry, self.end)
-            trim_streams(self.r)
+            trim_streams(self.r, self.shard)
             self._last_gc = now
 
     def run(self, standby_poll_s: float = 0.5) -> None:
         backoff, down_since = 0.1, None
-        log.info("scheduler started", consumer=self.consumer, redis=self.target.describe(), limits=str(self.limits))
+        log.info("scheduler started", consumer=self.consumer, shard=self.shard.name, redis=self.target.describe(), limits=str(self.limits))
         while self.running:
             try:
                 if down_since is not None:
@@ -390,7 +394,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="leadership lease: a standby takes over this long after the leader stops renewing")
     p.add_argument("--housekeeping-s", type=float, default=2.0,
                    help="period of reaping gone gateways' requests and trimming streams")
+    p.add_argument("--shard", default=P.DEFAULT_SHARD,
+                   help="the control-plane shard this scheduler plans for (its workers join it with the "
+                        "same --shard); one leader per shard, the others stand by")
     args = p.parse_args(argv)
+    try:
+        P.Shard(args.shard)
+    except ValueError as e:
+        p.error(str(e))
     configure(json_lines=True)
     install_stop_signals()
     svc = SchedulerService(target_from_args(args), Limits(
@@ -398,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         parse_quota(args.kv_quota), prefix_caching=not args.no_prefix_caching, cache_ttl_s=args.cache_ttl_s,
         directory_ttl_s=args.directory_ttl_s, affinity_abs=args.affinity_abs_threshold,
         affinity_rel=args.affinity_rel_threshold, spec_min_acceptance=args.spec_min_acceptance,
-        spec_probe_every=args.spec_probe_every), lease_s=args.lease_s, housekeeping_s=args.housekeeping_s)
+        spec_probe_every=args.spec_probe_every), lease_s=args.lease_s, housekeeping_s=args.housekeeping_s,
+        shard=args.shard)
     try:
         svc.run()
     except KeyboardInterrupt:

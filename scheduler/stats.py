@@ -9,7 +9,7 @@ from scheduler.registry import WorkerRegistry
 
 
 def snapshot(registry: WorkerRegistry, **service) -> P.StatsSnapshot:
-    """``service``: the service's own counters (leader, epoch, takeovers, gateway_cancels, steps,
+    """``service``: the service's own counters (leader, shard, epoch, takeovers, gateway_cancels, steps,
     step_roundtrip_s, step_forward_s)."""
     workers = registry.workers
     waiting: dict[int, int] = {}

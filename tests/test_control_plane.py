@@ -20,11 +20,15 @@ def test_null_tokens_depend_only_on_request_and_position_and_are_never_eos():
 
 def test_bench_control_plane_two_null_workers(tmp_path):
     out = tmp_path / "cp.json"
-    rc = main(["bench", "control-plane", "--workers", "2", "--step-ms", "20", "--rows", "4",
+    rc = main(["bench", "control-plane", "--workers", "2", "--shards", "1,2", "--step-ms", "20", "--rows", "4",
                "--max-tokens", "16", "--warmup", "2", "--seconds", "3", "--log-dir", str(tmp_path / "logs"),
                "--json", str(out), "--plot", str(tmp_path / "cp.png")])
     assert rc == 0
-    (p,) = json.loads(out.read_text())["points"]
+    p, p2 = json.loads(out.read_text())["points"]
+    assert (p["shards"], p2["shards"]) == (1, 2)
+    # two shards: each leader drives its own worker, the client's submits spread over both
+    assert p2["client_errors"] == 0 and all(v > 0 for v in p2["steps_per_s_by_shard"].values())
+    assert sorted(p2["steps_per_s_by_shard"]) == ["0", "1"] and 0 < p2["steps_per_s"] <= 105
     assert p["client_errors"] == 0
     assert p["workers"] == 2 and p["ideal_steps_per_s"] == 100.0
     # every step of a saturated worker samples one token per row (4 rows), and no worker steps faster

@@ -46,6 +46,7 @@ class WorkerSpec:
     device: str = ""
     kernels: str = ""
     weights: str = "fp32"
+    shard: str = P.DEFAULT_SHARD  # the control-plane shard it joins
 
 
 class Runner(Protocol):
@@ -61,6 +62,7 @@ class WorkerLoop:
         self.r = r
         self.runner = runner
         self.spec = spec
+        self.shard = P.Shard(spec.shard)
         self.max_model_len = spec.max_model_len
         self.live: dict[str, Live] = {}
         self.started = f"{time.time():.6f}-{os.getpid()}"
@@ -73,21 +75,21 @@ class WorkerLoop:
         s = self.spec
         return P.WorkerInfo(s.tiers, s.num_tiers, s.num_blocks, s.block_size, s.max_model_len, s.vocab_size,
                             list(s.eos), self.started, device=s.device, kernels=s.kernels, weights=s.weights,
-                            pid=os.getpid(), epoch=self.epoch, heartbeat=time.time())
+                            shard=s.shard, pid=os.getpid(), epoch=self.epoch, heartbeat=time.time())
 
     def register(self) -> None:
         stream = P.plan_stream(self.id)
         self.r.delete(stream)  # plans for a previous life of this id refer to blocks it no longer has
         self._ensure_group()
         self._announce(self.r)
-        log.info("worker registered", worker=self.id, tiers=self.spec.tiers, blocks=self.spec.num_blocks,
+        log.info("worker registered", worker=self.id, shard=self.shard.name, tiers=self.spec.tiers, blocks=self.spec.num_blocks,
                  kernels=self.spec.kernels)
 
     def deregister(self) -> None:
         """Stops the heartbeat and removes the registration: a clean stop is seen at once."""
         self.stop.set()
         try:
-            self.r.srem(P.WORKERS_SET, self.id)
+            self.r.srem(self.shard.workers_set, self.id)
             self.r.delete(P.worker_key(self.id))
         except redis.RedisError:
             pass
@@ -105,7 +107,7 @@ class WorkerLoop:
         p = client.pipeline()
         p.hset(P.worker_key(self.id), mapping=self.info().to_hash())
         p.expire(P.worker_key(self.id), P.WORKER_TTL_S)
-        p.sadd(P.WORKERS_SET, self.id)
+        p.sadd(self.shard.workers_set, self.id)
         p.execute()
 
     def _heartbeat(self) -> None:
@@ -222,7 +224,7 @@ class WorkerLoop:
                 self.runner.drop([rid])
         res = P.StepResult(self.id, plan.step_id, out.tokens, dt, out.num_tokens, plan.epoch, out.drafts,
                            out.verified, out.accepted, out.escalate, out.draft_conf)
-        pipe.xadd(P.DONE_STREAM, res.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
+        pipe.xadd(self.shard.done_stream, res.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
         self._deliver(pipe.command_stack[:])
         self.steps += 1
 

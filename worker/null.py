@@ -79,9 +79,11 @@ class NullRunner:
 
 class NullWorker(WorkerLoop):
     def __init__(self, worker_id: str, r: redis.Redis, step_s: float, num_tiers: int = 3,
-                 num_blocks: int = 4096, block_size: int = 16, max_model_len: int = 4096):
+                 num_blocks: int = 4096, block_size: int = 16, max_model_len: int = 4096,
+                 shard: str = P.DEFAULT_SHARD):
         spec = WorkerSpec(list(range(num_tiers)), num_tiers, [num_blocks] * num_tiers, block_size,
-                          max_model_len, VOCAB, EOS, device="null", kernels="null", weights="none")
+                          max_model_len, VOCAB, EOS, device="null", kernels="null", weights="none",
+                          shard=shard)
         super().__init__(worker_id, r, NullRunner(step_s), spec)
         self.gaps: list[tuple[float, float]] = []  # (wall clock when the plan arrived, gap in s)
         self._published: float | None = None
@@ -104,14 +106,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-ms", type=float, default=15.0, help="simulated step time (a GPU decode step: ~15)")
     p.add_argument("--num-tiers", type=int, default=3)
     p.add_argument("--stats-file", default=None, help="JSON of the measured gaps, written on stop")
+    p.add_argument("--shards", default=P.DEFAULT_SHARD,
+                   help="comma list of control-plane shards; worker i joins shard i mod their number")
     args = p.parse_args(argv)
     if args.workers < 1 or args.step_ms < 0 or args.num_tiers < 1:
         p.error("--workers and --num-tiers must be >= 1, --step-ms >= 0")
+    shards = [s.strip() for s in args.shards.split(",") if s.strip()]
+    try:
+        for s in shards or [""]:
+            P.Shard(s)
+    except ValueError as e:
+        p.error(str(e))
     configure(json_lines=True)
     install_stop_signals()
     target = target_from_args(args)
     loops = [NullWorker(f"{args.prefix}{i}", connect(target), args.step_ms / 1000,
-                        num_tiers=args.num_tiers) for i in range(args.workers)]
+                        num_tiers=args.num_tiers, shard=shards[i % len(shards)]) for i in range(args.workers)]
     threads = [threading.Thread(target=w.run, name=w.id, daemon=True) for w in loops]
     for t in threads:
         t.start()

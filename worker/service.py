@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from core import protocol as P
 from core.redisconn import add_redis_args, connect, target_from_args
 from worker.loop import WorkerLoop, WorkerSpec
 from worker.runner import ModelRunner
@@ -45,7 +46,7 @@ class WorkerService(WorkerLoop):
         cfg = model.cfg
         spec = WorkerSpec(tiers, ntiers, num_blocks, args.block_size, min(args.max_model_len, model.max_positions),
                           cfg.vocab_size, list(cfg.eos_token_ids), device=str(runner.device),
-                          kernels=model.ops.name, weights=self.weights)
+                          kernels=model.ops.name, weights=self.weights, shard=args.shard)
         super().__init__(args.worker_id, connect(target_from_args(args)), runner, spec)
 
 
@@ -69,11 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per segment pool")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--shard", default=P.DEFAULT_SHARD,
+                   help="the control-plane shard to join (the scheduler started with the same --shard "
+                        "plans this worker's steps)")
     p.add_argument("--standalone-tier", type=int, default=None,
                    help="serve only this tier, as its own truncated copy (the independent layout)")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                    help="torch threads (default: all cores but one, which the gateway and scheduler use)")
     args = p.parse_args(argv)
+    try:
+        P.Shard(args.shard)
+    except ValueError as e:
+        p.error(str(e))
     configure(json_lines=True)
     install_stop_signals()
     torch.set_num_threads(args.threads)
