@@ -9,7 +9,8 @@ name                              type        what
 ``mfs:done``                      stream      worker -> scheduler: step results (group ``scheduler``)
 ``mfs:shards``                    set         shard names whose scheduler has started (see "Shards")
 ``mfs:plan:{worker}``             stream      scheduler -> worker: step plans (group ``worker``)
-``mfs:out:{gateway}``             stream      worker/scheduler -> gateway: tokens, finishes, errors
+``mfs:out:{gateway}``             stream      worker/scheduler -> gateway: tokens, finishes, errors (one
+                                              ``tokens`` entry, or a worker step's ``tokens*`` batch)
 ``mfs:workers``                   set         worker ids that have registered
 ``mfs:worker:{worker}``           hash + TTL  a live worker's registration (expires without heartbeat)
 ``mfs:gateway:{gateway}``         string+TTL  a live gateway's heartbeat
@@ -261,6 +262,30 @@ class TokenEvent(Record):
 
 
 @dataclass(slots=True)
+class TokenBatch(Record):
+    """Every token event one worker step has for one gateway, in one stream entry: one XADD per gateway
+    per step instead of one per request (docs/SCALING.md: Redis commands per token)."""
+    TYPE = "tokens*"
+    NESTED = {"events": [TokenEvent]}
+    events: list[TokenEvent]
+
+
+def token_events(entry_fields: dict) -> list[TokenEvent]:
+    """An ``mfs:out:`` entry -> its token events (one, or a batch's); ValueError for anything else."""
+    rec = decode(entry_fields)
+    if isinstance(rec, TokenEvent):
+        return [rec]
+    if isinstance(rec, TokenBatch):
+        return rec.events
+    raise ValueError(f"not a token event: {type(rec).__name__}")
+
+
+def batch_entry(events: list[TokenEvent]) -> dict:
+    """The stream entry for one gateway's events of a step: a single event as itself, more as a batch."""
+    return events[0].encode() if len(events) == 1 else TokenBatch(events).encode()
+
+
+@dataclass(slots=True)
 class NewRequest:
     """What a worker must know of a request to sample it and to notice its end."""
     NESTED = {"params": SamplingParams}
@@ -326,7 +351,7 @@ class StepResult(Record):
     draft_conf: dict = field(default_factory=dict)  # request_id -> the draft tier's confidence in its draft
 
 
-RECORDS = {r.TYPE: r for r in (Submit, Cancel, TokenEvent, StepPlan, StepResult)}
+RECORDS = {r.TYPE: r for r in (Submit, Cancel, TokenEvent, TokenBatch, StepPlan, StepResult)}
 
 
 def decode(entry_fields: dict) -> Record:

@@ -288,20 +288,18 @@ class Backend:
 
     def _route(self, fields: dict) -> None:
         try:
-            ev = P.decode(fields)
+            events = P.token_events(fields)
         except Exception as e:  # noqa: BLE001 - a bad entry must not kill the reader
             log.warning("reader.bad_entry", error=str(e))
             return
-        if not isinstance(ev, P.TokenEvent):
-            log.warning("reader.unexpected_record", type=type(ev).__name__)
-            return
-        q = self._queues.get(ev.request_id)
-        if q is None:
-            self.events_dropped += 1
-            return
-        self.events_routed += 1
-        self._suspect.pop(ev.request_id, None)  # its stream is alive again
-        q.put_nowait(ev)
+        for ev in events:
+            q = self._queues.get(ev.request_id)
+            if q is None:
+                self.events_dropped += 1
+                continue
+            self.events_routed += 1
+            self._suspect.pop(ev.request_id, None)  # its stream is alive again
+            q.put_nowait(ev)
 
     # ---- heartbeat, workers, stats -------------------------------------------------------------
     async def run_heartbeat(self, info: dict | None = None) -> None:

@@ -111,14 +111,14 @@ class Client:
             for _, entries in resp or []:
                 for eid, f in entries:
                     last = eid
-                    ev = P.decode(f)
-                    self.tokens += len(ev.token_ids)
-                    if ev.error:
-                        self.errors.append(ev.error)
-                    if ev.finished:
-                        self.finished += 1
-                        self.submit(pipe)
-                        n_new += 1
+                    for ev in P.token_events(f):
+                        self.tokens += len(ev.token_ids)
+                        if ev.error:
+                            self.errors.append(ev.error)
+                        if ev.finished:
+                            self.finished += 1
+                            self.submit(pipe)
+                            n_new += 1
             if n_new:
                 pipe.execute()
             if resp:

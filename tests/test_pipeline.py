@@ -39,8 +39,8 @@ class Reader:
             for _, entries in self.r.xread({self.stream: self.last}, block=500) or []:
                 for eid, f in entries:
                     self.last = eid
-                    ev = P.decode(f)
-                    self.events.setdefault(ev.request_id, []).append(ev)
+                    for ev in P.token_events(f):
+                        self.events.setdefault(ev.request_id, []).append(ev)
 
     def finished(self, rid):
         return any(e.finished for e in self.events.get(rid, []))

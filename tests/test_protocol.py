@@ -34,6 +34,22 @@ def test_step_plan_rows_and_new_requests_are_records():
     assert isinstance(back.new[0].params, SamplingParams)
 
 
+def test_a_step_s_token_events_for_one_gateway_travel_as_one_entry():
+    a = P.TokenEvent("r1", 0, [5], logprobs=[P.TokenLogprob(5, -0.5, [5, 6], [-0.5, -1.0])])
+    b = P.TokenEvent("r2", 3, [7, 8], True, "stop", tier=2, worker="w0")
+    assert P.batch_entry([a]) == a.encode()  # one event: itself, as a reader of single events expects
+    fields = {k.encode(): (v.encode() if isinstance(v, str) else v) for k, v in P.batch_entry([a, b]).items()}
+    assert P.decode(fields) == P.TokenBatch([a, b])
+    assert P.token_events(fields) == [a, b]
+    assert P.token_events({b"t": b"tokens", b"d": a.encode()["d"]}) == [a]
+    try:
+        P.token_events(P.Cancel("r").encode())
+    except ValueError as e:
+        assert "not a token event" in str(e)
+    else:
+        raise AssertionError("a Cancel is not a token event")
+
+
 def test_a_reader_ignores_fields_it_does_not_know():
     body = msgpack.packb({"request_id": "r", "reason": "deadline", "added_later": 1})
     assert P.decode({b"t": b"cancel", b"d": body}) == P.Cancel("r", "deadline")

@@ -196,6 +196,7 @@ class WorkerLoop:
         # draft row, not a catch-up row)
         row_of = {r.request_id: r for r in rows if r.sample_all or (r.enter == 0 and not r.draft)}
         pipe = self.r.pipeline(transaction=False)
+        by_gateway: dict[str, list[P.TokenEvent]] = {}
         for rid, toks in emitted.items():
             live, row = self.live.get(rid), row_of.get(rid)
             if live is None or row is None:
@@ -218,10 +219,12 @@ class WorkerLoop:
                               live.cached_tokens if first else 0, draft_proposed=live.draft_proposed,
                               draft_accepted=live.draft_accepted, logprobs=out.logprobs.get(rid, [])[:len(sent)],
                               prompt_logprobs=out.prompt_logprobs.get(rid, []) if first else [])
-            pipe.xadd(P.out_stream(live.gateway_id), ev.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
+            by_gateway.setdefault(live.gateway_id, []).append(ev)
             if reason:
                 self.live.pop(rid, None)
                 self.runner.drop([rid])
+        for gw, evs in by_gateway.items():  # one entry per gateway per step
+            pipe.xadd(P.out_stream(gw), P.batch_entry(evs), maxlen=P.STREAM_MAXLEN, approximate=True)
         res = P.StepResult(self.id, plan.step_id, out.tokens, dt, out.num_tokens, plan.epoch, out.drafts,
                            out.verified, out.accepted, out.escalate, out.draft_conf)
         pipe.xadd(self.shard.done_stream, res.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
