@@ -42,3 +42,30 @@ def test_a_leader_whose_lease_lapsed_unnoticed_takes_it_back_and_writes(redis_ur
     a.run_once()
     assert a.leader and a.lease.epoch == epoch and a.lease.held()
     assert r.xpending(P.REQ_STREAM, P.SCHEDULER_GROUP)["pending"] == 0  # the round was written
+
+
+def test_a_worker_refuses_the_plans_of_a_former_leader(redis_url):
+    """The workers' epoch fence (worker/loop.py): a plan of an older epoch than one the worker has seen
+    is dropped whole (no token event, no step result); a newer epoch resets the requests it held."""
+    from core.sampling import SamplingParams
+    from worker.null import NullWorker
+    r = redis.Redis.from_url(redis_url)
+    r.flushdb()
+    w = NullWorker("w-fence", r, step_s=0.0)
+
+    def plan(step: int, epoch: int, rid: str) -> P.StepPlan:
+        new = P.NewRequest(rid, "gw-fence", 0, 2, SamplingParams(max_tokens=5, ignore_eos=True), [])
+        return P.StepPlan(step, new=[new], rows=[P.PlanRow(rid, 0, [5, 6], 0, [[0]], True, 0)],
+                          worker_started=w.started, epoch=epoch)
+
+    def delivered() -> tuple[list[str], list[int]]:
+        events = [ev.request_id for _, f in r.xrange(P.out_stream("gw-fence")) for ev in P.token_events(f)]
+        results = [P.decode(f).epoch for _, f in r.xrange(P.DONE_STREAM)]
+        return events, results
+
+    w.execute(plan(1, 2, "new-leader"))
+    assert delivered() == (["new-leader"], [2]) and set(w.live) == {"new-leader"}
+    w.execute(plan(2, 1, "old-leader"))  # the former leader, back from a cut, still planning
+    assert delivered() == (["new-leader"], [2]) and set(w.live) == {"new-leader"}  # refused whole
+    w.execute(plan(3, 3, "newer-leader"))  # a newer leader: what the worker held is forgotten
+    assert delivered() == (["new-leader", "newer-leader"], [2, 3]) and set(w.live) == {"newer-leader"}
