@@ -31,10 +31,12 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           block_tables: torch.Tensor, q_start_loc: torch.Tensor,
                           ctx_lens: torch.Tensor, scale: float,
                           q_lens_host: list[int] | None = None,
-                          ctx_lens_host: list[int] | None = None) -> torch.Tensor:
+                          ctx_lens_host: list[int] | None = None, memo: dict | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hkv, D];
     block_tables: [R, max_blocks] int; q_start_loc: [R+1] int; ctx_lens: [R] int.
-    Returns [T, Hq, D]. ``*_host`` are the same lengths as Python lists (saves device syncs)."""
+    Returns [T, Hq, D]. ``*_host`` are the same lengths as Python lists (saves device syncs).
+    ``memo``: a dict that lives for one step of one segment (its layers share block tables and lengths):
+    the decode path's gather indices are computed by its first layer and reused by the others."""
     T, hq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
     assert hq % hkv == 0, "query heads must be a multiple of KV heads"
@@ -51,7 +53,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     kv = (k_cache.view(nb * bs, hkv, d), v_cache.view(nb * bs, hkv, d), bs)
     small = [r for r in range(R) if q_lens_host[r] <= SMALL_Q]
     if small and max(q_lens_host[r] for r in small) == 1:
-        _attend_decode(q, out, kv, block_tables, ctx_lens, small, starts, ctx_lens_host, scale)
+        _attend_decode(q, out, kv, block_tables, ctx_lens, small, starts, ctx_lens_host, scale, memo)
     elif small:
         _attend_small(q, out, kv, block_tables, ctx_lens, small, starts, q_lens_host, ctx_lens_host, scale)
     for r in range(R):
@@ -72,13 +74,27 @@ def _gather(kv, block_tables, ctx_lens, rows: list[int], lmax: int):
     return k, v, valid, lens
 
 
-def _attend_decode(q, out, kv, block_tables, ctx_lens, rows, starts, ctx_host, scale) -> None:
+def _attend_decode(q, out, kv, block_tables, ctx_lens, rows, starts, ctx_host, scale, memo=None) -> None:
     """One query per row: one masked SDPA over the padded gather."""
-    k, v, valid, _ = _gather(kv, block_tables, ctx_lens, rows, max(ctx_host[r] for r in rows))
-    tok = torch.tensor([starts[r] for r in rows], dtype=torch.long, device=q.device)
+    ent = memo.get("decode") if memo is not None else None
+    if ent is None:
+        lmax = max(ctx_host[r] for r in rows)
+        idx = torch.tensor(rows, dtype=torch.long, device=block_tables.device)
+        slots, valid = _gather_index(block_tables.index_select(0, idx), ctx_lens.index_select(0, idx),
+                                     kv[2], lmax)
+        tok = torch.tensor([starts[r] for r in rows], dtype=torch.long, device=q.device)
+        ent = (slots.reshape(-1), valid[:, None, None, :], tok, lmax, tuple(rows))
+        if memo is not None:
+            memo["decode"] = ent
+    flat, mask, tok, lmax, memo_rows = ent
+    assert memo_rows == tuple(rows), "a decode memo is for one segment of one step"
+    kflat, vflat, _ = kv
+    B, hkv, d = len(rows), kflat.shape[1], kflat.shape[2]
+    k = kflat.index_select(0, flat).view(B, lmax, hkv, d).transpose(1, 2)
+    v = vflat.index_select(0, flat).view(B, lmax, hkv, d).transpose(1, 2)
     qq = q.index_select(0, tok).unsqueeze(2)  # [B, Hq, 1, D]
-    o = F.scaled_dot_product_attention(qq, k.to(q.dtype), v.to(q.dtype), attn_mask=valid[:, None, None, :],
-                                       scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    o = F.scaled_dot_product_attention(qq, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                       scale=scale, enable_gqa=q.shape[1] != hkv)
     out.index_copy_(0, tok, o[:, :, 0])
 
 

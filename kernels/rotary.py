@@ -21,12 +21,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def rotary_torch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] int64. Returns rotated (q, k) (new tensors)."""
+                 cos_sin_cache: torch.Tensor, memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] int64. Returns rotated (q, k) (new tensors).
+    ``memo``: a dict shared by calls with the same ``positions`` (the layers of one segment in one
+    step): the cos/sin rows are gathered once."""
     assert q.dim() == 3 and k.dim() == 3 and positions.dim() == 1
     assert q.shape[0] == k.shape[0] == positions.shape[0]
-    cs = cos_sin_cache.index_select(0, positions)  # [T, D]
-    half = cs.shape[-1] // 2
-    cos = cs[:, :half].unsqueeze(1).to(q.dtype)
-    sin = cs[:, half:].unsqueeze(1).to(q.dtype)
+    ent = memo.get("rotary") if memo is not None else None
+    if ent is None or ent[0] is not positions or ent[1] != q.dtype:
+        cs = cos_sin_cache.index_select(0, positions)  # [T, D]
+        half = cs.shape[-1] // 2
+        ent = (positions, q.dtype, cs[:, :half].unsqueeze(1).to(q.dtype), cs[:, half:].unsqueeze(1).to(q.dtype))
+        if memo is not None:
+            memo["rotary"] = ent
+    _, _, cos, sin = ent
     return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -6,6 +6,8 @@ and no interpreter). :func:`use_interpreter` puts the kernels in triton's CPU in
 """
 from __future__ import annotations
 
+import functools
+
 import os
 import sys
 from dataclasses import replace
@@ -48,5 +50,14 @@ def build(torch_ops: KernelOps) -> KernelOps:
 
     _require_runnable(_paged_attention_kernel)
     return replace(torch_ops, name="triton", rms_norm=rms_norm_triton,
-                   fused_add_rms_norm=fused_add_rms_norm_triton, rotary=rotary_triton,
-                   write_kv=write_kv_triton, paged_attention=paged_attention_triton)
+                   fused_add_rms_norm=fused_add_rms_norm_triton, rotary=_without_memo(rotary_triton),
+                   write_kv=write_kv_triton, paged_attention=_without_memo(paged_attention_triton))
+
+
+def _without_memo(kernel):
+    """The torch ops take a per-step ``memo`` of index tensors to reuse across layers; the Triton
+    kernels compute their indices on the device inside each launch and have nothing to reuse."""
+    @functools.wraps(kernel)
+    def call(*args, memo=None, **kw):
+        return kernel(*args, **kw)
+    return call

@@ -21,6 +21,7 @@ BENCHES = [
     ("mfs.bench_engine", "add_parser"),
     ("mfs.bench_kernels", "add_parser"),
     ("mfs.bench_linears", "add_parser"),
+    ("mfs.bench_step", "add_parser"),
     ("mfs.bench_peers", "add_parser"),
     ("mfs.bench_serve", "add_parser"),
     ("mfs.bench_spec", "add_parser"),

@@ -225,7 +225,7 @@ def test_wrappers_reject_bad_calls(message, call):
 # ---- the backend ------------------------------------------------------------------------------
 def test_build_and_select_backend():
     ops = triton_ops.build(TORCH_OPS)
-    assert ops.name == "triton" and ops.paged_attention is paged_attention_triton
+    assert ops.name == "triton" and ops.paged_attention.__wrapped__ is paged_attention_triton
     assert select_backend("triton", DEVICE).name == "triton"
 
 

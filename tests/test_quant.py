@@ -165,6 +165,36 @@ def test_int4_family_runs_in_the_engine(tied_llama):
     assert [len(o) for o in outs] == [12, 12] and all(0 <= t < 160 for o in outs for t in o)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_fused_projections_compute_what_the_separate_ones_did(llama_dir, mode):
+    """q/k/v and gate/up joined into one quantized linear each: the same logits bit for bit, in the
+    dense forward and in served steps (the engine's greedy tokens and every step's logits)."""
+    from mfs.engine import Engine
+    from worker.sampling import SamplingParams
+    fused, sep = _family(llama_dir, "fp32").model, _family(llama_dir, "fp32").model
+    n_fused = quantize_model(fused, mode).fused
+    assert quantize_model(sep, mode, fuse=False).fused == 0
+    assert all(layer.gate_up_proj is not None for layer in fused.layers) and sep.layers[0].gate_up_proj is None
+    assert not hasattr(fused.layers[0], "gate_proj")
+    # int8 fuses every group; int4 packs rows in blocks of 64, and this model's q/k/v (64, 32, 32 rows)
+    # would split one, so they stay separate (SmolLM2's 576/192/192 fuse)
+    assert n_fused == (12 if mode == "int8" else 6)
+    assert (fused.layers[0].qkv_proj is not None) == (mode == "int8")
+    ids = torch.randint(3, 160, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        for a, b in zip(fused.exit_hidden(ids), sep.exit_hidden(ids)):
+            assert torch.equal(a, b)
+    logits = []
+    for m in (fused, sep):
+        eng = Engine(m, max_model_len=64, keep_logits=True)
+        for i, (p, t) in enumerate([([5, 9, 33], 2), ([7, 8], 0), ([4, 4, 4, 4], 1)]):
+            eng.add_request(f"r{i}", p, t, SamplingParams(max_tokens=6, ignore_eos=True))
+        while eng.has_unfinished():
+            logits += [o.logits for o in eng.step() if o.logits is not None]
+    half = len(logits) // 2
+    assert half and all(torch.equal(a, b) for a, b in zip(logits[:half], logits[half:]))
+
+
 def test_linears_in_any_submodule_are_quantized(llama_dir):
     """Modules added to the model later (exit blocks) are swapped too, from their fp32 values."""
     fam = _family(llama_dir, "fp32")

@@ -6,7 +6,7 @@ prefix of the batch and the rows leaving at exit ``s`` are its tail. A row is th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,7 @@ class SegmentTensors:
     ctx_lens: torch.Tensor
     q_lens_host: list[int]
     ctx_lens_host: list[int]
+    memo: dict = field(default_factory=dict)  # index tensors the torch ops reuse across its layers
 
 
 @dataclass(slots=True)

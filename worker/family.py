@@ -47,8 +47,9 @@ def build_model(base: BaseWeights, tiers: list[TierSpec], dtype: torch.dtype = t
 
 def load_family(model: str = "default", tiers: str | None = None, dtype: str | None = None,
                 device: str = "cpu", max_positions: int | None = 4096,
-                kernels: str | None = None, weights: str = "fp32") -> LoadedFamily:
-    """``weights``: fp32 (as loaded), int8, int4 or auto: see :func:`worker.quant.quantize_model`."""
+                kernels: str | None = None, weights: str = "fp32", fuse: bool = True) -> LoadedFamily:
+    """``weights``: fp32 (as loaded), int8, int4 or auto: see :func:`worker.quant.quantize_model`
+    (``fuse``: its q/k/v and gate/up fusion; off only to measure it)."""
     manifest, mdir = manifest_for(model, tiers)
     if tiers and mdir is not None:
         manifest.tiers = parse_tiers(tiers, max(t.layers for t in manifest.tiers))
@@ -63,7 +64,7 @@ def load_family(model: str = "default", tiers: str | None = None, dtype: str | N
         apply_weights(nm, mdir / manifest.weights["file"], manifest.weights["kind"])
     if weights != "fp32":  # after any delta: quantize the weights that will be served
         from worker.quant import quantize_model  # noqa: PLC0415
-        quantize_model(nm, weights, gguf_path=base.source, device=device)
+        quantize_model(nm, weights, gguf_path=base.source, device=device, fuse=fuse)
     nm.eval()
     return LoadedFamily(nm, base.tokenizer, manifest, base)
 

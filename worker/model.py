@@ -47,8 +47,21 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
         self.input_layernorm = nn.Parameter(torch.ones(h))
         self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+        # Serving may fuse q/k/v and gate/up into one linear each (worker/quant.py: fuse_projections):
+        # one matmul and one activation cast instead of three and two. Then the separate ones are gone.
+        self.qkv_proj: nn.Module | None = None
+        self.gate_up_proj: nn.Module | None = None
+        self.qkv_sizes = (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -194,9 +207,10 @@ class NestedModel(nn.Module):
         cfg = self.cfg
         B, S, _ = x.shape
         h = self.ops.rms_norm(x, layer.input_layernorm, cfg.rms_eps)
-        q = layer.q_proj(h).view(B * S, cfg.num_heads, cfg.head_dim)
-        k = layer.k_proj(h).view(B * S, cfg.num_kv_heads, cfg.head_dim)
-        v = layer.v_proj(h).view(B, S, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = layer.qkv(h)
+        q = q.reshape(B * S, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(B * S, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(B, S, cfg.num_kv_heads, cfg.head_dim)
         q, k = self.ops.rotary(q, k, pos.repeat(B), self.cos_sin)
         q = q.view(B, S, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = k.view(B, S, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
@@ -295,15 +309,16 @@ class NestedModel(nn.Module):
         else:
             hn, residual = ops.fused_add_rms_norm(h, residual, layer.input_layernorm, cfg.rms_eps)
         T = hn.shape[0]
-        q = layer.q_proj(hn).view(T, cfg.num_heads, cfg.head_dim)
-        k = layer.k_proj(hn).view(T, cfg.num_kv_heads, cfg.head_dim)
-        v = layer.v_proj(hn).view(T, cfg.num_kv_heads, cfg.head_dim)
-        q, k = ops.rotary(q, k, pos, self.cos_sin)
+        q, k, v = layer.qkv(hn)
+        q = q.reshape(T, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        q, k = ops.rotary(q, k, pos, self.cos_sin, memo=seg.memo)
         ops.write_kv(k, v, k_cache, v_cache, seg.slot_mapping)
         if kv_only:
             return None, None
         a = ops.paged_attention(q, k_cache, v_cache, seg.block_tables, seg.q_start_loc,
-                                seg.ctx_lens, self.scale, seg.q_lens_host, seg.ctx_lens_host)
+                                seg.ctx_lens, self.scale, seg.q_lens_host, seg.ctx_lens_host, memo=seg.memo)
         h = layer.o_proj(a.view(T, -1))
         if rows is not None:
             h, residual = h.index_select(0, rows), residual.index_select(0, rows)
