@@ -28,7 +28,6 @@ from __future__ import annotations
 from importlib import metadata
 
 from core.sampling import SamplingParams
-from gateway.keys import CONFIG, KEYS, SERVICE
 from core.sampling import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
 from gateway.openai_api import (INT32_MAX, MAX_CASCADE_WINDOW, MAX_CHOICES, MAX_LOGPROBS, MAX_N, MAX_REPETITION,
                                 MAX_SPEC_GAMMA, REFUSED, ROLES, Limits)
@@ -634,7 +633,3 @@ def build(svc, cfg, *, auth: bool) -> dict:
         },
     }
 
-
-def for_app(app) -> dict:
-    """The document for a running gateway app (built on each call: it is cheap, and always current)."""
-    return build(app[SERVICE], app[CONFIG], auth=app[KEYS].enabled)

@@ -10,7 +10,7 @@ from redis.exceptions import RedisError
 
 from gateway import openai_api as api
 from gateway import openapi
-from gateway.keys import CONFIG, SERVICE
+from gateway.keys import CONFIG, KEYS, SERVICE
 from gateway.serving import ClientGone, Generation, Piece
 
 
@@ -63,8 +63,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi_json(request: web.Request) -> web.Response:
-    """This gateway's OpenAPI 3.1 description (its models, bounds and ``mfs`` defaults)."""
-    return web.json_response(openapi.for_app(request.app))
+    """This gateway's OpenAPI 3.1 description (its models, bounds and ``mfs`` defaults), built on each
+    call: it is cheap, and always current."""
+    app = request.app
+    return web.json_response(openapi.build(app[SERVICE], app[CONFIG], auth=app[KEYS].enabled))
 
 
 # ---- completions ----------------------------------------------------------------------------
