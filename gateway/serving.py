@@ -1,8 +1,10 @@
 """What happens to one request between its parsed body and its response.
 
 :class:`Service` owns the gateway's serving state (frontend, backend, metrics, in-flight slots) and
-turns a typed OpenAI request into a :class:`Job` (tier chosen, prompt tokenized, context checked,
-prompt + max_tokens charged to the caller's token rate limit).
+turns a typed OpenAI request into a :class:`Job` (tier chosen, prompt tokenized, context checked) in
+one of its in-flight slots; the view charges ``Job.charged_tokens`` to the caller's token rate limit.
+Nothing here reads an HTTP request: the caller passes plain values (its session id, whether its client
+is still there).
 :class:`Generation` submits the job and turns the token events that come back into text pieces:
 duplicate events dropped by ``seq``, incremental detokenization, stop strings cut in the text (the
 request is then cancelled), and a Cancel sent whenever the gateway stops listening early (client gone,
@@ -18,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -29,7 +31,6 @@ from core import protocol as P
 from core.grammar import GrammarError, grammar_of
 from core.sampling import SamplingParams
 from gateway import complexity
-from gateway.auth import admit
 from gateway.backend import Backend, max_context
 from gateway.detok import IncrementalDetokenizer
 from gateway.metrics import Metrics
@@ -46,6 +47,10 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 class ClientGone(Exception):
     """The client closed its connection; nobody reads the answer."""
+
+
+def _never() -> bool:
+    return False
 
 
 @dataclass(slots=True)
@@ -74,6 +79,11 @@ class Job:
     cascade_threshold: float | None = None  # confidence cascade from `tier` up, or off
     cascade_window: int = 4
     prompt_text: str | None = None         # echo: the prompt as the response repeats it
+
+    @property
+    def charged_tokens(self) -> int:
+        """What the job costs the caller's token rate limit: the prompt, and max_tokens per choice."""
+        return len(self.prompt_ids) + self.params.n * self.max_tokens
 
     @property
     def echo_only(self) -> bool:
@@ -234,9 +244,9 @@ class Service:
 
     # ---- preparing --------------------------------------------------------------------------
     @asynccontextmanager
-    async def generation(self, request, req: ChatRequest | CompletionRequest) -> AsyncIterator[list["Generation"]]:
-        """The request's choices (``n`` of them), submitted; each is closed (cancelled if unfinished)
-        when the caller is done."""
+    async def job(self, req: ChatRequest | CompletionRequest) -> AsyncIterator[Job]:
+        """One of this gateway's in-flight slots, held until the caller is done, and the request
+        prepared in it (model resolved, prompt tokenized, context checked) as a :class:`Job`."""
         tier = self.resolve_model(req.model)
         if self.inflight >= self.max_inflight:
             raise APIError(429, f"This gateway is at its limit of {self.max_inflight} requests in "
@@ -244,12 +254,22 @@ class Service:
                            headers={"Retry-After": "1"})
         self.inflight += 1
         self.metrics.inflight.set(self.inflight)
+        try:
+            yield await self._prepare(req, tier)
+        finally:
+            self.inflight -= 1
+            self.metrics.inflight.set(self.inflight)
+
+    @asynccontextmanager
+    async def generation(self, job: Job, *, session_id: str | None = None,
+                         client_gone: Callable[[], bool] = _never) -> AsyncIterator[list["Generation"]]:
+        """The job's choices (``n`` of them), submitted; each is closed (cancelled if unfinished) when
+        the caller is done. ``session_id``: the caller's session header (the body's ``session_id``
+        otherwise); ``client_gone``: whether nobody is listening any more."""
         gens: list[Generation] = []
         try:
-            job = await self._prepare(req, tier)
-            await admit(request, tokens=len(job.prompt_ids) + job.params.n * job.max_tokens)
             for i in range(job.params.n):  # choice 0 first: the others follow it (placement, prefix)
-                gens.append(Generation(self, job, request, i))
+                gens.append(Generation(self, job, i, session_id=session_id, client_gone=client_gone))
                 await gens[-1].start()
             yield gens
         except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes away
@@ -259,8 +279,6 @@ class Service:
         finally:
             for gen in gens:
                 await gen.close()
-            self.inflight -= 1
-            self.metrics.inflight.set(self.inflight)
 
     async def _prepare(self, req: ChatRequest | CompletionRequest, tier: int | None) -> Job:
         workers = await self.backend.live_workers()
@@ -362,9 +380,12 @@ class Generation:
     on the last. Choice ``index`` > 0 of an n > 1 request is its own request (id ``<id>-<index>``, seed
     + index), placed with choice 0 and admitted once choice 0's prompt is computed (``Submit.follow``)."""
 
-    def __init__(self, svc: Service, job: Job, request, index: int = 0):
-        self.svc, self.job, self.request = svc, job, request
+    def __init__(self, svc: Service, job: Job, index: int = 0, *, session_id: str | None = None,
+                 client_gone: Callable[[], bool] = _never):
+        self.svc, self.job = svc, job
         self.index = index
+        self.session_id = session_id or job.params.session_id
+        self.client_gone = client_gone
         self.rid = job.request_id if index == 0 else f"{job.request_id}-{index}"
         self.detok = IncrementalDetokenizer(svc.tok)
         self.stopper = StopMatcher(job.params.stop)
@@ -431,7 +452,7 @@ class Generation:
                                 grammar=(p.grammar.kind, p.grammar.text) if p.grammar is not None else None)
         sub = P.Submit(request_id=self.rid, gateway_id=self.svc.gateway_id, prompt_ids=j.prompt_ids,
                        tier=j.tier, params=params, model_id=self.model, arrival=time.time(),
-                       session_id=self.request.headers.get("X-Session-ID") or p.session_id,
+                       session_id=self.session_id,
                        follow=None if first else j.request_id)
         try:
             self.queue = await self.svc.backend.submit(sub)  # registers nothing when it fails
@@ -449,8 +470,7 @@ class Generation:
 
     async def _next_event(self) -> P.TokenEvent:
         while True:
-            t = self.request.transport
-            if t is None or t.is_closing():
+            if self.client_gone():
                 self.cancel_reason = "disconnect"
                 raise ClientGone()
             left = self.deadline - time.perf_counter()

@@ -1,15 +1,18 @@
-"""Thin HTTP views: body -> typed request (openai_api) -> Generation (serving) -> JSON or SSE."""
+"""Thin HTTP views: body -> typed request (openai_api) -> admission (auth) -> Generation (serving) -> JSON
+or SSE. Everything that reads the HTTP request is here; the serving layer gets plain values."""
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from aiohttp import web
 from redis.exceptions import RedisError
 
 from gateway import openai_api as api
 from gateway import openapi
+from gateway.auth import admit
 from gateway.keys import CONFIG, KEYS, SERVICE
 from gateway.serving import ClientGone, Generation, Piece
 
@@ -70,8 +73,24 @@ async def openapi_json(request: web.Request) -> web.Response:
 
 
 # ---- completions ----------------------------------------------------------------------------
+@asynccontextmanager
+async def _generation(request: web.Request, req) -> AsyncIterator[list[Generation]]:
+    """The request's choices, submitted once the caller's token rate limit admits the prepared job."""
+    svc = request.app[SERVICE]
+    async with svc.job(req) as job:
+        await admit(request, tokens=job.charged_tokens)
+        async with svc.generation(job, session_id=request.headers.get("X-Session-ID"),
+                                  client_gone=lambda: _closed(request)) as gens:
+            yield gens
+
+
+def _closed(request: web.Request) -> bool:
+    t = request.transport
+    return t is None or t.is_closing()
+
+
 async def _serve(request: web.Request, req) -> web.StreamResponse:
-    async with request.app[SERVICE].generation(request, req) as gens:
+    async with _generation(request, req) as gens:
         if req.params.stream:
             return await _stream(request, gens)
         texts: list[list[str]] = [[] for _ in gens]
