@@ -24,9 +24,9 @@ from gateway.apikeys import KeyStore
 from gateway.auth import auth_middleware, on_prepare
 from gateway.backend import Backend
 from gateway.config import GatewayConfig
+from gateway.errors import APIError
 from gateway.keys import CONFIG, KEYS, SERVICE
 from gateway.metrics import Metrics
-from gateway.openai_api import APIError
 from gateway.ratelimit import RateLimiter
 from gateway.routes import setup_routes
 from gateway.serving import ClientGone, Service

@@ -11,7 +11,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from gateway.keys import ADMISSION, KEY_ID, KEYS, SERVICE
-from gateway.openai_api import APIError
+from gateway.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/openapi.json"})  # the API description: readable before a key
 ANONYMOUS = "anonymous"  # the one client of a gateway without keys (its rate limits still apply)

@@ -7,9 +7,10 @@ enum of the family's tier model ids (plus the family id and ``auto``), the bound
 and security is a bearer token when API keys are configured.
 
 Schemas are JSON Schema 2020-12 (``jsonSchemaDialect``) and describe exactly what the validator in
-``gateway.openai_api`` (and the tier checks in ``gateway.serving``) accept, including the cross-field
-rules JSON Schema can express (the ``mfs`` rules that depend on ``model``). What it cannot express, and
-what the gateway may therefore still answer with a 400 for a body valid by this document:
+``gateway.openai_api`` and the modules beside it (and the tier checks in ``gateway.serving``) accept,
+including the cross-field rules JSON Schema can express (the ``mfs`` rules that depend on ``model``).
+What it cannot express, and what the gateway may therefore still answer with a 400 for a body valid by
+this document:
 
 * the context: prompt tokens + ``max_tokens`` over the smallest ``max_model_len`` of the live workers
   (``context_length_exceeded``), and the prompt's token count over ``--max-prompt-tokens`` after the
@@ -17,7 +18,7 @@ what the gateway may therefore still answer with a 400 for a body valid by this 
 * ``mfs.speculative.draft`` on a family-id (or ``auto``) request: the draft must be below the tier the
   complexity scorer picks for the prompt.
 
-Every field OpenAI defines is described: honoured, or (``gateway.openai_api.REFUSED``) accepted only with
+Every field OpenAI defines is described: honoured, or (``gateway.refused.REFUSED``) accepted only with
 the values that mean "off", anything else a 400 ``unsupported_parameter``; none is accepted and ignored.
 
 Responses are described as exactly as the requests (``additionalProperties: false`` on the gateway's own
@@ -29,8 +30,11 @@ from importlib import metadata
 
 from core.sampling import SamplingParams
 from core.sampling import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
-from gateway.openai_api import (INT32_MAX, MAX_CASCADE_WINDOW, MAX_CHOICES, MAX_LOGPROBS, MAX_N, MAX_REPETITION,
-                                MAX_SPEC_GAMMA, REFUSED, ROLES, Limits)
+from gateway.fields import INT32_MAX
+from gateway.multilevel import MAX_CASCADE_WINDOW, MAX_SPEC_GAMMA
+from gateway.openai_api import MAX_LOGPROBS, MAX_N, MAX_REPETITION, ROLES, Limits
+from gateway.refused import REFUSED
+from gateway.structured import MAX_CHOICES
 
 PATH = "/openapi.json"
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -241,7 +245,7 @@ def _common_params(f: _Facts) -> dict:
         **_structured(),
         "tools": {"enum": FALSY, "description": "Not supported: only an empty value."},
         "functions": {"enum": FALSY, "description": "Not supported: only an empty value."},
-        # refused unless "off" (gateway.openai_api.REFUSED): a 400 unsupported_parameter, never ignored
+        # refused unless "off" (gateway.refused.REFUSED): a 400 unsupported_parameter, never ignored
         **{name: {"enum": list(off), "description": f"Not supported ({why}): only the values meaning off."}
            for name, (off, why) in REFUSED.items()},
     }

@@ -34,10 +34,12 @@ from gateway import complexity
 from gateway.backend import Backend, max_context
 from gateway.detok import IncrementalDetokenizer
 from gateway.metrics import Metrics
-from gateway.openai_api import (MAX_CASCADE_WINDOW, MAX_SPEC_GAMMA, APIError, Cascade, ChatRequest, Grammar,
-                                CompletionRequest, GenParams, MultiLevel, Speculative, TokenInfo,
-                                context_overflow, invalid, model_not_found)
+from gateway.errors import APIError, context_overflow, invalid, model_not_found
+from gateway.multilevel import MAX_CASCADE_WINDOW, MAX_SPEC_GAMMA, Cascade, MultiLevel, Speculative
+from gateway.openai_api import ChatRequest, CompletionRequest, GenParams
 from gateway.ratelimit import RateLimiter
+from gateway.responses import TokenInfo
+from gateway.structured import Grammar
 
 log = structlog.get_logger("gateway")
 AUTO = "auto"
