@@ -29,7 +29,8 @@ from gateway.keys import CONFIG, KEYS, SERVICE
 from gateway.metrics import Metrics
 from gateway.ratelimit import RateLimiter
 from gateway.routes import setup_routes
-from gateway.serving import ClientGone, Service
+from gateway.generation import ClientGone
+from gateway.serving import Service
 
 log = structlog.get_logger("gateway")
 

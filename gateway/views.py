@@ -15,7 +15,7 @@ from gateway import openapi, responses
 from gateway.auth import admit
 from gateway.errors import APIError, invalid, model_not_found
 from gateway.keys import CONFIG, KEYS, SERVICE
-from gateway.serving import ClientGone, Generation, Piece
+from gateway.generation import ClientGone, Generation, Piece
 
 
 async def read_json(request: web.Request):

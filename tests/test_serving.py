@@ -12,7 +12,8 @@ from gateway.backend import Backend
 from gateway.complexity import ComplexityConfig
 from gateway.metrics import Metrics
 from gateway.openai_api import parse_chat
-from gateway.serving import ClientGone, Service
+from gateway.generation import ClientGone
+from gateway.serving import Service
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture
 from tests.test_gateway import PARIS, backend, rds, register_worker  # noqa: F401 - fixtures
 
