@@ -1,5 +1,5 @@
-"""Thin HTTP views: body -> typed request (openai_api) -> admission (auth) -> Generation (serving) -> JSON
-or SSE. Everything that reads the HTTP request is here; the serving layer gets plain values."""
+"""Thin HTTP views: body -> typed request (openai_api) -> Job (serving) -> admission (auth) -> Generations
+(generation) -> JSON or SSE. Everything that reads the HTTP request is here; the serving layer gets plain values."""
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +14,8 @@ from gateway import openai_api as api
 from gateway import openapi, responses
 from gateway.auth import admit
 from gateway.errors import APIError, invalid, model_not_found
-from gateway.keys import CONFIG, KEYS, SERVICE
 from gateway.generation import ClientGone, Generation, Piece
+from gateway.keys import CONFIG, KEYS, SERVICE
 
 
 async def read_json(request: web.Request):
