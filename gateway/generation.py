@@ -14,23 +14,40 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 from redis.exceptions import RedisError
 
 from core import protocol as P
 from core.sampling import SamplingParams
+from gateway.backend import Backend
 from gateway.detok import IncrementalDetokenizer
 from gateway.errors import APIError
+from gateway.metrics import Metrics
 from gateway.openai_api import GenParams
 from gateway.responses import TokenInfo
 
-if TYPE_CHECKING:
-    from gateway.serving import Service
-
 log = structlog.get_logger("gateway")
 DEFAULT_PARAMS = SamplingParams()
+
+
+class Serving(Protocol):
+    """What a Generation uses of the gateway's ``gateway.serving.Service`` (named here, so this module
+    does not import the one that imports it)."""
+    tok: object
+    gateway_id: str
+    backend: Backend
+    metrics: Metrics
+    tier_ids: list[str]
+    tier_names: list[str]
+    eos_ids: list[int]
+    request_timeout_s: float
+    poll_s: float
+
+    def token_text(self, token: int) -> str: ...
+
+    def token_info(self, lp: P.TokenLogprob, top: int) -> TokenInfo: ...
 
 
 class ClientGone(Exception):
@@ -108,7 +125,7 @@ class Generation:
     on the last. Choice ``index`` > 0 of an n > 1 request is its own request (id ``<id>-<index>``, seed
     + index), placed with choice 0 and admitted once choice 0's prompt is computed (``Submit.follow``)."""
 
-    def __init__(self, svc: Service, job: Job, index: int = 0, *, session_id: str | None = None,
+    def __init__(self, svc: Serving, job: Job, index: int = 0, *, session_id: str | None = None,
                  client_gone: Callable[[], bool] = never_gone):
         self.svc, self.job = svc, job
         self.index = index
