@@ -12,7 +12,8 @@ from aiohttp import web
 
 from core.logs import configure
 from core.redisconn import add_redis_args, target_from_args
-from gateway.app import GatewayConfig, init_app
+from gateway.app import init_app
+from gateway.config import GatewayConfig
 from gateway.complexity import ComplexityConfig
 from gateway.openai_api import Limits
 

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 if TYPE_CHECKING:
-    from gateway.app import GatewayConfig
-    from gateway.auth import KeyStore
+    from gateway.apikeys import KeyStore
+    from gateway.config import GatewayConfig
     from gateway.ratelimit import Admission
     from gateway.serving import Service
 

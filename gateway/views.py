@@ -1,17 +1,21 @@
-"""Thin HTTP views: body -> typed request (openai_api) -> Generation (serving) -> JSON or SSE."""
+"""Thin HTTP views: body -> typed request (openai_api) -> Job (serving) -> admission (auth) -> Generations
+(generation) -> JSON or SSE. Everything that reads the HTTP request is here; the serving layer gets plain values."""
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from aiohttp import web
 from redis.exceptions import RedisError
 
 from gateway import openai_api as api
-from gateway import openapi
-from gateway.keys import CONFIG, SERVICE
-from gateway.serving import ClientGone, Generation, Piece
+from gateway import openapi, responses
+from gateway.auth import admit
+from gateway.errors import APIError, invalid, model_not_found
+from gateway.generation import ClientGone, Generation, Piece
+from gateway.keys import CONFIG, KEYS, SERVICE
 
 
 async def read_json(request: web.Request):
@@ -19,18 +23,18 @@ async def read_json(request: web.Request):
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise api.invalid(f"The body is not valid JSON: {e}") from None
+        raise invalid(f"The body is not valid JSON: {e}") from None
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response(api.models_list(request.app[SERVICE].model_ids))
+    return web.json_response(responses.models_list(request.app[SERVICE].model_ids))
 
 
 async def get_model(request: web.Request) -> web.Response:
     svc, name = request.app[SERVICE], request.match_info["model"]
     if name not in svc.model_ids:
-        raise api.model_not_found(name, svc.model_ids)
-    return web.json_response(api.models_list([name])["data"][0])
+        raise model_not_found(name, svc.model_ids)
+    return web.json_response(responses.models_list([name])["data"][0])
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -63,17 +67,35 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi_json(request: web.Request) -> web.Response:
-    """This gateway's OpenAPI 3.1 description (its models, bounds and ``mfs`` defaults)."""
-    return web.json_response(openapi.for_app(request.app))
+    """This gateway's OpenAPI 3.1 description (its models, bounds and ``mfs`` defaults), built on each
+    call: it is cheap, and always current."""
+    app = request.app
+    return web.json_response(openapi.build(app[SERVICE], app[CONFIG], auth=app[KEYS].enabled))
 
 
 # ---- completions ----------------------------------------------------------------------------
+@asynccontextmanager
+async def _generation(request: web.Request, req) -> AsyncIterator[list[Generation]]:
+    """The request's choices, submitted once the caller's token rate limit admits the prepared job."""
+    svc = request.app[SERVICE]
+    async with svc.job(req) as job:
+        await admit(request, tokens=job.charged_tokens)
+        async with svc.generation(job, session_id=request.headers.get("X-Session-ID"),
+                                  client_gone=lambda: _closed(request)) as gens:
+            yield gens
+
+
+def _closed(request: web.Request) -> bool:
+    t = request.transport
+    return t is None or t.is_closing()
+
+
 async def _serve(request: web.Request, req) -> web.StreamResponse:
-    async with request.app[SERVICE].generation(request, req) as gens:
+    async with _generation(request, req) as gens:
         if req.params.stream:
             return await _stream(request, gens)
         texts: list[list[str]] = [[] for _ in gens]
-        lps: list[list[api.TokenInfo]] = [[] for _ in gens]
+        lps: list[list[responses.TokenInfo]] = [[] for _ in gens]
         finish: list[str | None] = [None] * len(gens)
         async for i, piece in _merged(gens):
             texts[i].append(piece.text)
@@ -85,7 +107,7 @@ async def _serve(request: web.Request, req) -> web.StreamResponse:
             for i in range(len(gens)):
                 texts[i].insert(0, job.prompt_text)
                 lps[i] = echoed + lps[i]
-        choices = [api.Choice(i, "".join(texts[i]), finish[i], _logprobs(job, lps[i])) for i in range(len(gens))]
+        choices = [responses.Choice(i, "".join(texts[i]), finish[i], _logprobs(job, lps[i])) for i in range(len(gens))]
         return web.json_response(_final(gens, choices))
 
 
@@ -126,7 +148,7 @@ def _usage(gens: list[Generation]) -> dict:
     proposed = sum(g.draft_proposed for g in gens)
     d = g0.job.spec_draft
     draft = (g0.svc.tier_ids[d] if d is not None else None, proposed, sum(g.draft_accepted for g in gens))
-    return api.usage(g0.prompt_tokens, sum(g.completion_tokens for g in gens), g0.cached_tokens,
+    return responses.usage(g0.prompt_tokens, sum(g.completion_tokens for g in gens), g0.cached_tokens,
                      draft if proposed else None)
 
 
@@ -136,33 +158,33 @@ def _model(gens: list[Generation]) -> str:
 
 
 def _served(gens: list[Generation]) -> dict:
-    return api.served(list(dict.fromkeys(m for g in gens for m in g.served_by)))
+    return responses.served(list(dict.fromkeys(m for g in gens for m in g.served_by)))
 
 
-def _logprobs(job, items: list[api.TokenInfo], offset: int = 0) -> dict | None:
+def _logprobs(job, items: list[responses.TokenInfo], offset: int = 0) -> dict | None:
     """A choice's ``logprobs`` object (None when the request did not ask)."""
     if job.params.logprobs is None:
         return None
-    return api.chat_logprobs(items) if job.kind == "chat" else api.completion_logprobs(items, offset)
+    return responses.chat_logprobs(items) if job.kind == "chat" else responses.completion_logprobs(items, offset)
 
 
-def _final(gens: list[Generation], choices: list[api.Choice]) -> dict:
+def _final(gens: list[Generation], choices: list[responses.Choice]) -> dict:
     j = gens[0].job
-    build = api.chat_response if j.kind == "chat" else api.completion_response
+    build = responses.chat_response if j.kind == "chat" else responses.completion_response
     out = build(j.request_id, _model(gens), j.created, choices, _usage(gens))
     out["mfs"] = _served(gens)
     return out
 
 
 def _chunk(gens: list[Generation], index: int, text: str | None, finish: str | None, role: bool = False,
-           lps: list[api.TokenInfo] | None = None, offset: int = 0) -> dict:
+           lps: list[responses.TokenInfo] | None = None, offset: int = 0) -> dict:
     j, incl, model = gens[0].job, gens[0].job.params.include_usage, _model(gens)
     lp = None if role else _logprobs(j, lps or [], offset)
     if j.kind == "completion":
-        c = api.completion_chunk(j.request_id, model, j.created, text or "", finish, incl, lp, index)
+        c = responses.completion_chunk(j.request_id, model, j.created, text or "", finish, incl, lp, index)
     else:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        c = api.chat_chunk(j.request_id, model, j.created, delta, finish, incl, lp, index)
+        c = responses.chat_chunk(j.request_id, model, j.created, delta, finish, incl, lp, index)
     if finish:
         c["mfs"] = _served(gens)
     return c
@@ -202,11 +224,11 @@ async def _stream(request: web.Request, gens: list[Generation]) -> web.StreamRes
                 break
         if job.params.include_usage:
             obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
-            chunk = api.usage_chunk(job.request_id, _model(gens), job.created, obj, _usage(gens))
+            chunk = responses.usage_chunk(job.request_id, _model(gens), job.created, obj, _usage(gens))
             chunk["mfs"] = _served(gens)
             await resp.write(_sse(chunk))
         await resp.write(_sse(b"[DONE]"))
-    except api.APIError as e:  # mid-stream: the status is sent already; say it in the stream
+    except APIError as e:  # mid-stream: the status is sent already; say it in the stream
         request.app[SERVICE].metrics.errors.labels(str(e.status)).inc()
         await _write_quietly(resp, _sse(e.body()) + _sse(b"[DONE]"))
     except (ConnectionResetError, ClientGone):

@@ -20,7 +20,8 @@ import uvloop
 from aiohttp import web
 
 from core import protocol as P
-from gateway.app import GatewayConfig, init_app
+from gateway.app import init_app
+from gateway.config import GatewayConfig
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture
 
 MAX_LEN = 4096

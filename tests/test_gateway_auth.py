@@ -18,7 +18,8 @@ import structlog
 
 from core import protocol as P
 from gateway.__main__ import parse_args
-from gateway.app import GatewayConfig, init_app
+from gateway.app import init_app
+from gateway.config import GatewayConfig
 from gateway.openai_api import Limits
 from gateway.ratelimit import RateLimiter, duration
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture (this module's own server)

@@ -36,7 +36,7 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-from gateway.app import GatewayConfig
+from gateway.config import GatewayConfig
 from gateway.openai_api import Limits
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture (this module's own server)
 from tests.test_gateway import rds_worker, FakeBackend, ServerThread, register_worker

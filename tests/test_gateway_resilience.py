@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from core import protocol as P
-from gateway.app import GatewayConfig
+from gateway.config import GatewayConfig
 from mfs.launch import EmbeddedRedis
 from tests.test_gateway import CHAT, ServerThread, _err, register_worker
 

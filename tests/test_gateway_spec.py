@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from core import protocol as P
 from core.sampling import SamplingParams
-from gateway.app import GatewayConfig, init_app
+from gateway.app import init_app
+from gateway.config import GatewayConfig
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture
 from tests.test_gateway import PARIS, ServerThread, _err, backend, rds, register_worker  # noqa: F401
 

@@ -147,7 +147,7 @@ def test_a_restarted_worker_loses_its_directory_entries_and_sessions_still_work(
 # ---- the gateway's side: the session header in, cached tokens out ---------------------------------
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    from gateway.app import GatewayConfig
+    from gateway.config import GatewayConfig
     from family.manifest import load_frontend
     from tests.redis_server import redis_server
     from tests.test_gateway import FakeBackend, ServerThread, register_worker

@@ -69,6 +69,10 @@ THIRD_PARTY_EXCEPTIONS = {
     # function that needs it: the gateway checks a request's spec with it, the worker compiles it
     ("core.grammar", "xgrammar"),
 }
+# The gateway's HTTP side: only these modules may import aiohttp. Below the views (serving, the wire
+# format, the OpenAPI document, the config) the gateway takes plain values, never a request object.
+GATEWAY_HTTP = {"gateway.__main__", "gateway.app", "gateway.auth", "gateway.keys", "gateway.routes",
+                "gateway.views"}
 # Import cycles between modules that remain (all inside one package, both through a lazy import:
 # kernels.ops picks the Triton table through kernels.triton_ops, which imports KernelOps from it).
 KNOWN_CYCLES = [{"kernels.ops", "kernels.triton_ops"}, {"mfs.bench_serve", "mfs.bench_multiturn"}]
@@ -197,3 +201,16 @@ def test_layers_never_import_heavy_dependencies(pkg):
     assert not bad, bad
     mine = {e for e in THIRD_PARTY_EXCEPTIONS if e[0].split(".")[0] == pkg}
     assert excepted == mine, f"no longer needed in THIRD_PARTY_EXCEPTIONS: {mine - excepted}"
+
+
+def test_gateway_http_stays_in_its_views():
+    bad = [f"{m} imports {n}" for m, path in project_modules().items()
+           if m.startswith("gateway.") and m not in GATEWAY_HTTP
+           for n in imported_names(path) if n.split(".")[0] == "aiohttp"]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("module", ["gateway.serving", "gateway.config", "gateway.openapi"])
+def test_gateway_below_its_views_never_loads_aiohttp(module):
+    """What a process loads, not only what the files name: no dependency drags aiohttp in either."""
+    assert "aiohttp" not in loaded_by(module)

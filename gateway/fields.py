@@ -1,0 +1,58 @@
+"""Typed readers of one request-body field: each returns the value (or the default when it is absent)
+or raises a 400 that names the field. Shared by the request parsers (``gateway.openai_api``, the
+``mfs`` extension, structured output and the refused-parameter table)."""
+from __future__ import annotations
+
+import math
+
+from gateway.errors import invalid
+
+INT32_MAX = (1 << 31) - 1
+
+
+def int_field(body: dict, name: str, lo: int | None = None, hi: int | None = None,
+         param: str | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    param = param or name
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise invalid(f"'{param}' must be an integer, got {short(v)}.", param)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bounds = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise invalid(f"'{param}' must be {bounds}, got {v}.", param)
+    return v
+
+
+def short(v, n: int = 80) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[:n] + "..."
+
+
+def float_field(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise invalid(f"'{name}' must be a number, got {v!r}.", name)
+    if not lo <= v <= hi:
+        raise invalid(f"'{name}' must be between {lo} and {hi}, got {v}.", name)
+    return float(v)
+
+
+def bool_field(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise invalid(f"'{name}' must be a boolean, got {v!r}.", name)
+    return v
+
+
+def only_fields(obj: dict, allowed: tuple[str, ...], where: str) -> None:
+    extra = sorted(k for k in obj if k not in allowed)
+    if extra:
+        raise invalid(f"'{where}' has an unknown field {short(extra[0], 40)}; it takes "
+                      f"{', '.join(allowed)}.", where)

@@ -1,0 +1,44 @@
+"""The building blocks of the gateway's OpenAPI document (``gateway.openapi``): schema helpers and
+:class:`Facts`, what the document depends on, read from the gateway's Service and config."""
+from __future__ import annotations
+
+from gateway.openai_api import Limits
+
+
+def ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def nullable(schema: dict) -> dict:
+    """``schema`` or JSON null (the validator reads a null field as "not given")."""
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def obj(props: dict, required: list[str] | tuple[str, ...] = (), closed: bool = True, **kw) -> dict:
+    out = {"type": "object", "properties": props}
+    if required:
+        out["required"] = list(required)
+    if closed:
+        out["additionalProperties"] = False
+    out.update(kw)
+    return out
+
+
+class Facts:
+    """What the document depends on, read from the gateway's Service and config."""
+
+    def __init__(self, svc, cfg):
+        self.tier_ids: list[str] = list(svc.tier_ids)
+        self.tier_names: list[str] = list(svc.tier_names)
+        self.family: str = svc.frontend.family_id
+        self.vocab: int = int(svc.vocab_size)
+        self.default_draft: int | None = svc.spec_draft_tier
+        self.default_gamma: int = svc.spec_gamma
+        self.default_threshold: float | None = svc.cascade_threshold
+        self.default_window: int = svc.cascade_window
+        self.max_prompt_tokens: int = svc.max_prompt_tokens
+        self.default_max_tokens: int | None = svc.default_max_tokens
+        self.limits: Limits = cfg.limits
+        self.max_body_bytes: int = cfg.max_body_bytes
+        self.request_timeout_s: float = cfg.request_timeout_s
+        self.max_inflight: int = cfg.max_inflight

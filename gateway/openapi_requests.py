@@ -1,0 +1,306 @@
+"""The request side of the gateway's OpenAPI document: the ``mfs`` extension (whose rules depend on
+``model``) and the chat and completion request bodies, exactly as ``gateway.openai_api`` and the modules
+beside it validate them."""
+from __future__ import annotations
+
+from core.sampling import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, SamplingParams
+from gateway.fields import INT32_MAX
+from gateway.multilevel import MAX_CASCADE_WINDOW, MAX_SPEC_GAMMA
+from gateway.openai_api import MAX_LOGPROBS, MAX_N, MAX_REPETITION, ROLES
+from gateway.openapi_base import Facts, nullable, obj, ref
+from gateway.refused import REFUSED
+from gateway.structured import MAX_CHOICES
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+FALSY = [None, False, 0, "", [], {}]  # what `body.get(x) or ...` reads as "not given"
+
+
+def id_pattern(top: int) -> str:
+    """A regex of the decimal strings 0..top, no leading zeros (logit_bias keys: the vocabulary's ids)."""
+    d = str(top)
+    alts = ["0"] + ([f"[1-9][0-9]{{0,{len(d) - 2}}}"] if len(d) > 1 else [])
+    for i, c in enumerate(d):  # same length as top: equal up to i, smaller at i, anything after
+        lo = 1 if i == 0 else 0
+        if int(c) > lo:
+            rest = f"[0-9]{{{len(d) - i - 1}}}" if i < len(d) - 1 else ""
+            alts.append(f"{d[:i]}[{lo}-{int(c) - 1}]{rest}")
+    alts.append(d)
+    return "^(" + "|".join(alts) + ")$"
+
+
+# ---- the mfs extension ------------------------------------------------------------------------
+def _draft(f: Facts, top: int) -> dict:
+    """A reference to a tier with index 0..top: its name, its model id, its index, or the index as
+    a string of at most 5 ASCII digits (how ``Service.resolve_tier`` reads it)."""
+    refs = [f.tier_names[i] for i in range(top + 1)] + [f.tier_ids[i] for i in range(top + 1)]
+    alts = [{"type": "string", "enum": list(dict.fromkeys(refs))},
+            {"type": "integer", "minimum": 0, "maximum": top}]
+    if top <= 9:
+        alts.append({"type": "string", "pattern": f"^0{{0,4}}[0-{top}]$"})
+    return {"anyOf": alts, "description": "A tier below the request's: its name ("
+            + ", ".join(f.tier_names[:top + 1]) + "), model id or index."}
+
+
+def _speculative(f: Facts, top: int | None) -> dict:
+    """``mfs.speculative`` for a request whose possible drafts are tiers 0..top (None: none)."""
+    gamma = nullable({"type": "integer", "minimum": 1, "maximum": MAX_SPEC_GAMMA,
+                       "description": f"Draft tokens per verification round (server default "
+                                      f"{f.default_gamma})."})
+    has_default = f.default_draft is not None
+    values: list = [None, False] + ([True] if has_default else [])
+    alts: list[dict] = [{"enum": values}]
+    if top is not None or has_default:
+        if top is None:
+            draft = {"type": "null"}
+        else:
+            draft = nullable(_draft(f, top)) if has_default else _draft(f, top)
+        stop = nullable({"type": "number", "minimum": 0, "maximum": 1,
+                          "description": "A round ends before 'gamma' drafts when the draft tier's top-token "
+                                         "probability for its latest draft falls below this (0: always "
+                                         f"'gamma'; default {SamplingParams().spec_stop_confidence})."})
+        alts.append(obj({"draft": draft, "gamma": gamma, "stop_confidence": stop},
+                         [] if has_default else ["draft"]))
+    default = (f"true: the server's defaults (draft tier '{f.tier_names[f.default_draft]}')" if has_default
+               else "this server has no default draft tier: 'draft' is required")
+    return {"anyOf": alts, "description": "Self-speculative decoding: a lower tier drafts, the request's tier "
+            f"verifies. {default}; false: off."}
+
+
+def _cascade(f: Facts) -> dict:
+    has_default = f.default_threshold is not None
+    threshold = {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1,
+                 "description": "Escalate one tier up when the mean top-token probability of the last "
+                                "'window' tokens falls below it."}
+    window = nullable({"type": "integer", "minimum": 1, "maximum": MAX_CASCADE_WINDOW,
+                        "description": f"Tokens the confidence is averaged over (server default "
+                                       f"{f.default_window})."})
+    asked = obj({"threshold": nullable(threshold) if has_default else threshold, "window": window},
+                 [] if has_default else ["threshold"])
+    default = (f"true: the server's defaults (threshold {f.default_threshold:g})" if has_default
+               else "this server has no default threshold: 'threshold' is required")
+    return {"anyOf": [{"enum": [None, False] + ([True] if has_default else [])}, asked],
+            "description": "Confidence cascade from the scored tier up; only for the family id or 'auto'. "
+                           f"{default}; false: off."}
+
+
+_ASKS = {"anyOf": [{"const": True}, {"type": "object"}]}
+
+
+def _multilevel(spec: dict, cascade: dict) -> dict:
+    return nullable(obj(
+        {"speculative": spec, "cascade": cascade},
+        # asking for both explicitly is a 400 ('mfs')
+        **{"not": {"required": ["speculative", "cascade"],
+                   "properties": {"speculative": _ASKS, "cascade": _ASKS}}},
+        description="MFS multi-level sampling (see the gateway README): self-speculative decoding or a "
+                    "confidence cascade, not both. null or a missing field: the server's default."))
+
+
+def _per_model(f: Facts) -> list[dict]:
+    """The ``mfs`` rules depend on ``model``: a tier model id takes no cascade and only drafts below it;
+    the family id / ``auto`` takes either (its draft is checked against the scored tier later)."""
+    no_cascade = {"enum": [None, False]}
+    alts = [{"properties": {"model": {"enum": [f.family, "auto"]}, "mfs": ref("MultiLevel")},
+             "description": "The family id: the gateway picks the tier; either kind of 'mfs'."}]
+    for k, tid in enumerate(f.tier_ids):
+        below = f"drafts from {', '.join(f.tier_names[:k])}" if k else "no draft"
+        alts.append({"properties": {"model": {"const": tid},
+                                    "mfs": _multilevel(_speculative(f, k - 1 if k else None), no_cascade)},
+                     "description": f"Tier '{f.tier_names[k]}': no cascade, {below}."})
+    return alts
+
+
+# ---- requests ---------------------------------------------------------------------------------
+def _common_params(f: Facts) -> dict:
+    lim = f.limits
+    cap = lim.max_tokens_cap or INT32_MAX
+    max_tokens = nullable({"type": "integer", "minimum": 1, "maximum": cap,
+                            "description": "Tokens to generate at most; prompt + max_tokens must fit the "
+                                           "context (else 400 context_length_exceeded)."})
+    stop_string = {"type": "string", "minLength": 1, "maxLength": lim.max_stop_chars}
+    session = nullable({"type": "string", "maxLength": lim.max_session_chars,
+                         "description": "KV-cache affinity key (valid Unicode; an empty string is none)."})
+    return {
+        "max_tokens": max_tokens,
+        "max_completion_tokens": {**max_tokens, "description": "Like max_tokens, and wins over it."},
+        "temperature": nullable({"type": "number", "minimum": 0, "maximum": 2}),
+        "top_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
+        "top_k": nullable({"type": "integer", "minimum": -1, "maximum": INT32_MAX,
+                            "description": "MFS extension: sample from the k most likely tokens (0 or -1: all)."}),
+        "seed": nullable({"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}),
+        "stream": nullable({"type": "boolean", "description": "Answer as server-sent events."}),
+        "stream_options": nullable(obj({"include_usage": nullable({"type": "boolean"})}, closed=False,
+                                         description="Read only when streaming.")),
+        "stop": nullable({"anyOf": [stop_string, {"type": "array", "maxItems": lim.max_stop,
+                                                   "items": stop_string}],
+                           "description": "Stop strings, cut in the gateway."}),
+        "stop_token_ids": nullable({"type": "array", "maxItems": lim.max_stop_token_ids,
+                                     "items": {"type": "integer", "minimum": 0, "maximum": INT32_MAX},
+                                     "description": "MFS extension: token ids that end the generation."}),
+        "ignore_eos": nullable({"type": "boolean", "description": "MFS extension: keep going past eos."}),
+        "session_id": {**session, "description": "MFS extension: KV-cache affinity key (wins over 'user')."},
+        "user": session,
+        "mfs": {"description": "MFS multi-level sampling; what it takes depends on 'model': see anyOf."},
+        # not supported: only the values that mean "off" are accepted (others: 400 unsupported_parameter)
+        "n": nullable({"type": "integer", "minimum": 1, "maximum": MAX_N,
+                        "description": f"Choices (at most {MAX_N}): each its own request sharing the prompt's KV "
+                                       "through the prefix cache, choice i seeded with seed + i; usage counts the "
+                                       "prompt once and every choice's tokens; streamed chunks carry each "
+                                       "choice's index."}),
+        "best_of": {"enum": [None, 1], "description": "Only 1."},
+        "frequency_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2,
+                                        "description": "Subtracted from a token's logit once per time it occurs "
+                                                       "in the output so far."}),
+        "presence_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2,
+                                       "description": "Subtracted from the logit of every token in the output "
+                                                      "so far."}),
+        "repetition_penalty": nullable({"type": "number", "exclusiveMinimum": 0, "maximum": MAX_REPETITION,
+                                         "description": "MFS/vLLM extension (Hugging Face semantics): the logit of "
+                                                        "a token in the prompt or the output is divided by it when "
+                                                        "positive, multiplied when not (1: off)."}),
+        "min_p": nullable({"type": "number", "minimum": 0, "maximum": 1,
+                            "description": "MFS/vLLM extension: sample only tokens whose probability is at least "
+                                           "min_p times the most likely token's (after temperature)."}),
+        "logit_bias": nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                 "propertyNames": {"pattern": id_pattern(f.vocab - 1)},
+                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                                 "description": "Token id (a decimal string) -> a bias added to its logit before "
+                                                "penalties and sampling."}),
+        **_structured(),
+        "tools": {"enum": FALSY, "description": "Not supported: only an empty value."},
+        "functions": {"enum": FALSY, "description": "Not supported: only an empty value."},
+        # refused unless "off" (gateway.refused.REFUSED): a 400 unsupported_parameter, never ignored
+        **{name: {"enum": list(off), "description": f"Not supported ({why}): only the values meaning off."}
+           for name, (off, why) in REFUSED.items()},
+    }
+
+
+STRUCTURED_NOTE = (" Structured output: every sampled token is masked to what the grammar allows next (xgrammar, in "
+                   "the worker; after logit_bias and penalties, before temperature, top-k/p and min-p); eos only "
+                   "where the grammar may end, and the output ends (finish_reason stop) once it is complete. "
+                   "JSON is written compactly (no free whitespace). At most one of response_format (json_object "
+                   "or json_schema), guided_json, guided_regex, guided_choice, and not with ignore_eos true (else 400 "
+                   "conflicting_parameters); with "
+                   "mfs.speculative the drafts are checked against the mask (exact). A schema, regex or choice "
+                   "list that does not compile is a 400 naming the field (code invalid_grammar). "
+                   "Log-probabilities stay the raw model's.")
+
+
+def _structured() -> dict:
+    schema = {"type": "object", "description": "A JSON schema (the draft 2020-12 subset xgrammar follows; one it "
+                                               "cannot compile is a 400 invalid_grammar)."}
+    json_schema = obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "schema": schema,
+                        "strict": nullable({"type": "boolean", "description": "Any value: the schema is always "
+                                                                               "enforced."}),
+                        "description": nullable({"type": "string"})}, ["name", "schema"])
+    return {
+        "response_format": nullable({"anyOf": [
+            obj({"type": {"const": "text"}}, ["type"], description="Plain text (the default)."),
+            obj({"type": {"const": "json_object"}}, ["type"], description="Any JSON object."),
+            obj({"type": {"const": "json_schema"}, "json_schema": json_schema}, ["type", "json_schema"],
+                 description="JSON following json_schema.schema.")],
+            "description": "The output's format." + STRUCTURED_NOTE}),
+        "guided_json": nullable({**schema, "description": "vLLM extension: JSON following this schema."
+                                                           + STRUCTURED_NOTE}),
+        "guided_regex": nullable({"type": "string", "minLength": 1, "maxLength": MAX_GRAMMAR_CHARS,
+                                   "description": "vLLM extension: the output matches this regular expression."
+                                                  + STRUCTURED_NOTE}),
+        "guided_choice": nullable({"type": "array", "minItems": 1, "maxItems": MAX_CHOICES,
+                                    "items": {"type": "string", "minLength": 1},
+                                    "description": "vLLM extension: the output is exactly one of these strings."
+                                                   + STRUCTURED_NOTE}),
+    }
+
+
+LOGPROBS_NOTE = ("Log-probabilities are the log-softmax of the raw logits of the tier that produced each "
+                 "token (before temperature, penalties and logit_bias).")
+
+
+def _chat_params() -> dict:
+    return {
+        "echo": {"enum": [None, False, 0], "description": "Not on chat (a completions parameter)."},
+        "logprobs": nullable({"type": "boolean", "description": "Return each output token's log-probability "
+                                                                 "in choices[].logprobs.content. " + LOGPROBS_NOTE}),
+        "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                                   "description": "Most likely tokens per position; needs logprobs true."}),
+    }
+
+
+# top_logprobs (not null) needs logprobs true
+_TOP_NEEDS_LOGPROBS = {"if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+                       "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}}
+
+
+_ECHO = {"properties": {"echo": {"const": True}}, "required": ["echo"]}
+# max_tokens 0 (the one read: max_completion_tokens wins) needs echo
+_ZERO_NEEDS_ECHO = {"allOf": [
+    {"if": {"properties": {"max_completion_tokens": {"const": 0}}, "required": ["max_completion_tokens"]},
+     "then": _ECHO},
+    {"if": {"properties": {"max_tokens": {"const": 0}, "max_completion_tokens": {"type": "null"}},
+            "required": ["max_tokens"]},
+     "then": _ECHO}]}
+
+
+def _completion_params(f: Facts) -> dict:
+    common = _common_params(f)
+    zero = "; 0 with echo: the prompt scored, nothing generated"
+    return {
+        "logprobs": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+                               {"enum": [None, False]}],
+                     "description": "Return each token's log-probability and this many most likely tokens per "
+                                    "position (null or false: off). " + LOGPROBS_NOTE},
+        "echo": nullable({"type": "boolean", "description": "Return the prompt before the completion, with its "
+                                                             "tokens' log-probabilities when logprobs is set (the "
+                                                             "first token's is null)."}),
+        "max_tokens": {"anyOf": [{**common["max_tokens"]["anyOf"][0], "minimum": 0}, {"type": "null"}],
+                       "description": common["max_tokens"]["anyOf"][0]["description"] + zero + "."},
+        "max_completion_tokens": {"anyOf": [{**common["max_tokens"]["anyOf"][0], "minimum": 0}, {"type": "null"}],
+                                  "description": "Like max_tokens, and wins over it" + zero + "."},
+    }
+
+
+def _request(f: Facts, required: str, first: dict, description: str, extra: dict, **rules) -> dict:
+    props = {"model": ref("ModelId"), required: first, **_common_params(f), **extra}
+    # Every OpenAI field is described (honoured, or refused unless off); a field the description does not
+    # name is not read (the object stays open, as before: clients and SDKs add their own)
+    return obj(props, ["model", required], closed=False, anyOf=_per_model(f), description=description,
+                **rules)
+
+
+def _chat_request(f: Facts) -> dict:
+    lim = f.limits
+    text = {"type": "string", "maxLength": lim.max_prompt_chars}
+    part = obj({"type": {"const": "text"}, "text": text}, ["type", "text"], closed=False)
+    content = {"anyOf": [text, {"type": "array", "items": part}]}
+    message = {"anyOf": [
+        obj({"role": {"enum": [r for r in ROLES if r != "assistant"]}, "content": content},
+             ["role", "content"], closed=False),
+        obj({"role": {"const": "assistant"}, "content": nullable(content)}, ["role"], closed=False),
+    ], "description": "Text only: a string or text parts (joined with newlines). Other fields are ignored."}
+    messages = {"type": "array", "minItems": 1, "maxItems": lim.max_messages, "items": message,
+                "description": f"All contents together at most {lim.max_prompt_chars} characters."}
+    return _request(f, "messages", messages, "OpenAI's chat completion request, text only.",
+                    _chat_params(), **_TOP_NEEDS_LOGPROBS)
+
+
+def _completion_request(f: Facts) -> dict:
+    lim = f.limits
+    text = {"type": "string", "minLength": 1, "maxLength": lim.max_prompt_chars}
+    ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": f.vocab - 1}}
+    if f.max_prompt_tokens:
+        ids["maxItems"] = f.max_prompt_tokens
+    prompt = {"anyOf": [text, ids, {"type": "array", "minItems": 1, "maxItems": 1,
+                                    "items": {"anyOf": [text, ids]}}],
+              "description": "Text or token ids; a batch of one is accepted, larger batches are not."}
+    return _request(f, "prompt", prompt, "OpenAI's (legacy) completion request, one prompt.",
+                    _completion_params(f), **_ZERO_NEEDS_ECHO)
+
+
+def request_schemas(f: Facts) -> dict:
+    """The components' schemas of the requests: the ``mfs`` extension and the two bodies."""
+    return {
+        "MultiLevel": _multilevel(_speculative(f, len(f.tier_ids) - 2 if len(f.tier_ids) > 1 else None),
+                                  _cascade(f)),
+        "ChatCompletionRequest": _chat_request(f),
+        "CompletionRequest": _completion_request(f),
+    }
