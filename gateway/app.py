@@ -22,7 +22,7 @@ from core.protocol import gateway_key
 from core.redisconn import RedisTarget, connect_async
 from gateway.apikeys import KeyStore
 from gateway.auth import auth_middleware, on_prepare
-from gateway.backend import Backend
+from gateway.backend import Backend, stop_tasks
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.keys import CONFIG, KEYS, SERVICE
@@ -87,9 +87,7 @@ async def redis_ctx(app: web.Application):
              asyncio.create_task(backend.run_heartbeat({"port": cfg.port}), name="mfs-gateway-heartbeat")]
     log.info("gateway.start", gateway_id=cfg.gateway_id, redis=target.describe(), models=svc.model_ids)
     yield
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await stop_tasks(tasks)
     try:
         await client.delete(gateway_key(cfg.gateway_id))
     except RedisError:

@@ -10,7 +10,7 @@ shard its submit went to. With one shard none of this costs a Redis command.
 One reader task XREADs the gateway's own stream ``mfs:out:{gateway}`` (BLOCK) and puts each
 :class:`TokenEvent` on the queue of its request; events for requests this gateway no longer waits
 for (finished, cancelled, or from before a restart) are dropped. Duplicates are the consumer's
-business (``seq``), see ``gateway.serving``.
+business (``seq``), see ``gateway.generation``.
 """
 from __future__ import annotations
 
@@ -379,6 +379,22 @@ class Backend:
         """The shards' snapshots merged (one shard: its own)."""
         per = await self.shard_stats()
         return merge_stats([per[s] for s in sorted(per)])
+
+
+async def stop_tasks(tasks: list[asyncio.Task], timeout_s: float = 5.0) -> list[asyncio.Task]:
+    """Cancels the tasks and waits for them, cancelling again every half second: a cancel that lands
+    inside a blocking redis-py read can be swallowed (redis/redis-py#2028), and a task that kept
+    running would hang the shutdown. Returns the tasks still running after ``timeout_s`` (logged)."""
+    deadline = time.monotonic() + timeout_s
+    pending = [t for t in tasks if not t.done()]
+    while pending and time.monotonic() < deadline:
+        for t in pending:
+            t.cancel()
+        _, still = await asyncio.wait(pending, timeout=0.5)
+        pending = list(still)
+    if pending:
+        log.warning("tasks.not_stopped", tasks=[t.get_name() for t in pending], timeout_s=timeout_s)
+    return pending
 
 
 def _tiers(raw) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.backend import Backend
+from gateway.backend import Backend, stop_tasks
 from gateway.complexity import ComplexityConfig
 from gateway.metrics import Metrics
 from gateway.openai_api import parse_chat
@@ -38,9 +38,7 @@ async def _served(url: str, frontend, body: dict, **generation) -> tuple[Service
                     pieces.append([p async for p in gen.pieces()])
         return svc, gens, pieces
     finally:
-        while not reader.done():  # a cancel can land where redis-py's read timeout swallows it: repeat
-            reader.cancel()
-            await asyncio.wait([reader], timeout=0.5)
+        assert not await stop_tasks([reader])
         await client.aclose()
 
 
