@@ -1,4 +1,6 @@
-"""`mfs bench engine`: one mixed-tier workload served (a) nested — one model, group-batched — and
+"""`mfs bench engine`: mixed-tier workloads (by default two: a compute-bound one, many requests with
+long prompts, and a decode-bound one, a few requests with short prompts and long outputs) each served
+(a) nested — one model, group-batched — and
 (b) independent — each tier a standalone truncated copy with its own weights, batch and KV, stepped
 round-robin as separate model servers on one machine would be; plus the top tier alone against
 transformers' ``generate`` on the same prompts.
@@ -173,14 +175,23 @@ def _median(runs: list[dict]) -> dict:
 
 def add_parser(sub) -> None:
     from worker.family import add_model_args  # noqa: PLC0415
-    p = sub.add_parser("engine", help="nested vs independent tiers, and the top tier vs HF generate")
+    p = sub.add_parser("engine", help="nested vs independent tiers in a compute-bound and a decode-bound "
+                                      "workload, and the top tier vs HF generate")
     add_model_args(p)
     p.add_argument("--json", required=True, help="where to write the results")
-    p.add_argument("--plot", default=None, help="PNG bar chart of the ratios")
-    p.add_argument("--num", type=int, default=48, help="requests in the mixed workload")
-    p.add_argument("--mix", default="70,20,10", help="tier mix, lowest tier first, percent")
+    p.add_argument("--plot", default=None, help="PNG bar chart of both regimes")
+    p.add_argument("--regimes", default="compute,decode",
+                   help="workloads to run: compute (many requests, long prompts: the --num/--mix/--prompt-len/"
+                        "--output-len workload) and/or decode (few requests, short prompts, long outputs: "
+                        "--decode-*)")
+    p.add_argument("--num", type=int, default=48, help="requests in the compute-bound workload")
+    p.add_argument("--mix", default="70,20,10", help="its tier mix, lowest tier first, percent")
     p.add_argument("--prompt-len", default="64,512")
     p.add_argument("--output-len", default="64,256")
+    p.add_argument("--decode-num", type=int, default=6, help="requests in the decode-bound workload")
+    p.add_argument("--decode-mix", default=None, help="its tier mix (default: an equal share per tier)")
+    p.add_argument("--decode-prompt-len", default="16,32")
+    p.add_argument("--decode-output-len", default="96,96")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--block-size", type=int, default=16)
@@ -194,25 +205,27 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from worker.family import load_from_args  # noqa: PLC0415
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    weights, args.weights = args.weights, "fp32"
-    fam = load_from_args(args)  # fp32 first: the standalone copies are cut from it, then quantized
-    model = fam.model
-    mix = [float(x) for x in args.mix.split(",")]
-    if len(mix) != len(model.tiers):
-        raise ValueError(f"--mix has {len(mix)} entries for {len(model.tiers)} tiers")
-    pr = tuple(int(x) for x in args.prompt_len.split(","))
-    orr = tuple(int(x) for x in args.output_len.split(","))
-    work = make_workload(args.num, len(model.tiers), mix, pr, orr, model.cfg.vocab_size, args.seed)
-    copies = [standalone_tier(model, k) for k in range(len(model.tiers))]
-    if weights != "fp32":  # both layouts quantized alike
-        from worker.quant import quantize_model  # noqa: PLC0415
-        for m in [model, *copies]:
-            quantize_model(m, weights, gguf_path=fam.base.source, device=args.device)
-    args.weights = weights
+def _pair(spec: str, flag: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} takes MIN,MAX, got {spec!r}") from None
+    if not 0 < lo <= hi:
+        raise ValueError(f"{flag} {spec!r}: need 0 < MIN <= MAX")
+    return lo, hi
+
+
+def _mix(spec: str | None, tiers: int, flag: str) -> list[float]:
+    if spec is None:
+        return [1.0] * tiers
+    mix = [float(x) for x in spec.split(",")]
+    if len(mix) != tiers or min(mix) < 0 or sum(mix) <= 0:
+        raise ValueError(f"{flag} has {len(mix)} entries for {tiers} tiers (non-negative, not all 0)")
+    return mix
+
+
+def run_regime(model, copies, work, args) -> dict:
+    """Nested and independent on one workload, alternating per repeat; medians and ratios."""
     nested_runs, indep_runs = [], []
     for rep in range(args.repeats):
         for layout in (("nested", "independent") if rep % 2 == 0 else ("independent", "nested")):
@@ -220,25 +233,59 @@ def run(args) -> int:
                 nested_runs.append(run_nested(model, work, args)[0])
             else:
                 indep_runs.append(run_independent(copies, work, args))
-            print(f"repeat {rep + 1}/{args.repeats} {layout}: "
+            print(f"  repeat {rep + 1}/{args.repeats} {layout}: "
                   f"{(nested_runs if layout == 'nested' else indep_runs)[-1]['tokens_per_s']:.1f} tok/s",
                   flush=True)
     nested, indep = _median(nested_runs), _median(indep_runs)
+    return {"nested": nested, "independent": indep, "nested_runs": nested_runs, "independent_runs": indep_runs,
+            "ratios": {"tokens_per_s": nested["tokens_per_s"] / indep["tokens_per_s"],
+                       "mean_per_token_latency": nested["mean_per_token_latency_ms"] / indep["mean_per_token_latency_ms"],
+                       "mean_tpot": nested["mean_tpot_ms"] / indep["mean_tpot_ms"],
+                       "peak_memory": nested["peak_memory_bytes"] / indep["peak_memory_bytes"],
+                       "weights": nested["weights_bytes"] / indep["weights_bytes"]}}
+
+
+def run(args) -> int:
+    from worker.family import load_from_args  # noqa: PLC0415
+    regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
+    if not regimes or any(r not in ("compute", "decode") for r in regimes):
+        raise ValueError(f"--regimes: compute and/or decode, got {args.regimes!r}")
+    if args.num < 1 or args.decode_num < 1 or args.repeats < 1:
+        raise ValueError("--num, --decode-num and --repeats must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    weights, args.weights = args.weights, "fp32"
+    fam = load_from_args(args)  # fp32 first: the standalone copies are cut from it, then quantized
+    model = fam.model
+    n = len(model.tiers)
+    specs = {"compute": (args.num, _mix(args.mix, n, "--mix"), _pair(args.prompt_len, "--prompt-len"),
+                         _pair(args.output_len, "--output-len")),
+             "decode": (args.decode_num, _mix(args.decode_mix, n, "--decode-mix"),
+                        _pair(args.decode_prompt_len, "--decode-prompt-len"),
+                        _pair(args.decode_output_len, "--decode-output-len"))}
+    copies = [standalone_tier(model, k) for k in range(n)]
+    if weights != "fp32":  # both layouts quantized alike
+        from worker.quant import quantize_model  # noqa: PLC0415
+        for m in [model, *copies]:
+            quantize_model(m, weights, gguf_path=fam.base.source, device=args.device)
+    args.weights = weights
     result = {
         "benchmark": "engine", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(),
                     "device": args.device, "torch": torch.__version__},
         "model": args.model, "weights": args.weights, "tiers": [(t.name, t.layers) for t in model.tiers],
-        "workload": {"num": args.num, "mix": mix, "prompt_len": pr, "output_len": orr, "seed": args.seed,
-                     "tokens": sum(it.max_tokens for it in work)},
-        "repeats": args.repeats, "nested": nested, "independent": indep,
-        "nested_runs": nested_runs, "independent_runs": indep_runs,
-        "ratios": {"tokens_per_s": nested["tokens_per_s"] / indep["tokens_per_s"],
-                   "mean_per_token_latency": nested["mean_per_token_latency_ms"] / indep["mean_per_token_latency_ms"],
-                   "peak_memory": nested["peak_memory_bytes"] / indep["peak_memory_bytes"],
-                   "weights": nested["weights_bytes"] / indep["weights_bytes"]},
-    }
+        "repeats": args.repeats, "regimes": {}}
+    for name in regimes:
+        num, mix, pr, orr = specs[name]
+        work = make_workload(num, n, mix, pr, orr, model.cfg.vocab_size, args.seed)
+        print(f"{name}-bound workload: {num} requests, mix {mix}, prompts {pr}, outputs {orr}", flush=True)
+        result["regimes"][name] = {
+            "workload": {"num": num, "mix": mix, "prompt_len": pr, "output_len": orr, "seed": args.seed,
+                         "tokens": sum(it.max_tokens for it in work)},
+            **run_regime(model, copies, work, args)}
     if not args.skip_generate:
+        num, mix, pr, orr = specs[regimes[0]]
+        work = make_workload(num, n, mix, pr, orr, model.cfg.vocab_size, args.seed)
         result["top_tier_vs_generate"] = run_top_vs_generate(fam, work, args)
     write_json(args.json, result)
     print_table(result)
@@ -248,17 +295,20 @@ def run(args) -> int:
 
 
 def print_table(r: dict) -> None:
-    n, i, q = r["nested"], r["independent"], r["ratios"]
-    print(f"\n{'':<28}{'nested':>14}{'independent':>14}{'ratio':>9}")
-    rows = [("generated tokens/s", "tokens_per_s", "{:.1f}", q["tokens_per_s"]),
-            ("mean per-token latency ms", "mean_per_token_latency_ms", "{:.1f}", q["mean_per_token_latency"]),
-            ("mean TPOT ms", "mean_tpot_ms", "{:.1f}", n["mean_tpot_ms"] / i["mean_tpot_ms"]),
-            ("weights MB", "weights_bytes", "{:.0f}", q["weights"]),
-            ("KV peak MB", "kv_peak_bytes", "{:.1f}", n["kv_peak_bytes"] / max(1, i["kv_peak_bytes"])),
-            ("peak memory MB", "peak_memory_bytes", "{:.0f}", q["peak_memory"])]
-    for label, key, fmt, ratio in rows:
-        scale = 1e-6 if key.endswith("bytes") else 1
-        print(f"{label:<28}{fmt.format(n[key] * scale):>14}{fmt.format(i[key] * scale):>14}{ratio:>9.2f}")
+    for name, reg in r["regimes"].items():
+        n, i, q = reg["nested"], reg["independent"], reg["ratios"]
+        w = reg["workload"]
+        print(f"\n{name}-bound ({w['num']} requests, prompts {w['prompt_len']}, outputs {w['output_len']})")
+        print(f"{'':<28}{'nested':>14}{'independent':>14}{'ratio':>9}")
+        rows = [("generated tokens/s", "tokens_per_s", "{:.1f}", q["tokens_per_s"]),
+                ("mean per-token latency ms", "mean_per_token_latency_ms", "{:.1f}", q["mean_per_token_latency"]),
+                ("mean TPOT ms", "mean_tpot_ms", "{:.1f}", q["mean_tpot"]),
+                ("weights MB", "weights_bytes", "{:.0f}", q["weights"]),
+                ("KV peak MB", "kv_peak_bytes", "{:.1f}", n["kv_peak_bytes"] / max(1, i["kv_peak_bytes"])),
+                ("peak memory MB", "peak_memory_bytes", "{:.0f}", q["peak_memory"])]
+        for label, key, fmt, ratio in rows:
+            scale = 1e-6 if key.endswith("bytes") else 1
+            print(f"{label:<28}{fmt.format(n[key] * scale):>14}{fmt.format(i[key] * scale):>14}{ratio:>9.2f}")
     g = r.get("top_tier_vs_generate")
     if g:
         print(f"\ntop tier alone, {g['concurrency']} concurrent, {g['new_tokens']} new tokens each: "
@@ -270,16 +320,18 @@ def plot(r: dict, path: str) -> None:
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
-    n, i = r["nested"], r["independent"]
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
-    for ax, (title, key, scale) in zip(axes, [("generated tokens/s", "tokens_per_s", 1),
-                                              ("mean per-token latency (ms)", "mean_per_token_latency_ms", 1),
-                                              ("peak memory (MB)", "peak_memory_bytes", 1e-6)]):
-        vals = [n[key] * scale, i[key] * scale]
-        ax.bar(["nested", "independent"], vals, color=["#2a7", "#999"])
-        ax.set_title(title)
-        for x, v in enumerate(vals):
-            ax.text(x, v, f"{v:.1f}", ha="center", va="bottom")
-    fig.suptitle(f"mfs bench engine — {r['model']}, {r['workload']['num']} requests, mix {r['workload']['mix']}")
+    regs = list(r["regimes"].items())
+    fig, axes = plt.subplots(len(regs), 3, figsize=(11, 3.4 * len(regs)), squeeze=False)
+    for row, (name, reg) in zip(axes, regs):
+        n, i = reg["nested"], reg["independent"]
+        for ax, (title, key, scale) in zip(row, [("generated tokens/s", "tokens_per_s", 1),
+                                                  ("mean per-token latency (ms)", "mean_per_token_latency_ms", 1),
+                                                  ("peak memory (MB)", "peak_memory_bytes", 1e-6)]):
+            vals = [n[key] * scale, i[key] * scale]
+            ax.bar(["nested", "independent"], vals, color=["#2a7", "#999"])
+            ax.set_title(f"{name}-bound: {title}", fontsize=9)
+            for x, v in enumerate(vals):
+                ax.text(x, v, f"{v:.1f}", ha="center", va="bottom")
+    fig.suptitle(f"mfs bench engine — {r['model']} ({r['weights']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -62,3 +62,22 @@ def test_bench_step_times_each_format_and_batch(llama_dir, tmp_path):
     assert pts[2]["linear_mb_per_step"] < pts[0]["linear_mb_per_step"]  # int8 streams fewer bytes
     bad = run("bench", "step", "--model", str(llama_dir), "--weights", "int3")
     assert bad.returncode != 0 and "--weights" in bad.stderr
+
+
+def test_bench_engine_reports_both_regimes(llama_dir, tmp_path):
+    out = tmp_path / "engine.json"
+    r = run("bench", "engine", "--model", str(llama_dir), "--tiers", "2,4,6", "--device", "cpu",
+            "--num", "5", "--prompt-len", "6,12", "--output-len", "3,5", "--decode-num", "3",
+            "--decode-prompt-len", "2,3", "--decode-output-len", "8,8", "--repeats", "1", "--skip-generate",
+            "--threads", "1", "--num-blocks", "128", "--json", str(out), "--plot", str(tmp_path / "e.png"))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert list(res["regimes"]) == ["compute", "decode"]
+    dec = res["regimes"]["decode"]
+    assert dec["workload"]["num"] == 3 and dec["workload"]["tokens"] == 24  # 3 requests x 8 tokens
+    for reg in res["regimes"].values():
+        assert reg["nested"]["tokens_per_s"] > 0 and reg["ratios"]["tokens_per_s"] > 0
+        assert reg["ratios"]["weights"] < 1  # one nested copy of the weights, not three
+    assert (tmp_path / "e.png").stat().st_size > 0
+    bad = run("bench", "engine", "--model", str(llama_dir), "--json", str(out), "--regimes", "fast")
+    assert bad.returncode != 0 and "--regimes" in bad.stderr
