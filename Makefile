@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.mfs-installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup up test test-fast bench gpu-precipitate lm-eval clean
+.PHONY: setup up test test-fast bench gpu-precipitate lm-eval guidellm clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,23 @@ gpu-precipitate: setup
 lm-eval: setup
 	$(BIN)/pip install -q 'lm-eval[api]==0.4.13'
 	$(BIN)/mfs lm-eval --json docs/lm-eval/capitals.json
+
+# guidellm (a third-party load generator) against a running MFS: URL=http://127.0.0.1:8000 RATE=0.5
+# (docs/BENCHMARKS.md, "guidellm"). An optional extra: installed into .guidellm with only the packages
+# the project's .venv lacks (guidellm would otherwise reinstall torch and change aiohttp's multidict).
+GUIDELLM_PKGS := guidellm==0.8.1 Faker aiofiles aiologic click culsans eval_type_backport ftfy h2 hpack \
+	html5tagger httpcore httptools httpx hyperframe loguru pydantic-settings python-dotenv sanic \
+	sanic-routing tracerite ujson wcwidth websockets wrapt
+URL ?= http://127.0.0.1:8000
+RATE ?= 0.5
+guidellm: setup
+	test -d .guidellm/guidellm || $(BIN)/pip install -q --no-deps --target .guidellm $(GUIDELLM_PKGS)
+	$(BIN)/python -c "from family.manifest import load_frontend; load_frontend('default').tokenizer.save_pretrained('.guidellm/tokenizer')"
+	PYTHONPATH=.guidellm $(BIN)/python -m guidellm run \
+	  --backend kind=openai_http,target=$(URL),model=smollm2-135m-large,request_format=/v1/completions,http2=false \
+	  --profile kind=constant,rate=$(RATE) --constraint kind=max_duration,seconds=60 \
+	  --data kind=synthetic_text,prompt_tokens=64,output_tokens=32 --data-loader kind=pytorch,prefetch_factor=16 \
+	  --tokenizer kind=huggingface_auto,model=.guidellm/tokenizer --output kind=json,path=guidellm-$(RATE).json
 
 bench: setup
 	$(BIN)/mfs bench engine --json docs/bench/engine.json
