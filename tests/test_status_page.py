@@ -17,8 +17,7 @@ import time
 import httpx2 as httpx
 import pytest
 
-from mfs.launch import Service
-from tests.factories import tiny_llama_with_tokenizer
+from tests.factories import tiny_service
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian: apt-get install "
@@ -27,9 +26,7 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not instal
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory, frontend):
-    family_dir = tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tinytok"), frontend.tokenizer)
-    with Service(str(family_dir), tiers="2,4,6", workers=1, dtype="float64",
-                 worker_args=["--num-blocks", "256", "--block-size", "4", "--threads", "1"]) as svc:
+    with tiny_service(tmp_path_factory.mktemp("tinytok"), frontend.tokenizer) as svc:
         yield svc
 
 
