@@ -5,8 +5,9 @@ The cleanup context opens the Redis client, starts the token-event reader and th
 client. Both ride over Redis outages with backoff (see ``gateway.backend``); a request arriving while
 Redis is unreachable gets 503 ``backend_unavailable`` with ``Retry-After``, and ``/health`` answers 503
 until Redis is back. One error middleware answers every failure in OpenAI's error JSON; inside it the
-auth middleware (``gateway.auth``) checks API keys and rate limits on every route but ``/health`` and
-``/openapi.json`` (the API description, ``gateway.openapi``).
+auth middleware (``gateway.auth``) checks API keys and rate limits on every route but ``/health``,
+``/openapi.json`` (the API description, ``gateway.openapi``) and ``/`` (the status page's HTML; its
+numbers, ``/status.json``, are guarded like ``/metrics``).
 """
 from __future__ import annotations
 

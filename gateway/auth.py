@@ -1,6 +1,6 @@
-"""Who may use the gateway and how much: the middleware that guards every route but ``/health`` and
-``/openapi.json`` with the API keys (``gateway.apikeys``), and admission against the per-key rate limits
-(``gateway.ratelimit``).
+"""Who may use the gateway and how much: the middleware that guards every route but ``/health``,
+``/openapi.json`` and the status page's HTML (``/``) with the API keys (``gateway.apikeys``), and
+admission against the per-key rate limits (``gateway.ratelimit``).
 
 Every guarded request costs one request at the door; a completion also costs its prompt tokens plus
 ``max_tokens`` once the gateway has tokenized it (``admit``, called by the completion views). The last
@@ -13,7 +13,9 @@ from aiohttp import web
 from gateway.keys import ADMISSION, KEY_ID, KEYS, SERVICE
 from gateway.errors import APIError
 
-OPEN_PATHS = frozenset({"/health", "/openapi.json"})  # the API description: readable before a key
+# Open: health, the API description, and the status page's HTML (it holds no numbers; its script sends
+# the key the user types to /status.json, which is guarded like /metrics).
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/"})
 ANONYMOUS = "anonymous"  # the one client of a gateway without keys (its rate limits still apply)
 
 

@@ -360,6 +360,20 @@ class Backend:
         self._workers = out
         return out
 
+    async def worker_heartbeats(self, worker_ids: list[str]) -> dict[str, float]:
+        """Each worker's last heartbeat (wall clock, its registration's ``heartbeat`` field); a worker
+        without one is left out. For the status page (``gateway.status``)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for w in worker_ids:
+            pipe.hget(P.worker_key(w), "heartbeat")
+        out = {}
+        for w, raw in zip(worker_ids, await pipe.execute()):
+            try:
+                out[w] = float(_text(raw))
+            except (TypeError, ValueError):
+                continue
+        return out
+
     async def shard_stats(self) -> dict[str, dict]:
         """Each shard's leader's published snapshot (msgpack dicts), by shard name."""
         out = {}

@@ -14,4 +14,6 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", views.completions)
     app.router.add_get("/health", views.health)
     app.router.add_get("/metrics", views.metrics)
+    app.router.add_get("/", views.status_page)              # open: a page without numbers
+    app.router.add_get("/status.json", views.status_json)   # guarded like /metrics: its numbers
     app.router.add_get(OPENAPI_PATH, views.openapi_json)  # open, like /health (gateway.auth.OPEN_PATHS)

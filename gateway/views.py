@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -11,7 +12,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from gateway import openai_api as api
-from gateway import openapi, responses
+from gateway import openapi, responses, status
 from gateway.auth import admit
 from gateway.errors import APIError, invalid, model_not_found
 from gateway.generation import ClientGone, Generation, Piece
@@ -56,14 +57,41 @@ async def health(request: web.Request) -> web.Response:
                               "gateway_id": request.app[CONFIG].gateway_id}, status=200 if n else 503)
 
 
-async def metrics(request: web.Request) -> web.Response:
-    svc = request.app[SERVICE]
+async def _refresh_scheduler(svc) -> None:
+    """The scheduler gauges from ``mfs:stats``, before ``/metrics`` or ``/status.json`` reads them."""
     try:
         svc.metrics.refresh_scheduler(await svc.backend.scheduler_stats(), svc.tier_names)
     except RedisError:
         pass  # the request metrics are still worth a scrape
+
+
+async def metrics(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    await _refresh_scheduler(svc)
     return web.Response(body=svc.metrics.render(), content_type="text/plain",
                         headers={"X-Content-Type-Options": "nosniff"})
+
+
+async def status_page(request: web.Request) -> web.FileResponse:
+    """The live status page: static HTML whose script polls ``/status.json`` every second."""
+    return web.FileResponse(status.PAGE, headers={"Cache-Control": "no-cache"})
+
+
+async def status_json(request: web.Request) -> web.Response:
+    """The status page's numbers: the registry ``/metrics`` renders, plus workers and leaders."""
+    svc = request.app[SERVICE]
+    await _refresh_scheduler(svc)
+    try:
+        workers = await svc.backend.live_workers()
+        beats = await svc.backend.worker_heartbeats([w.worker_id for w in workers])
+        shards = await svc.backend.shard_stats()
+        svc.metrics.live_workers.set(len(workers))
+    except RedisError:
+        workers, beats, shards = [], {}, {}  # redis_up says why
+    doc = status.snapshot(svc.metrics.registry, tier_names=svc.tier_names, tier_ids=svc.tier_ids,
+                          gateway_id=request.app[CONFIG].gateway_id, workers=workers, heartbeats=beats,
+                          shards=shards, now=time.time())
+    return web.json_response(doc, headers={"Cache-Control": "no-store"})
 
 
 async def openapi_json(request: web.Request) -> web.Response:

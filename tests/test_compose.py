@@ -1,8 +1,14 @@
-"""No Docker engine runs here, so check what compose.yaml and the Dockerfile name actually exist."""
+"""No Docker engine runs here, so check what compose.yaml and the Dockerfile name actually exist, and that
+the monitoring profile's Prometheus config and Grafana dashboard hold (promtool, the gateway's series)."""
 import importlib.util
+import json
+import re
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,3 +64,54 @@ def test_dockerfile_copies_every_package_it_runs():
         assert f"COPY {pkg} {pkg}" in text
         assert (ROOT / pkg / "__init__.py").exists()
     assert "make setup" in text
+
+
+PROMTOOL = shutil.which("promtool")
+
+
+def test_compose_monitoring_profile_mounts_what_monitoring_ships():
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    mon = {name for name, s in services.items() if "monitoring" in s.get("profiles", [])}
+    assert mon == {"prometheus", "grafana"}
+    for name in mon:
+        for vol in services[name]["volumes"]:
+            src = vol.split(":")[0]
+            if src.startswith("./"):
+                assert (ROOT / src).exists(), f"{name} mounts {src}, which is not in the repository"
+    prom = yaml.safe_load((ROOT / "monitoring/prometheus.yml").read_text())
+    (job,) = prom["scrape_configs"]
+    assert job["metrics_path"] == "/metrics"
+    assert job["dns_sd_configs"][0]["names"] == ["gateway"] and job["dns_sd_configs"][0]["port"] == 8000
+    # the gateway service listens where Prometheus looks
+    assert "--port" in services["gateway"]["command"] and "8000" in services["gateway"]["command"]
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (Debian package `prometheus`; "
+                    "`make test` installs it when run as root with apt-get)")
+def test_prometheus_config_passes_promtool():
+    out = subprocess.run([PROMTOOL, "check", "config", str(ROOT / "monitoring/prometheus.yml")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_grafana_dashboard_queries_series_the_gateway_exports():
+    """Every mfs_* name in the dashboard's queries is a series some gateway renders (a renamed metric
+    would leave a panel empty without an error)."""
+    from gateway.metrics import Metrics
+    exported = set()
+    for line in Metrics().render().decode().splitlines():
+        if line.startswith("# TYPE "):
+            name, kind = line.split()[2:4]
+            exported |= {name} | ({f"{name}_bucket", f"{name}_sum", f"{name}_count"} if kind == "histogram" else set())
+    dash = json.loads((ROOT / "monitoring/grafana/dashboards/mfs.json").read_text())
+    ds = yaml.safe_load((ROOT / "monitoring/grafana/provisioning/datasources/prometheus.yml").read_text())
+    uid = ds["datasources"][0]["uid"]
+    used = set()
+    for panel in dash["panels"]:
+        assert panel["datasource"]["uid"] == uid
+        for target in panel["targets"]:
+            used |= set(re.findall(r"\bmfs_[a-z_]+", target["expr"]))
+    assert used and used <= exported, sorted(used - exported)
+    titles = " ".join(p["title"] for p in dash["panels"])
+    for what in ("running", "Tokens/s", "TTFT", "TPOT", "KV blocks", "hit rate", "Speculation", "Escalations"):
+        assert what in titles, what

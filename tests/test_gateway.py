@@ -580,6 +580,55 @@ def test_reuse_metrics_from_scheduler_stats(gw, rds):
     assert "mfs_prefill_tokens_computed{" not in text and "mfs_kv_directory_blocks{" not in text
 
 
+def test_status_json_has_the_metrics_numbers(gw, rds):
+    """GET /status.json reads the registry /metrics renders: the same numbers, per tier, plus workers
+    with their heartbeats and the leading scheduler; GET / is the page that draws it."""
+    gw.client().chat.completions.create(**CHAT)
+    now = time.time()
+    stats = {"leader": "sched-a", "epoch": 3, "updated": now - 0.25, "workers": 1,
+             "waiting": {0: 2}, "running": {1: 3}, "kv_blocks_used": {"w0": [5, 4, 1]},
+             "kv_blocks_total": {"w0": [100, 100, 100]}, "cache_queries": {0: 8}, "cache_hits": {0: 6},
+             "escalations": 2, "escalations_by_pair": {"0>1": 2},
+             "spec": {"0>2": {"rounds": 4, "proposed": 16, "accepted": 12, "committed": 14}}}
+    rds.hset(P.STATS_KEY, "scheduler", msgpack.packb(stats))
+    rds.hset(P.worker_key("w0"), "heartbeat", now - 0.5)
+    try:
+        st = httpx.get(gw.url + "/status.json").json()
+        text = httpx.get(gw.url + "/metrics").text
+    finally:
+        rds.delete(P.STATS_KEY)
+    small, medium, large = st["tiers"]
+    assert (small["name"], small["model"], medium["model"]) == ("small", "smollm2-135m-small", "smollm2-135m-medium")
+    assert (small["waiting"], medium["running"], large["running"]) == (2, 3, 0)
+    assert [t["kv_blocks_used"] for t in st["tiers"]] == [5, 4, 1] and large["kv_blocks_total"] == 100
+    assert small["prefix_cache_hit_rate"] == 0.75 and medium["prefix_cache_hit_rate"] is None
+    assert f'mfs_completion_tokens_total{{model="smollm2-135m-small"}} {small["completion_tokens"]}' in text
+    assert small["requests"] == sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                                    if ln.startswith("mfs_requests_total{") and 'model="smollm2-135m-small"' in ln)
+    assert st["completion_tokens"] >= small["completion_tokens"] > 0
+    assert 0 < small["ttft_s"]["p50"] <= small["ttft_s"]["p90"] <= small["ttft_s"]["p99"]
+    assert st["speculation"] == [{"draft": "small", "target": "large", "rounds": 4, "proposed": 16,
+                                  "accepted": 12, "acceptance_rate": 0.75, "tokens_per_verification": 3.5}]
+    assert st["escalations"] == {"total": 2, "pairs": [{"from": "small", "to": "medium", "count": 2}]}
+    w0 = next(w for w in st["workers"] if w["id"] == "w0")
+    assert w0["kv_blocks_used"] == [5, 4, 1] and 0.4 < w0["age_s"] < 30
+    (leader,) = st["schedulers"]
+    assert (leader["shard"], leader["leader"], leader["epoch"]) == (P.DEFAULT_SHARD, "sched-a", 3)
+    assert 0.2 < leader["age_s"] < 30 and st["redis_up"] is True and st["gateway"] == "gw-test"
+    page = httpx.get(gw.url + "/")
+    assert page.status_code == 200 and page.headers["Content-Type"].startswith("text/html")
+    assert "status.json" in page.text and 'id="tokens-total"' in page.text
+
+
+def test_histogram_quantile_interpolates_as_prometheus():
+    from gateway.status import histogram_quantile
+    buckets = [(0.1, 2.0), (0.2, 6.0), (float("inf"), 8.0)]
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.15)   # rank 4: halfway into (0.1, 0.2]
+    assert histogram_quantile(0.1, buckets) == pytest.approx(0.04)   # rank 0.8 of 2 in (0, 0.1]
+    assert histogram_quantile(0.99, buckets) == 0.2                  # in +Inf: the highest finite bound
+    assert histogram_quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
+
+
 def test_cached_tokens_counter():
     from gateway.metrics import Metrics
     m = Metrics()

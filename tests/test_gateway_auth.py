@@ -64,7 +64,10 @@ def auth(key: str) -> dict:
 def test_keys_guard_every_route_but_health(gateway):
     gw = gateway(api_keys=["sk-one", "sk-two"])
     assert httpx.get(gw.url + "/health").status_code == 200
+    page = httpx.get(gw.url + "/")  # the status page's HTML is open; its numbers are not
+    assert page.status_code == 200 and "status.json" in page.text
     for method, path in (("GET", "/v1/models"), ("GET", "/v1/models/smollm2-135m"), ("GET", "/metrics"),
+                         ("GET", "/status.json"),
                          ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/nope")):
         for headers in ({}, auth("sk-three"), auth("sk-one-"), {"Authorization": "Basic sk-one"},
                         {"Authorization": "Bearer"}):
@@ -75,6 +78,7 @@ def test_keys_guard_every_route_but_health(gateway):
     for key in ("sk-one", "sk-two"):
         assert httpx.get(gw.url + "/v1/models", headers=auth(key)).status_code == 200
         assert httpx.get(gw.url + "/metrics", headers=auth(key)).status_code == 200
+        assert httpx.get(gw.url + "/status.json", headers=auth(key)).json()["tiers"]
         r = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0).chat.completions.create(**CHAT)
         assert r.choices[0].message.content == PARIS
     with pytest.raises(openai.AuthenticationError) as e:

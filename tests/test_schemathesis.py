@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mfs.launch import Service
-from tests.factories import tiny_llama_with_tokenizer
+from tests.factories import tiny_service
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -27,9 +26,7 @@ SEED = 20261130  # fixed, so CI is reproducible; run the command below without i
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory, frontend):
-    family = tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tinytok"), frontend.tokenizer)
-    with Service(str(family), tiers="2,4,6", workers=1, dtype="float64",
-                 worker_args=["--num-blocks", "256", "--block-size", "4", "--threads", "1"]) as svc:
+    with tiny_service(tmp_path_factory.mktemp("tinytok"), frontend.tokenizer) as svc:
         yield svc
 
 
