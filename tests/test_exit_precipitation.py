@@ -91,3 +91,28 @@ def test_bench_route_measures_every_policy(tiny, tmp_path):  # noqa: F811
     assert by["always-top"]["cost_vs_top"] == 1.0
     assert all(0 <= p["agreement"] <= 1 for p in res["points"])
     assert (tmp_path / "route.png").stat().st_size > 0
+
+
+def test_a_warm_start_with_an_added_layer_begins_where_the_artifact_ended(tiny, tmp_path, capsys):  # noqa: F811
+    """--init-from an earlier artifact, --block-layers 2,1: the small tier gets a second block layer that
+    starts as the identity, so the first evaluation equals the artifact's; the medium tier is loaded as is."""
+    base, txt = tiny
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert _run(base, txt, first, "--steps", "10", "--eval-every", "10", "--patience", "0") == 0
+    art = [json.loads(x) for x in (first / "eval_log.jsonl").read_text().splitlines()][-1]
+    assert _run(base, txt, second, "--steps", "10", "--eval-every", "10", "--patience", "0", "--block-layers",
+                "2,1", "--init-from", str(first / "exit-blocks.safetensors")) == 0
+    start = [json.loads(x) for x in (second / "eval_log.jsonl").read_text().splitlines()][0]
+    assert start["step"] == 0
+    for k in ("small_ppl", "medium_ppl", "small_agree_top", "medium_agree_top"):  # fp16 export rounding
+        assert start[k] == pytest.approx(art[k], rel=2e-3), k
+    assert [t.block_layers for t in Manifest.read(second).tiers] == [2, 1, 0]
+    fam = load_family(str(second))
+    assert [len(fam.model.exit_block(t)) for t in (0, 1)] == [2, 1]
+    capsys.readouterr()
+    # fewer layers than the artifact has, or a count per tier that does not fit: refused, said why
+    assert _run(base, txt, tmp_path / "third", "--steps", "1", "--block-layers", "1,1", "--init-from",
+                str(second / "exit-blocks.safetensors")) == 2
+    assert "--block-layers may only add layers" in capsys.readouterr().err
+    assert _run(base, txt, tmp_path / "fourth", "--steps", "1", "--block-layers", "2,1,1") == 2
+    assert "one count >= 1, or one per lower tier" in capsys.readouterr().err
