@@ -104,3 +104,25 @@ def test_a_field_without_a_known_type_needs_a_parse():
 
     with pytest.raises(TypeError, match="quota"):
         add_args(argparse.ArgumentParser(), C)
+
+
+# ---- the processes' own configs ------------------------------------------------------------------
+def _scheduler(argv: list[str]):
+    from scheduler.config import SchedulerProcessConfig  # noqa: PLC0415
+    p = argparse.ArgumentParser()
+    add_args(p, SchedulerProcessConfig)
+    return from_args(SchedulerProcessConfig, p.parse_args(argv))
+
+
+def test_scheduler_flags_keep_their_names_and_defaults(capsys):
+    from scheduler.config import SchedulerProcessConfig  # noqa: PLC0415
+    assert _scheduler([]) == SchedulerProcessConfig()
+    cfg = _scheduler(["--kv-quota", "0=0.6,1=0.3", "--no-prefix-caching", "--affinity-abs-threshold", "2",
+                      "--affinity-rel-threshold", "3", "--lease-s", "1", "--housekeeping-s", "0.5",
+                      "--shard", "b", "--max-num-seqs", "8"])
+    assert (cfg.kv_quota, cfg.prefix_caching, cfg.affinity_abs_threshold, cfg.affinity_rel_threshold,
+            cfg.lease_s, cfg.housekeeping_s, cfg.shard, cfg.max_num_seqs) == ({0: 0.6, 1: 0.3}, False, 2, 3.0,
+                                                                                1.0, 0.5, "b", 8)
+    with pytest.raises(SystemExit):
+        _scheduler(["--shard", "a b"])
+    assert "argument --shard: shard name 'a b'" in capsys.readouterr().err
