@@ -126,3 +126,17 @@ def test_scheduler_flags_keep_their_names_and_defaults(capsys):
     with pytest.raises(SystemExit):
         _scheduler(["--shard", "a b"])
     assert "argument --shard: shard name 'a b'" in capsys.readouterr().err
+
+
+def test_worker_flags_keep_their_names_and_defaults():
+    from worker.service import WorkerConfig  # noqa: PLC0415
+    p = argparse.ArgumentParser()
+    add_args(p, WorkerConfig)
+    d = from_args(WorkerConfig, p.parse_args([]))
+    assert (d.model, d.tiers, d.dtype, d.kernels, d.weights, d.num_blocks, d.block_size, d.max_model_len,
+            d.shard, d.standalone_tier) == ("default", None, None, None, "fp32", 1024, 16, 4096, "0", None)
+    assert d.worker_id.startswith("w-") and d.threads >= 1
+    cfg = from_args(WorkerConfig, p.parse_args(["--standalone-tier", "1", "--num-blocks", "256", "--dtype",
+                                                "float64", "--worker-id", "w7", "--threads", "1"]))
+    assert (cfg.standalone_tier, cfg.num_blocks, cfg.dtype, cfg.worker_id, cfg.threads) == (1, 256, "float64",
+                                                                                           "w7", 1)
