@@ -99,6 +99,8 @@ def add_args(p: argparse.ArgumentParser, cls: type, groups: dict[str, Any] | Non
             kw["type"] = conv
             if choices is not None:
                 kw["choices"] = choices
+            elif meta["flag"]:  # named after the flag, not the field
+                kw["metavar"] = meta["flag"].lstrip("-").replace("-", "_").upper()
         target.add_argument(_flag(f, meta, default, is_bool), **kw)
 
 

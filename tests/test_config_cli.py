@@ -140,3 +140,13 @@ def test_worker_flags_keep_their_names_and_defaults():
                                                 "float64", "--worker-id", "w7", "--threads", "1"]))
     assert (cfg.standalone_tier, cfg.num_blocks, cfg.dtype, cfg.worker_id, cfg.threads) == (1, 256, "float64",
                                                                                            "w7", 1)
+
+
+def test_gateway_flags_fill_its_config_and_nested_limits():
+    from gateway.__main__ import parse_args  # noqa: PLC0415
+    from gateway.config import GatewayConfig  # noqa: PLC0415
+    d, c = GatewayConfig(), parse_args(["--request-timeout", "5", "--max-stop", "2", "--spec-draft-tier", "1",
+                                        "--complexity-config", '{"w_length": 2.0}', "--gateway-id", "g1"])
+    assert parse_args([]).limits == d.limits and parse_args([]).complexity == d.complexity
+    assert (c.request_timeout_s, c.limits.max_stop, c.spec_draft_tier, c.complexity.w_length, c.gateway_id) == (
+        5.0, 2, "1", 2.0, "g1")
