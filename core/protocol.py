@@ -82,6 +82,11 @@ class Shard:
         if not _SHARD_NAME.match(self.name):
             raise ValueError(f"shard name {self.name!r}: 1-32 characters of A-Z a-z 0-9 _ -")
 
+    @classmethod
+    def check(cls, name: str) -> str:
+        """``name`` if it can name a shard, else ValueError (a ``--shard`` flag's parse)."""
+        return cls(name).name
+
     def _key(self, base: str) -> str:
         return base if self.name == DEFAULT_SHARD else f"{base}:{self.name}"
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from core.cli import opt
 from core.redisconn import DEFAULT_TIMEOUT_S
 from gateway.complexity import ComplexityConfig
 from gateway.openai_api import Limits
@@ -13,31 +14,46 @@ from gateway.openai_api import Limits
 
 @dataclass(slots=True)
 class GatewayConfig:
-    model: str = "default"                   # what --model names (see family/manifest.py)
-    tiers: str | None = None                 # --tiers for a model that is not a nested checkpoint
-    host: str = "127.0.0.1"
+    model: str = opt("default", "default | default-raw | checkpoint dir | HF dir | .gguf")  # family/manifest.py
+    tiers: str | None = opt(None, "tier cut, e.g. 10,20,30 (see mfs tiers)")  # for a non-nested checkpoint
+    host: str = opt("127.0.0.1", "bind address (default: loopback only)")
     port: int = 8000
-    redis_url: str = field(default_factory=lambda: os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
-                                             # or redis+sentinel://H1:P1,H2:P2/MASTER/DB (core.redisconn)
-    redis_timeout_s: float = DEFAULT_TIMEOUT_S  # a silent Redis peer is dropped after this long
-    gateway_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex[:8]}")
-    max_inflight: int = 256                  # requests in flight before this gateway answers 429
-    max_body_bytes: int = 4 << 20            # larger bodies get 413
-    request_timeout_s: float = 600.0         # the gateway's own deadline per request (then Cancel, 504)
-    stall_timeout_s: float = 15.0            # after a Redis outage/restart: a request with no event this
-                                             # long after Redis is back fails (503, retryable; Cancel)
-    default_max_tokens: int | None = None    # chat without max_tokens: the rest of the context, capped here
-    api_keys: list[str] = field(default_factory=list)  # none and no file: the gateway is open
-    api_keys_file: str | None = None         # one key per line, '#' comments; re-read when it changes
-    rpm: int = 0                             # requests per minute per key (0: unlimited)
-    tpm: int = 0                             # tokens (prompt + max_tokens) per minute per key (0: unlimited)
-    max_prompt_tokens: int = 0               # 0: only the context bounds the prompt
-    limits: Limits = field(default_factory=Limits)  # bounds on one request body
-    complexity: ComplexityConfig = field(default_factory=ComplexityConfig)
-    # Multi-level sampling defaults (a request's "mfs" body field overrides them; see README)
-    spec_draft_tier: str | int | None = None  # self-speculation draft tier (name, model id, index); None: off
-    spec_gamma: int = 4                      # draft tokens per verification round (1..16)
-    cascade_threshold: float | None = None   # confidence cascade for family-id requests (0 < P < 1); None: off
-    cascade_window: int = 4                  # tokens the cascade's confidence is averaged over (1..64)
-    reader_block_ms: int = 1000
-    frontend: object | None = None           # a loaded family.manifest.Frontend (tests share one)
+    # or redis+sentinel://H1:P1,H2:P2/MASTER/DB; both from core.redisconn's flags
+    redis_url: str = opt(default_factory=lambda: os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+                         cli=False)
+    redis_timeout_s: float = opt(DEFAULT_TIMEOUT_S, cli=False)  # a silent Redis peer is dropped after this long
+    gateway_id: str = opt(default_factory=lambda: f"gw-{uuid.uuid4().hex[:8]}",
+                          help="names this gateway's stream mfs:out:{ID}")
+    max_inflight: int = opt(256, "in-flight requests before 429")
+    max_body_bytes: int = opt(4 << 20, "larger bodies get 413")
+    request_timeout_s: float = opt(600.0, "per-request deadline (s)", flag="--request-timeout")  # then Cancel, 504
+    stall_timeout_s: float = opt(15.0, "after a Redis outage or restart, fail (503, retryable) a request in "
+                                       "flight that gets no token event within this many seconds of Redis "
+                                       "being back", flag="--stall-timeout")
+    default_max_tokens: int | None = opt(None, "cap for chat requests without max_tokens (default: the rest of "
+                                               "the context)")
+    api_keys: list[str] = opt(default_factory=list, cli=False)  # MFS_API_KEYS; none and no file: open
+    api_keys_file: str | None = opt(None, "one key per line, '#' comments; re-read when it changes (no restart "
+                                          "to revoke)", group="access")
+    rpm: int = opt(0, "requests per minute per key (0: unlimited)", group="access")
+    tpm: int = opt(0, "tokens per minute per key, prompt + max_tokens counted at admission (0: unlimited)",
+                   group="access")
+    max_prompt_tokens: int = opt(0, "prompt tokens (0: only the context)", group="bounds")
+    limits: Limits = opt(default_factory=Limits, cli=False)  # bounds on one request body: its own flags
+    complexity: ComplexityConfig = opt(default_factory=ComplexityConfig, parse=ComplexityConfig.load,
+                                       flag="--complexity-config",
+                                       help="JSON file or inline JSON object overriding the complexity "
+                                            "scorer's settings")
+    # Multi-level sampling defaults (a request's "mfs" body field overrides them; see README).
+    # The groups ("multi-level sampling", "access", "bounds") are made in gateway/__main__.py.
+    spec_draft_tier: str | int | None = opt(None, "self-speculative decoding: draft with this tier (name, model "
+                                                  "id or index) and verify with the request's tier, when the "
+                                                  "draft is below it (default: off)", group="multi-level sampling")
+    spec_gamma: int = opt(4, "draft tokens per verification round (1..16)", group="multi-level sampling")
+    cascade_threshold: float | None = opt(None, "confidence cascade for requests naming the family id: "
+                                                "escalate one tier up when the mean top-token probability of "
+                                                "the last --cascade-window tokens falls below this (0 < P < 1; "
+                                                "default: off)", group="multi-level sampling")
+    cascade_window: int = opt(4, "tokens the cascade averages over (1..64)", group="multi-level sampling")
+    reader_block_ms: int = opt(1000, cli=False)
+    frontend: object | None = opt(None, cli=False)  # a loaded family.manifest.Frontend (tests share one)

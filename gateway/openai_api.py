@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from core.cli import opt
 from core.sampling import MAX_LOGIT_BIAS
 from core.sampling import MAX_LOGPROBS as _MAX_LOGPROBS
 from gateway.errors import invalid
@@ -30,13 +31,14 @@ MAX_N = 16             # choices per request
 @dataclass(slots=True, frozen=True)
 class Limits:
     """Bounds on one request body; a request past one gets a 400 that names the parameter."""
-    max_prompt_chars: int = 1 << 20    # a completion prompt, or all message contents together
-    max_messages: int = 1024
-    max_stop: int = 16                 # stop strings
-    max_stop_chars: int = 256          # characters in one stop string
-    max_stop_token_ids: int = 256
-    max_tokens_cap: int = 0            # max_tokens above it: 400 (0: only the context bounds it)
-    max_session_chars: int = 256       # session_id / user: it names a Redis key
+    max_prompt_chars: int = opt(1 << 20, "characters in a prompt, or in all messages together", group="bounds")
+    max_messages: int = opt(1024, group="bounds")
+    max_stop: int = opt(16, "stop strings per request", group="bounds")
+    max_stop_chars: int = opt(256, "characters per stop string", group="bounds")
+    max_stop_token_ids: int = opt(256, cli=False)
+    max_tokens_cap: int = opt(0, "largest max_tokens accepted, and the cap of a defaulted one (0: only the "
+                                 "context)", group="bounds")
+    max_session_chars: int = opt(256, cli=False)  # session_id / user: it names a Redis key
 
 
 DEFAULT_LIMITS = Limits()

@@ -5,13 +5,14 @@ lost worker's requests on a live one. The service (scheduler/service.py) reads a
 this module owns the maps they change."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis
 import structlog
 
 from core import protocol as P
 from kvstore.directory import BlockDirectory, common_blocks
+from scheduler.config import SchedulerProcessConfig
 from scheduler.core import StepScheduler
 from scheduler.request import InvalidRequest, Request, ScheduledStep, SchedulerConfig
 
@@ -29,30 +30,14 @@ class WorkerState:
     sent_at: float = 0.0
 
 
-@dataclass(slots=True)
-class Limits:
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_tiers_per_step: int = 0
-    path_switches_per_s: float = 0.0
-    kv_quota: dict[int, float] = field(default_factory=dict)
-    prefix_caching: bool = True
-    cache_ttl_s: float = 0.0          # uncache a worker's unused blocks after this long (0: never)
-    directory_ttl_s: float = 600.0    # directory entries expire unless refreshed
-    affinity_abs: int = 4             # affinity yields when the preferred worker has more than this many
-    affinity_rel: float = 1.5         # ...requests above the least loaded AND more than this times as many
-    spec_min_acceptance: float = 0.3  # speculation gate: a tier pair below this acceptance...
-    spec_probe_every: int = 16        # ...starts a round only every this many chances
-
-
 class WorkerRegistry:
-    def __init__(self, r: redis.Redis, limits: Limits, shard: P.Shard = P.Shard()):
+    def __init__(self, r: redis.Redis, cfg: SchedulerProcessConfig, shard: P.Shard = P.Shard()):
         self.r = r
-        self.limits = limits
+        self.cfg = cfg
         self.shard = shard  # only the workers that joined this shard
         self.workers: dict[str, WorkerState] = {}
         self.placement: dict[str, str] = {}  # request id -> worker id
-        self.directory = BlockDirectory(r, limits.directory_ttl_s)
+        self.directory = BlockDirectory(r, cfg.directory_ttl_s)
         self.replanned = 0
         self.affinity_preferred = 0   # requests with a worker listed as holding their prefix
         self.affinity_yielded = 0     # ...that went to a less loaded worker instead
@@ -94,7 +79,7 @@ class WorkerRegistry:
     def _new_worker(self, wid: str, info: P.WorkerInfo) -> WorkerState:
         tiers = info.tiers
         standalone = len(tiers) == 1 and info.num_tiers > 1
-        lim = self.limits
+        lim = self.cfg
         cfg = SchedulerConfig(
             num_tiers=info.num_tiers if not standalone else 1,
             num_blocks=list(info.num_blocks), block_size=info.block_size,
@@ -161,7 +146,7 @@ class WorkerRegistry:
         def load(w: WorkerState) -> tuple[int, int]:
             return w.core.num_unfinished(), sum(p.num_used for p in w.core.pools)
         least = min(cands, key=load)
-        if not self.limits.prefix_caching:
+        if not self.cfg.prefix_caching:
             return least
         try:
             cached = self.cached_blocks(s, cands)
@@ -173,7 +158,7 @@ class WorkerRegistry:
             return least
         self.affinity_preferred += 1
         lb, ll = load(best)[0], load(least)[0]
-        if lb - ll > self.limits.affinity_abs and lb > self.limits.affinity_rel * ll:
+        if lb - ll > self.cfg.affinity_abs_threshold and lb > self.cfg.affinity_rel_threshold * ll:
             self.affinity_yielded += 1
             log.info("affinity yields to load", request_id=s.request_id, preferred=best.worker_id,
                      load=lb, chosen=least.worker_id, least_load=ll)

@@ -36,39 +36,40 @@ import redis
 import structlog
 
 from core import protocol as P
+from core.cli import add_args, from_args
 from core.logs import configure, install_stop_signals
 from core.redisconn import RedisTarget, add_redis_args, connect, target_from_args
 from core.sampling import finish_reason
 from scheduler.housekeeping import GatewayReaper, trim_streams
 from scheduler.leadership import Lease, claim_requests, drop_idle_consumers
 from scheduler.plan import build_plan
-from scheduler.registry import Limits, WorkerRegistry
+from scheduler.config import SchedulerProcessConfig
+from scheduler.registry import WorkerRegistry
 from scheduler.request import InvalidRequest
 from scheduler.stats import snapshot
 
-__all__ = ["Limits", "SchedulerService", "main"]
+__all__ = ["SchedulerProcessConfig", "SchedulerService", "main"]
 
 log = structlog.get_logger(__name__)
 
 
 class SchedulerService:
-    def __init__(self, redis_target: RedisTarget | str, limits: Limits, consumer: str | None = None,
-                 lease_s: float = 3.0, housekeeping_s: float = 2.0, shard: str = P.DEFAULT_SHARD):
+    def __init__(self, redis_target: RedisTarget | str, cfg: SchedulerProcessConfig | None = None,
+                 consumer: str | None = None):
         self.target = redis_target if isinstance(redis_target, RedisTarget) else RedisTarget.parse(redis_target)
         self.r = connect(self.target)
-        self.limits = limits
+        self.cfg = cfg = cfg or SchedulerProcessConfig()
         # unique per process across hosts: two containers both run their scheduler as pid 1
         self.consumer = consumer or f"sched-{socket.gethostname()}-{os.getpid()}"
-        self.shard = P.Shard(shard)  # the shard it plans for: its streams, workers set, lease, epoch
-        self.lease = Lease(self.r, self.consumer, lease_s, shard=self.shard)
+        self.shard = P.Shard(cfg.shard)  # the shard it plans for: its streams, workers set, lease, epoch
+        self.lease = Lease(self.r, self.consumer, cfg.lease_s, shard=self.shard)
         self.leader = False
         self.takeovers = 0
-        self.registry = WorkerRegistry(self.r, limits, shard=self.shard)
+        self.registry = WorkerRegistry(self.r, cfg, shard=self.shard)
         self.reaper = GatewayReaper(self.r)
         self._last_refresh = 0.0
         self._last_stats = 0.0
         self._last_gc = 0.0
-        self.housekeeping_s = housekeeping_s  # reaping gone gateways, trimming streams
         # Transport share of a step: plan sent -> result handled, against the worker's own step time.
         self.step_count = 0
         self.step_roundtrip_s = 0.0
@@ -317,14 +318,14 @@ class SchedulerService:
         if now - self._last_stats > 0.5:
             self.write_stats()
             self._last_stats = now
-        if now - self._last_gc > self.housekeeping_s:
+        if now - self._last_gc > self.cfg.housekeeping_s:  # reaping gone gateways, trimming streams
             self.reaper.reap_gateways(self.registry, self.end)
             trim_streams(self.r, self.shard)
             self._last_gc = now
 
     def run(self, standby_poll_s: float = 0.5) -> None:
         backoff, down_since = 0.1, None
-        log.info("scheduler started", consumer=self.consumer, shard=self.shard.name, redis=self.target.describe(), limits=str(self.limits))
+        log.info("scheduler started", consumer=self.consumer, shard=self.shard.name, redis=self.target.describe(), config=str(self.cfg))
         while self.running:
             try:
                 if down_since is not None:
@@ -358,59 +359,14 @@ class SchedulerService:
 
 
 
-def parse_quota(spec: str | None) -> dict[int, float]:
-    out = {}
-    for part in (spec or "").split(","):
-        if part.strip():
-            k, _, v = part.partition("=")
-            out[int(k)] = float(v)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scheduler", description="MFS scheduler process")
     add_redis_args(p)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-tiers-per-step", type=int, default=0, help="0: a step may mix every tier")
-    p.add_argument("--path-switches-per-s", type=float, default=0.0,
-                   help="how often a worker's tier mix may change per second (0: unlimited)")
-    p.add_argument("--kv-quota", default=None, help="tier=share of segment-0 blocks, e.g. 0=0.6,1=0.3")
-    p.add_argument("--no-prefix-caching", action="store_true",
-                   help="free a request's KV blocks when it ends (no reuse, no cache-aware placement)")
-    p.add_argument("--cache-ttl-s", type=float, default=0.0,
-                   help="uncache KV blocks unused this long (0: only when a pool needs room)")
-    p.add_argument("--directory-ttl-s", type=float, default=600.0, help="lifetime of KV directory entries")
-    p.add_argument("--affinity-abs-threshold", type=int, default=4,
-                   help="cache affinity yields when the preferred worker has more than this many requests "
-                        "above the least loaded one...")
-    p.add_argument("--affinity-rel-threshold", type=float, default=1.5,
-                   help="...and more than this times as many")
-    p.add_argument("--spec-min-acceptance", type=float, default=0.3,
-                   help="self-speculation gate: while a draft>target tier pair accepts less than this share "
-                        "of its drafts, its requests start a round only every --spec-probe-every chances")
-    p.add_argument("--spec-probe-every", type=int, default=16)
-    p.add_argument("--lease-s", type=float, default=3.0,
-                   help="leadership lease: a standby takes over this long after the leader stops renewing")
-    p.add_argument("--housekeeping-s", type=float, default=2.0,
-                   help="period of reaping gone gateways' requests and trimming streams")
-    p.add_argument("--shard", default=P.DEFAULT_SHARD,
-                   help="the control-plane shard this scheduler plans for (its workers join it with the "
-                        "same --shard); one leader per shard, the others stand by")
+    add_args(p, SchedulerProcessConfig)
     args = p.parse_args(argv)
-    try:
-        P.Shard(args.shard)
-    except ValueError as e:
-        p.error(str(e))
     configure(json_lines=True)
     install_stop_signals()
-    svc = SchedulerService(target_from_args(args), Limits(
-        args.max_num_batched_tokens, args.max_num_seqs, args.max_tiers_per_step, args.path_switches_per_s,
-        parse_quota(args.kv_quota), prefix_caching=not args.no_prefix_caching, cache_ttl_s=args.cache_ttl_s,
-        directory_ttl_s=args.directory_ttl_s, affinity_abs=args.affinity_abs_threshold,
-        affinity_rel=args.affinity_rel_threshold, spec_min_acceptance=args.spec_min_acceptance,
-        spec_probe_every=args.spec_probe_every), lease_s=args.lease_s, housekeeping_s=args.housekeeping_s,
-        shard=args.shard)
+    svc = SchedulerService(target_from_args(args), from_args(SchedulerProcessConfig, args))
     try:
         svc.run()
     except KeyboardInterrupt:

@@ -4,7 +4,7 @@ prepares from them is written."""
 import redis
 
 from core import protocol as P
-from scheduler.registry import Limits
+from scheduler.config import SchedulerProcessConfig
 from scheduler.service import SchedulerService
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture
 
@@ -13,7 +13,7 @@ def leader_a(redis_url) -> tuple[redis.Redis, SchedulerService]:
     """A fresh Redis with scheduler A leading, its lease then expired in Redis (as if A were cut off)."""
     r = redis.Redis.from_url(redis_url)
     r.flushdb()
-    a = SchedulerService(redis_url, Limits(), consumer="A", lease_s=1.0)
+    a = SchedulerService(redis_url, SchedulerProcessConfig(lease_s=1.0), consumer="A")
     a.setup()
     assert a.try_lead()
     r.delete(P.LEADER_KEY)
@@ -22,7 +22,7 @@ def leader_a(redis_url) -> tuple[redis.Redis, SchedulerService]:
 
 def test_a_leader_whose_lease_lapsed_writes_nothing_of_its_round(redis_url):
     r, a = leader_a(redis_url)  # A is cut off: its lease expires in Redis...
-    b = SchedulerService(redis_url, Limits(), consumer="B", lease_s=1.0)
+    b = SchedulerService(redis_url, SchedulerProcessConfig(lease_s=1.0), consumer="B")
     assert b.try_lead() and b.lease.epoch == a.lease.epoch + 1  # ...and B leads
     a.lease._last_renew -= 5.0  # A's own clock: its last renewal was longer than a lease ago
     assert not a.lease.held()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from core.cli import add_args, opt
 from family.manifest import Manifest, TierSpec, manifest_for, parse_tiers, resolve_base, usable_tiers
 from kernels import KernelOps, select_backend
 from worker.config import ModelConfig
@@ -69,15 +71,21 @@ def load_family(model: str = "default", tiers: str | None = None, dtype: str | N
     return LoadedFamily(nm, base.tokenizer, manifest, base)
 
 
+@dataclass(slots=True)
+class ModelArgs:
+    """Which family a process loads, and how: the flags of every command that loads one."""
+    model: str = opt("default", MODEL_HELP)
+    tiers: str | None = opt(None, "cut points, e.g. 10,20,30 or small=10,large=30")
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] | None = None
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    kernels: Literal["auto", "torch", "triton"] | None = None
+    weights: Literal["auto", "fp32", "int8", "int4"] = opt(
+        "fp32", "serve weights quantized (CPU): int8 per channel, int4 in groups of 32 (a GGUF's own Q4_1 "
+                "blocks where they match); auto picks by the CPU")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help=MODEL_HELP)
-    p.add_argument("--tiers", default=None, help="cut points, e.g. 10,20,30 or small=10,large=30")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--kernels", default=None, choices=["auto", "torch", "triton"])
-    p.add_argument("--weights", default="fp32", choices=["auto", "fp32", "int8", "int4"],
-                   help="serve weights quantized (CPU): int8 per channel, int4 in groups of 32 (a GGUF's "
-                        "own Q4_1 blocks where they match); auto picks by the CPU")
+    add_args(p, ModelArgs)
 
 
 def load_from_args(args):

@@ -4,31 +4,50 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 
 import torch
 
 from core import protocol as P
-from core.redisconn import add_redis_args, connect, target_from_args
+from core.cli import add_args, from_args, opt
+from core.redisconn import RedisTarget, add_redis_args, connect, target_from_args
+from worker.family import ModelArgs
 from worker.loop import WorkerLoop, WorkerSpec
 from worker.runner import ModelRunner
+
+
+@dataclass(slots=True)
+class WorkerConfig(ModelArgs):
+    """Every knob of one worker process (its model's, then its own); ``python -m worker``'s flags."""
+    worker_id: str = opt(default_factory=lambda: f"w-{os.getpid()}")
+    num_blocks: int = opt(1024, "KV blocks per segment pool")
+    block_size: int = 16
+    max_model_len: int = 4096
+    shard: str = opt(P.DEFAULT_SHARD, parse=P.Shard.check,
+                     help="the control-plane shard to join (the scheduler started with the same --shard plans "
+                          "this worker's steps)")
+    standalone_tier: int | None = opt(None, "serve only this tier, as its own truncated copy (the independent "
+                                            "layout)")
+    threads: int = opt(default_factory=lambda: max(1, (os.cpu_count() or 2) - 1),
+                       help="torch threads (default: all cores but one, which the gateway and scheduler use)")
 
 
 class WorkerService(WorkerLoop):
     """A worker that runs the nested model (or one standalone tier of it)."""
 
-    def __init__(self, args):
+    def __init__(self, cfg: WorkerConfig, redis_target: RedisTarget):
         from worker.family import load_family  # noqa: PLC0415
         from worker.model import standalone_tier  # noqa: PLC0415
-        standalone = args.standalone_tier is not None
+        standalone = cfg.standalone_tier is not None
         from worker.quant import resolve_mode  # noqa: PLC0415
-        self.weights = resolve_mode(args.weights, args.device)
+        self.weights = resolve_mode(cfg.weights, cfg.device)
         # A standalone tier is cut from the fp32 family, then quantized like the nested one.
-        fam = load_family(args.model, tiers=args.tiers, dtype=args.dtype, device=args.device,
-                          kernels=args.kernels, weights="fp32" if standalone else args.weights)
+        fam = load_family(cfg.model, tiers=cfg.tiers, dtype=cfg.dtype, device=cfg.device,
+                          kernels=cfg.kernels, weights="fp32" if standalone else cfg.weights)
         model, tokenizer = fam.model, fam.tokenizer  # the tokenizer: for grammars (structured output)
         ntiers = len(model.tiers)
         if standalone:
-            k = args.standalone_tier
+            k = cfg.standalone_tier
             if not 0 <= k < ntiers:
                 raise ValueError(f"--standalone-tier {k}: the family has tiers 0..{ntiers - 1}")
             model, tiers, tier_map, nseg = standalone_tier(model, k), [k], {k: 0}, 1
@@ -37,17 +56,17 @@ class WorkerService(WorkerLoop):
             _release_memory()
             if self.weights != "fp32":
                 from worker.quant import quantize_model  # noqa: PLC0415
-                quantize_model(model, self.weights, gguf_path=source, device=args.device)
+                quantize_model(model, self.weights, gguf_path=source, device=cfg.device)
         else:
             tiers, tier_map, nseg = list(range(ntiers)), None, ntiers
-        num_blocks = [args.num_blocks] * nseg
-        runner = ModelRunner(model, num_blocks, args.block_size, tier_map=tier_map, tokenizer=tokenizer)
+        num_blocks = [cfg.num_blocks] * nseg
+        runner = ModelRunner(model, num_blocks, cfg.block_size, tier_map=tier_map, tokenizer=tokenizer)
         self.model = model
-        cfg = model.cfg
-        spec = WorkerSpec(tiers, ntiers, num_blocks, args.block_size, min(args.max_model_len, model.max_positions),
-                          cfg.vocab_size, list(cfg.eos_token_ids), device=str(runner.device),
-                          kernels=model.ops.name, weights=self.weights, shard=args.shard)
-        super().__init__(args.worker_id, connect(target_from_args(args)), runner, spec)
+        mcfg = model.cfg
+        spec = WorkerSpec(tiers, ntiers, num_blocks, cfg.block_size, min(cfg.max_model_len, model.max_positions),
+                          mcfg.vocab_size, list(mcfg.eos_token_ids), device=str(runner.device),
+                          kernels=model.ops.name, weights=self.weights, shard=cfg.shard)
+        super().__init__(cfg.worker_id, connect(redis_target), runner, spec)
 
 
 def _release_memory() -> None:
@@ -61,35 +80,20 @@ def _release_memory() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from worker.family import add_model_args  # noqa: PLC0415
     from core.logs import configure, install_stop_signals  # noqa: PLC0415
     p = argparse.ArgumentParser(prog="python -m worker", description="MFS worker process")
-    add_model_args(p)
-    p.add_argument("--worker-id", default=f"w-{os.getpid()}")
     add_redis_args(p)
-    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per segment pool")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--shard", default=P.DEFAULT_SHARD,
-                   help="the control-plane shard to join (the scheduler started with the same --shard "
-                        "plans this worker's steps)")
-    p.add_argument("--standalone-tier", type=int, default=None,
-                   help="serve only this tier, as its own truncated copy (the independent layout)")
-    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                   help="torch threads (default: all cores but one, which the gateway and scheduler use)")
+    add_args(p, WorkerConfig)
     args = p.parse_args(argv)
-    try:
-        P.Shard(args.shard)
-    except ValueError as e:
-        p.error(str(e))
+    cfg = from_args(WorkerConfig, args)
     configure(json_lines=True)
     install_stop_signals()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(cfg.threads)
     import structlog  # noqa: PLC0415
     structlog.get_logger(__name__).info(
-        "worker compute", threads=args.threads, cpus=os.cpu_count(),
-        cpu_capability=torch.backends.cpu.get_cpu_capability(), device=args.device, weights=args.weights)
-    svc = WorkerService(args)
+        "worker compute", threads=cfg.threads, cpus=os.cpu_count(),
+        cpu_capability=torch.backends.cpu.get_cpu_capability(), device=cfg.device, weights=cfg.weights)
+    svc = WorkerService(cfg, target_from_args(args))
     try:
         svc.run()
     except KeyboardInterrupt:
