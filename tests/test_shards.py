@@ -122,7 +122,11 @@ def test_two_shards_serve_together_and_a_shard_leader_loss_moves_only_its_shard(
                     while time.monotonic() < deadline and not all(
                             (s := shard_stats(r).get(k)) and sum(s.running.values()) for k in ("0", "1")):
                         time.sleep(0.05)
-                    killed = svc.procs["scheduler-s1"]
+                    # the shard's leader, whichever of its two schedulers won the lease (its consumer
+                    # name ends with its pid)
+                    leader = shard_stats(r)["1"].leader
+                    killed = next(p for n, p in svc.procs.items()
+                                  if n.startswith("scheduler-s1") and leader.endswith(f"-{p.pid}"))
                     killed.send_signal(signal.SIGKILL)
                     killed.wait(10)
                 got = [f.result(timeout=300) for f in futs]
