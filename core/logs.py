@@ -19,7 +19,9 @@ def configure(json_lines: bool | None = None, level: str | None = None) -> None:
                 else structlog.dev.ConsoleRenderer(colors=False))
     structlog.configure(processors=processors + [renderer],
                         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-                        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+                        # sys.stderr looked up per logger, not bound once: whoever swaps it (pytest's
+                        # capture between tests) must not leave the loggers writing to a closed file
+                        logger_factory=lambda *_: structlog.PrintLogger(file=sys.stderr),
                         cache_logger_on_first_use=False)
 
 
