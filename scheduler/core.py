@@ -41,6 +41,9 @@ __all__ = ["InvalidRequest", "Request", "RequestOutput", "ScheduledStep", "Sched
 
 log = structlog.get_logger(__name__)
 
+# block-hash salts: nested segments are 0..n-1; a standalone copy of tier t salts with this + t
+STANDALONE_KEY_BASE = 1000
+
 
 class StepScheduler:
     def __init__(self, cfg: SchedulerConfig, policy: SchedulingPolicy | None = None):
@@ -171,8 +174,9 @@ class StepScheduler:
 
     # ---- the prefix cache --------------------------------------------------------------------
     def _segment_key(self, req: Request, s: int) -> int:
-        # A standalone copy's one segment is the whole truncated model: never a nested segment.
-        return s if self.cfg.served_tiers is None else 1000 + req.tier
+        """What a block hash is salted with: nested segment ``s``, or, for a standalone copy, its tier
+        (its one segment is the whole truncated model, whose KV no nested segment shares)."""
+        return s if self.cfg.served_tiers is None else STANDALONE_KEY_BASE + req.tier
 
     def _hashes(self, req: Request, num_blocks: int) -> list[list[bytes]]:
         """Chained hashes of the request's first `num_blocks` full blocks, per segment (memoized:
