@@ -32,7 +32,7 @@ def service(tmp_path_factory, frontend):
 
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(service, tmp_path):
     cmd = [str(Path(sys.executable).parent / "schemathesis"), "run", service.url + "/openapi.json",
-           "--checks", CHECKS, "--max-examples", "25", "--seed", str(SEED), "--workers", "1",
+           "--checks", CHECKS, "--max-examples", "15", "--seed", str(SEED), "--workers", "1",
            "--phases", "examples,coverage,fuzzing", "--generation-database", "none",
            "--report-dir", str(tmp_path / "report"), "--no-color"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=tmp_path)
