@@ -111,12 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.workers < 1 or args.step_ms < 0 or args.num_tiers < 1:
         p.error("--workers and --num-tiers must be >= 1, --step-ms >= 0")
-    shards = [s.strip() for s in args.shards.split(",") if s.strip()]
     try:
-        for s in shards or [""]:
-            P.Shard(s)
+        shards = [P.Shard.check(s.strip()) for s in args.shards.split(",")]
     except ValueError as e:
-        p.error(str(e))
+        p.error(f"--shards: {e}")
     configure(json_lines=True)
     install_stop_signals()
     target = target_from_args(args)
