@@ -104,6 +104,16 @@ class FakeBackend(threading.Thread):
     def last_submit(self) -> P.Submit:
         return list(self.submits.values())[-1]
 
+    def submit_after(self, seen: int, timeout: float = 5.0) -> P.Submit:
+        """The first Submit read after the ``seen`` this backend had already read: a test that counted
+        ``len(backend.submits)`` before its request cannot pick up an earlier test's Submit when its own
+        has not been read yet (the session-scoped backend reads on its own thread)."""
+        deadline = time.monotonic() + timeout
+        while len(self.submits) <= seen:
+            assert time.monotonic() < deadline, f"no Submit after the first {seen} within {timeout} s"
+            time.sleep(0.01)
+        return list(self.submits.values())[seen]
+
     def wait_cancel(self, request_id: str, timeout: float = 5.0) -> str | None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -516,9 +526,10 @@ def test_stream_disconnect_sends_cancel(gw, backend):
 
 def test_non_stream_client_gone_sends_cancel(gw, backend):
     backend.script = backend.endless()
+    seen = len(backend.submits)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=0.5)
-    rid = backend.last_submit().request_id
+    rid = backend.submit_after(seen).request_id
     assert backend.wait_cancel(rid) == "disconnect"
 
 
@@ -526,9 +537,10 @@ def test_deadline_sends_cancel_and_504(redis_url, frontend, backend):  # noqa: F
     cfg = GatewayConfig(redis_url=redis_url, gateway_id="gw-deadline", frontend=frontend,
                         request_timeout_s=0.6)
     backend.script = backend.endless(delay=0.1)
+    seen = len(backend.submits)
     with ServerThread(cfg) as s:
         _err(httpx.post(s.url + "/v1/chat/completions", json=CHAT), 504, "timeout")
-        assert backend.wait_cancel(backend.last_submit().request_id) == "deadline"
+        assert backend.wait_cancel(backend.submit_after(seen).request_id) == "deadline"
 
 
 # ---- health, metrics, heartbeat ---------------------------------------------------------------

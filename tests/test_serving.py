@@ -64,7 +64,8 @@ def test_session_id_falls_back_to_the_body(redis_url, frontend, backend, rds):  
 def test_a_gone_client_cancels_the_request(redis_url, frontend, backend, rds):  # noqa: F811
     register_worker(rds)
     backend.script = backend.endless()
+    seen = len(backend.submits)
     with pytest.raises(ClientGone):
         asyncio.run(_served(redis_url, frontend, dict(CHAT, n=1, max_tokens=40), client_gone=lambda: True))
-    rid = backend.last_submit().request_id
+    rid = backend.submit_after(seen).request_id  # the Submit may not have been read yet: the client left at once
     assert backend.wait_cancel(rid) == "disconnect"
