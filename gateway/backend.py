@@ -310,7 +310,12 @@ class Backend:
         while True:
             body = json.dumps({**base, "t": round(time.time(), 3), "waiting": len(self._queues)})
             try:
-                await self.redis.set(P.gateway_key(self.gateway_id), body, ex=self.heartbeat_ttl_s)
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.set(P.gateway_key(self.gateway_id), body, ex=self.heartbeat_ttl_s)
+                # a scheduler that took this gateway for gone (its link was cut for longer than the TTL)
+                # gave its stream a TTL (scheduler/housekeeping.py): it is this gateway's again
+                pipe.persist(self.stream)
+                await pipe.execute()
                 server = await self.redis.info("server")
                 self._redis_ok("heartbeat")
                 self._check_run_id(server.get("run_id") if isinstance(server, dict) else None)

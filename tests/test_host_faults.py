@@ -4,17 +4,23 @@ process plays the gateway. A host is cut off while its processes keep running: a
 (its requests continue on the other worker), the leading scheduler's host (the standby takes the lease;
 when the old leader's link returns, whatever it still plans carries the old epoch and the workers refuse
 it). Every stream completes equal to a fault-free run, no sequence number is missing, and a token
-delivered twice is the same token (the gateway drops it by seq)."""
+delivered twice is the same token (the gateway drops it by seq). A real gateway's host cut off with 16
+streams open: the scheduler cancels its requests and frees their KV, and the gateway, once back, fails
+each of its open streams at once with the reason (``gateway_lost``) and serves new requests."""
+import concurrent.futures as cf
 import json
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
 
+import httpx2 as httpx  # what openai 3.x ships (the httpx API)
 import pytest
 import redis
 
 from core import protocol as P
+from scheduler.housekeeping import GATEWAY_LOST
+from tests.factories import tiny_llama_with_tokenizer
 from tests.hosts import net  # noqa: F401 - the fixture
 from tests.redis_group import server_argv, wait_for
 from tests.test_faults import TIERS, assert_complete_and_equal, expected, workload
@@ -115,3 +121,71 @@ def test_leading_scheduler_host_cut_off_the_standby_leads_and_stale_plans_are_re
           f"{stepped_down_in:.1f}s later; {refused} stale plans of epoch {epoch} refused by the workers; all 16 "
           f"complete and equal {done_in:.1f}s after the cut; {twice} tokens delivered twice, dropped by seq, "
           f"0 missing")
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(base + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _stream(url: str, model: str, i: int, got: list[int], out: dict) -> None:
+    """One streamed chat completion of up to 400 tokens; ``got[i]`` counts its content chunks, ``out[i]``
+    is how it ended: ("done", None) or ("error", code), and when (time.monotonic())."""
+    body = {"model": model, "messages": [{"role": "user", "content": f"Tell me about {i}."}], "stream": True,
+            "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    end = ("done", None)
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(5, read=90)) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                end = ("error", obj["error"].get("code"))
+            elif obj.get("choices") and obj["choices"][0]["delta"].get("content"):
+                got[i] += 1
+    out[i] = (*end, time.monotonic())
+
+
+def test_gateway_host_cut_off_its_requests_are_reaped_and_it_fails_them_when_back(net, tmp_path, frontend):
+    family = tiny_llama_with_tokenizer(tmp_path / "family", frontend.tokenizer)
+    r, procs, logs = start(net, tmp_path, family, scheduler_args=["--housekeeping-s", "0.25"])
+    net.add("gw")
+    url = f"redis://{net['rd'].addr}:{PORT}/0"
+    procs["gw"] = net.spawn("gw", [sys.executable, "-m", "gateway", "--redis-url", url, "--model", str(family),
+                                   "--tiers", TIERS, "--host", "0.0.0.0", "--port", "8000",
+                                   "--gateway-id", "gw-cut"], logs / "gw.log")
+    base = f"http://{net['gw'].addr}:8000"
+    wait_for(lambda: _healthy(base), 60, "the gateway", poll=0.3)
+    model = next(m["id"] for m in httpx.get(base + "/v1/models").json()["data"] if m["id"].endswith("-large"))
+    got, out = [0] * 16, {}
+    with cf.ThreadPoolExecutor(16) as ex:
+        futs = [ex.submit(_stream, base, model, i, got, out) for i in range(16)]
+        wait_for(lambda: all(n >= 3 for n in got), 60, "every stream to have begun", poll=0.05)
+        cut = net.cut("gw")
+        # Redis and the scheduler live on: the gateway's heartbeat (5 s TTL) lapses, the scheduler
+        # cancels its 16 requests and frees their KV, while the gateway and its clients hear nothing.
+        wait_for(lambda: (s := stats(r)) is not None and s.gateway_cancels >= 16, 30, "the scheduler to reap",
+                 poll=0.1)
+        reaped_in = time.monotonic() - cut
+        s = wait_kv_idle(r)
+        assert not out, "a stream ended while its gateway was cut off"
+        assert r.ttl(P.out_stream("gw-cut")) > 0  # the stream expires unless the gateway comes back
+        healed = net.heal("gw")
+        for f in futs:
+            f.result(timeout=90)
+    failed_in = max(t for *_, t in out.values()) - healed
+    ends = sorted({(kind, code) for kind, code, _ in out.values()})
+    assert ends == [("error", GATEWAY_LOST)], ends
+    # Back, the gateway keeps its stream (its heartbeat PERSISTs it) and serves as before.
+    wait_for(lambda: r.ttl(P.out_stream("gw-cut")) == -1, 10, "the gateway to keep its stream", poll=0.2)
+    resp = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1, resp.text
+    assert procs["gw"].poll() is None
+    print(f"gateway host cut: 16 streams open; the scheduler cancelled all 16 and freed their KV {reaped_in:.1f}s "
+          f"after the cut (gateway heartbeat TTL 5 s, housekeeping 0.25 s); healed after "
+          f"{healed - cut:.1f}s, the gateway failed all 16 streams ({GATEWAY_LOST}, 503) within "
+          f"{failed_in:.1f}s and then served a new request")
