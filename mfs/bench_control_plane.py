@@ -36,6 +36,7 @@ from pathlib import Path
 import redis
 
 from core import protocol as P
+from core.keyrecords import StatsSnapshot
 from core.redisconn import connect
 from core.sampling import SamplingParams
 from mfs.runtime import write_json
@@ -125,9 +126,9 @@ class Client:
                 self.r.xtrim(stream, minid=last, approximate=True)
 
 
-def _snapshots(r: redis.Redis) -> list[P.StatsSnapshot]:
+def _snapshots(r: redis.Redis) -> list[StatsSnapshot]:
     return [s for k, v in r.hgetall(P.STATS_KEY).items()
-            if P.shard_of_stats_field(k.decode()) is not None and (s := P.StatsSnapshot.decode(v)) is not None]
+            if P.shard_of_stats_field(k.decode()) is not None and (s := StatsSnapshot.decode(v)) is not None]
 
 
 def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, max_tokens: int,

@@ -251,12 +251,13 @@ class Service:
 
     def wait_workers(self, timeout: float, n: int) -> None:
         from core import protocol as P  # noqa: PLC0415
+        from core.keyrecords import StatsSnapshot  # noqa: PLC0415
         from core.redisconn import connect  # noqa: PLC0415
         r = connect(self.redis_url)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._check_alive()
-            snaps = [P.StatsSnapshot.decode(v) for k, v in r.hgetall(P.STATS_KEY).items()
+            snaps = [StatsSnapshot.decode(v) for k, v in r.hgetall(P.STATS_KEY).items()
                      if P.shard_of_stats_field(k.decode()) is not None]
             if sum(s.workers for s in snaps if s is not None) >= n:  # the schedulers have seen them
                 return

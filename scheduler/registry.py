@@ -11,6 +11,7 @@ import redis
 import structlog
 
 from core import protocol as P
+from core.keyrecords import WorkerInfo
 from kvstore.directory import BlockDirectory, common_blocks
 from scheduler.config import SchedulerProcessConfig
 from scheduler.core import StepScheduler
@@ -62,7 +63,7 @@ class WorkerRegistry:
             if not raw:
                 self.r.srem(self.shard.workers_set, wid)
                 continue
-            info = P.WorkerInfo.from_hash(raw)
+            info = WorkerInfo.from_hash(raw)
             if info is None:  # a heartbeat after a Redis restart; the full hash follows
                 continue
             w = self.workers.get(wid)
@@ -76,7 +77,7 @@ class WorkerRegistry:
                 orphans += self.lose(wid, "the worker stopped answering")
         return orphans
 
-    def _new_worker(self, wid: str, info: P.WorkerInfo) -> WorkerState:
+    def _new_worker(self, wid: str, info: WorkerInfo) -> WorkerState:
         tiers = info.tiers
         standalone = len(tiers) == 1 and info.num_tiers > 1
         lim = self.cfg

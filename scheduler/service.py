@@ -36,6 +36,7 @@ import redis
 import structlog
 
 from core import protocol as P
+from core.keyrecords import decode_progress, encode_progress
 from core.cli import add_args, from_args
 from core.logs import configure, install_stop_signals
 from core.redisconn import RedisTarget, add_redis_args, connect, target_from_args
@@ -191,7 +192,7 @@ class SchedulerService:
                                                           shard=self.shard.name)
             elif o.new_token_ids:  # what a new leader would resume it from
                 key = P.progress_key(o.request_id)
-                pipe.append(key, P.encode_progress(o.new_token_ids))
+                pipe.append(key, encode_progress(o.new_token_ids))
                 if not req.meta.get("progress_ttl"):  # APPEND keeps a key's TTL: set it once
                     pipe.expire(key, P.PROGRESS_TTL_S)
                     req.meta["progress_ttl"] = True
@@ -265,7 +266,7 @@ class SchedulerService:
             pipe.get(P.progress_key(sub.request_id))
         progress = pipe.execute() if subs else []
         for (entry_id, sub), raw in zip(subs, progress):
-            self.on_submit(sub, entry_id, P.decode_progress(raw))
+            self.on_submit(sub, entry_id, decode_progress(raw))
         for entry_id, c in cancels:
             self.on_cancel(c)
             self.r.xack(self.shard.req_stream, P.SCHEDULER_GROUP, entry_id)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 
 from core import protocol as P
+from core.keyrecords import StatsSnapshot
 from scheduler.registry import WorkerRegistry
 
 
-def snapshot(registry: WorkerRegistry, **service) -> P.StatsSnapshot:
+def snapshot(registry: WorkerRegistry, **service) -> StatsSnapshot:
     """``service``: the service's own counters (leader, shard, epoch, takeovers, gateway_cancels, steps,
     step_roundtrip_s, step_forward_s)."""
     workers = registry.workers
@@ -42,7 +43,7 @@ def snapshot(registry: WorkerRegistry, **service) -> P.StatsSnapshot:
             for seg, v in enumerate(getattr(w.core.stats, k)):
                 per_seg[seg] = per_seg.get(seg, 0) + v
         held[w.worker_id] = registry.directory.num_held(w.worker_id)
-    return P.StatsSnapshot(
+    return StatsSnapshot(
         updated=time.time(), workers=len(workers), waiting=waiting, running=running, kv_blocks_used=used,
         kv_blocks_total=total, path_switches=sw, preemptions=pre, replanned=registry.replanned, **cache,
         directory_blocks=held, affinity_preferred=registry.affinity_preferred,

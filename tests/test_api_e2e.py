@@ -281,7 +281,8 @@ def test_bad_sampling_parameters_are_400(service, models, body, param):
 def stats(service):
     import redis
     from core import protocol as P
-    return P.StatsSnapshot.decode(redis.Redis.from_url(service.redis_url).hget(P.STATS_KEY, "scheduler"))
+from core.keyrecords import StatsSnapshot
+    return StatsSnapshot.decode(redis.Redis.from_url(service.redis_url).hget(P.STATS_KEY, "scheduler"))
 
 
 def settled_stats(service, after: float):

@@ -6,6 +6,7 @@ import pytest
 import redis
 
 from core import protocol as P
+from core.keyrecords import StatsSnapshot
 from kvstore.directory import BlockDirectory, common_blocks
 from mfs.launch import Service
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture
@@ -66,8 +67,8 @@ def cold(llama_family):
     return run
 
 
-def stats(r) -> P.StatsSnapshot | None:
-    return P.StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
+def stats(r) -> StatsSnapshot | None:
+    return StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
 
 
 def wait_idle(r, timeout=10):

@@ -7,6 +7,7 @@ import pytest
 import redis
 
 from core import protocol as P
+from core.keyrecords import StatsSnapshot, decode_progress
 from worker.family import load_family
 from mfs.launch import Service
 from mfs.engine import Engine
@@ -56,8 +57,8 @@ class Reader:
         return {k: (len(v), v[-1].finish_reason) for k, v in self.events.items()}
 
 
-def stats(r) -> P.StatsSnapshot | None:
-    return P.StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
+def stats(r) -> StatsSnapshot | None:
+    return StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
 
 
 def wait_kv_idle(r, timeout=10):
@@ -95,7 +96,7 @@ def test_cancel_stops_generation_and_frees_blocks(nested_service):
     rd = Reader(r)
     rd.until(lambda: len(rd.events.get("long", [])) >= 3)
     # its progress (for a new leader to resume from) is there, with a TTL, so it can never leak
-    rd.until(lambda: len(P.decode_progress(r.get(P.progress_key("long")))) >= 3)
+    rd.until(lambda: len(decode_progress(r.get(P.progress_key("long")))) >= 3)
     assert 0 < r.ttl(P.progress_key("long")) <= P.PROGRESS_TTL_S
     r.xadd(P.REQ_STREAM, P.Cancel("long", "client disconnected").encode())
     wait_kv_idle(r)

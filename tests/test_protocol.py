@@ -3,6 +3,7 @@ import msgpack
 import redis
 
 from core import protocol as P
+from core.keyrecords import StatsSnapshot, WorkerInfo, decode_progress, encode_progress
 from core.sampling import SamplingParams
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture
 
@@ -57,14 +58,14 @@ def test_a_reader_ignores_fields_it_does_not_know():
 
 def test_worker_registration_through_a_real_hash(redis_url):
     r = redis.Redis.from_url(redis_url)
-    info = P.WorkerInfo([0, 1, 2], 3, [64, 64, 64], 4, 512, 1000, [2], "1.5-42", device="cpu", kernels="torch",
+    info = WorkerInfo([0, 1, 2], 3, [64, 64, 64], 4, 512, 1000, [2], "1.5-42", device="cpu", kernels="torch",
                         pid=42, epoch=3, heartbeat=2.5)
     r.hset(P.worker_key("w-proto"), mapping=info.to_hash())
-    assert P.WorkerInfo.from_hash(r.hgetall(P.worker_key("w-proto"))) == info
+    assert WorkerInfo.from_hash(r.hgetall(P.worker_key("w-proto"))) == info
     assert int(r.hget(P.worker_key("w-proto"), "max_model_len")) == 512  # a scalar reads with one HGET
     r.delete(P.worker_key("w-proto"))
     r.hset(P.worker_key("w-proto"), mapping={"heartbeat": 1.0, "epoch": 3})  # only a heartbeat's fields
-    assert P.WorkerInfo.from_hash(r.hgetall(P.worker_key("w-proto"))) is None
+    assert WorkerInfo.from_hash(r.hgetall(P.worker_key("w-proto"))) is None
     r.delete(P.worker_key("w-proto"))
 
 
@@ -73,19 +74,19 @@ def test_progress_appends_decode_to_the_tokens(redis_url):
     key = P.progress_key("r-proto")
     r.delete(key)
     for toks in ([5, 70000], [], [-1, 2**31 - 1]):
-        r.append(key, P.encode_progress(toks))
-    assert P.decode_progress(r.get(key)) == [5, 70000, -1, 2**31 - 1]
-    assert P.decode_progress(r.get(key) + b"\x01\x02") == [5, 70000, -1, 2**31 - 1]  # a torn tail
-    assert P.decode_progress(None) == []
+        r.append(key, encode_progress(toks))
+    assert decode_progress(r.get(key)) == [5, 70000, -1, 2**31 - 1]
+    assert decode_progress(r.get(key) + b"\x01\x02") == [5, 70000, -1, 2**31 - 1]  # a torn tail
+    assert decode_progress(None) == []
     r.delete(key)
 
 
 def test_stats_snapshot_decodes_typed():
-    snap = P.StatsSnapshot(leader="s1", epoch=2, workers=1, waiting={0: 1}, kv_blocks_used={"w0": [3, 1]},
+    snap = StatsSnapshot(leader="s1", epoch=2, workers=1, waiting={0: 1}, kv_blocks_used={"w0": [3, 1]},
                            prefill_reused={0: 40}, spec={"0>2": {"rounds": 1, "proposed": 4, "accepted": 3,
                                                                  "committed": 4}})
-    assert P.StatsSnapshot.decode(snap.encode()) == snap
-    assert P.StatsSnapshot.decode(None) is None
+    assert StatsSnapshot.decode(snap.encode()) == snap
+    assert StatsSnapshot.decode(None) is None
 
 
 def test_to_wire_is_asdict_without_the_deep_copy():

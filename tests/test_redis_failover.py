@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from core import protocol as P
+from core.keyrecords import decode_progress
 from core.redisconn import connect
 from tests.hosts import net  # noqa: F401 - the fixture
 from tests.redis_group import MASTER, client, master_of, sentinel_argv, sentinels_ready, server_argv, wait_for
@@ -84,7 +85,7 @@ def info(host: str, section="replication") -> dict:
 def progress(host: str, work) -> dict[str, int]:
     """Tokens recorded in mfs:progress:{request} on this server, per request."""
     c = client(host, REDIS_PORT)
-    return {rid: len(P.decode_progress(c.get(P.progress_key(rid))) or []) for rid, *_ in work}
+    return {rid: len(decode_progress(c.get(P.progress_key(rid))) or []) for rid, *_ in work}
 
 
 def test_primary_host_cut_off_the_replica_is_promoted_and_every_stream_completes(net, tmp_path, llama_dir):

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from core import protocol as P
+from core.keyrecords import StatsSnapshot
 from gateway.backend import LiveWorker, choose_shard, merge_stats
 from mfs.engine import Engine
 from mfs.launch import Service
@@ -82,8 +83,8 @@ def family_dir(tmp_path_factory, frontend):
     return tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tinytok-shards"), frontend.tokenizer)
 
 
-def shard_stats(r: redis.Redis) -> dict[str, P.StatsSnapshot]:
-    return {P.shard_of_stats_field(k.decode()): P.StatsSnapshot.decode(v)
+def shard_stats(r: redis.Redis) -> dict[str, StatsSnapshot]:
+    return {P.shard_of_stats_field(k.decode()): StatsSnapshot.decode(v)
             for k, v in r.hgetall(P.STATS_KEY).items() if P.shard_of_stats_field(k.decode()) is not None}
 
 

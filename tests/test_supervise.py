@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from core import protocol as P
+from core.keyrecords import StatsSnapshot, WorkerInfo
 from mfs.launch import RestartPolicy, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -162,10 +163,10 @@ def test_a_killed_worker_is_restarted_and_all_16_streams_complete_equal(up):
     want = stream_all(svc.url)  # fault-free run, same service
     assert all(want)
     r = svc.redis()
-    replanned_before = P.StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler")).replanned
+    replanned_before = StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler")).replanned
 
     def life(wid: str) -> str | None:
-        info = P.WorkerInfo.from_hash(r.hgetall(P.worker_key(wid)))
+        info = WorkerInfo.from_hash(r.hgetall(P.worker_key(wid)))
         return info.started if info else None
 
     first_life = life("w1")
@@ -195,7 +196,7 @@ def test_a_killed_worker_is_restarted_and_all_16_streams_complete_equal(up):
     while "back" not in killed and time.monotonic() - killed["at"] < 60:
         time.sleep(0.2)
     assert killed.get("back", 99.0) < 30, "no replacement worker registered within 30 s"
-    replanned = P.StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler")).replanned - replanned_before
+    replanned = StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler")).replanned - replanned_before
     assert replanned >= 1, "no stream was on the killed worker"
     assert svc.outer.poll() is None, "mfs up stopped"
     err = "".join(svc.stderr)

@@ -14,6 +14,7 @@ import redis
 import structlog
 
 from core import protocol as P
+from core.keyrecords import WorkerInfo
 from core.sampling import SamplingParams, finish_reason
 
 log = structlog.get_logger(__name__)
@@ -71,9 +72,9 @@ class WorkerLoop:
         self.epoch = 0  # the newest scheduler generation seen in a plan
 
     # ---- registration ------------------------------------------------------------------------
-    def info(self) -> P.WorkerInfo:
+    def info(self) -> WorkerInfo:
         s = self.spec
-        return P.WorkerInfo(s.tiers, s.num_tiers, s.num_blocks, s.block_size, s.max_model_len, s.vocab_size,
+        return WorkerInfo(s.tiers, s.num_tiers, s.num_blocks, s.block_size, s.max_model_len, s.vocab_size,
                             list(s.eos), self.started, device=s.device, kernels=s.kernels, weights=s.weights,
                             shard=s.shard, pid=os.getpid(), epoch=self.epoch, heartbeat=time.time())
 
