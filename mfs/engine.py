@@ -7,6 +7,8 @@ and worker processes.
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 
 from core.sampling import SamplingParams
 from scheduler.core import InvalidRequest, RequestOutput, SchedulerConfig, StepScheduler
@@ -20,8 +22,10 @@ __all__ = ["Engine", "InvalidRequest", "RequestOutput"]
 class Engine:
     def __init__(self, model: NestedModel, *, block_size: int = 16, num_blocks: int | list[int] = 256,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, keep_logits: bool = False, tokenizer=None, **limits):
-        """``tokenizer``: needed only by requests with a grammar (structured output)."""
+                 max_model_len: int | None = None, keep_logits: bool = False, tokenizer=None,
+                 clock: Callable[[], float] = time.monotonic, **limits):
+        """``tokenizer``: needed only by requests with a grammar (structured output); ``clock``: the
+        scheduler's (path-switch budget, cached blocks' TTL)."""
         self.model = model
         nseg = model.num_segments
         blocks = num_blocks if isinstance(num_blocks, list) else [num_blocks] * nseg
@@ -29,7 +33,7 @@ class Engine:
             num_tiers=nseg, num_blocks=blocks, block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             max_model_len=min(max_model_len or model.max_positions, model.max_positions),
-            eos_token_ids=model.cfg.eos_token_ids, vocab_size=model.cfg.vocab_size, **limits))
+            eos_token_ids=model.cfg.eos_token_ids, vocab_size=model.cfg.vocab_size, **limits), clock=clock)
         self.runner = ModelRunner(model, blocks, block_size, keep_logits=keep_logits, tokenizer=tokenizer)
         self._ids = itertools.count()
 

@@ -27,7 +27,8 @@ def block_hash(parent: bytes | None, segment: int, tokens: Iterable[int]) -> byt
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, on_evict: Callable[[int, bytes], None] | None = None):
+    def __init__(self, num_blocks: int, on_evict: Callable[[int, bytes], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         if num_blocks < 1:
             raise ValueError("a block pool needs at least one block")
         self.num_blocks = num_blocks
@@ -37,6 +38,7 @@ class BlockPool:
         self.hash_of: dict[int, bytes] = {}
         self.cached: dict[bytes, int] = {}
         self.on_evict = on_evict
+        self.clock = clock  # release times and the TTL of evictable blocks
         self.num_evictions = 0
 
     @property
@@ -69,7 +71,7 @@ class BlockPool:
 
     def release(self, blocks: Iterable[int]) -> None:
         """Drops one reference from each block; pass a request's blocks tail first."""
-        now = time.monotonic()
+        now = self.clock()
         for b in blocks:
             assert self.ref[b] > 0, f"block {b} released twice"
             self.ref[b] -= 1
@@ -112,7 +114,7 @@ class BlockPool:
 
     def reclaim_expired(self, ttl_s: float, now: float | None = None) -> int:
         """Uncaches evictable blocks released more than `ttl_s` ago; returns how many."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         n = 0
         while self.evictable:
             b, t = next(iter(self.evictable.items()))

@@ -35,6 +35,7 @@ from scheduler.policy import FCFS, SchedulingPolicy
 from scheduler.request import (InvalidRequest, Request, RequestOutput, ScheduledStep, SchedulerConfig,
                                SchedulerStats, Status)
 from scheduler.speculation import Cascade, Speculation
+from scheduler.tiermix import Clock, TierMix
 
 __all__ = ["InvalidRequest", "Request", "RequestOutput", "ScheduledStep", "SchedulerConfig", "SchedulerStats",
            "Status", "StepScheduler"]
@@ -46,19 +47,18 @@ STANDALONE_KEY_BASE = 1000
 
 
 class StepScheduler:
-    def __init__(self, cfg: SchedulerConfig, policy: SchedulingPolicy | None = None):
+    def __init__(self, cfg: SchedulerConfig, policy: SchedulingPolicy | None = None, clock: Clock = time.monotonic):
+        """``clock``: what the path-switch budget and the cached blocks' TTL read (tests step one)."""
         if len(cfg.num_blocks) != cfg.num_tiers:
             raise ValueError(f"num_blocks has {len(cfg.num_blocks)} entries for {cfg.num_tiers} segments")
         self.cfg = cfg
-        self.pools = [BlockPool(n, self._evicted(s)) for s, n in enumerate(cfg.num_blocks)]
+        self.pools = [BlockPool(n, self._evicted(s), clock) for s, n in enumerate(cfg.num_blocks)]
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._drop: list[str] = []
-        self._last_mix: frozenset[int] = frozenset()
-        self._switch_tokens = max(1.0, cfg.path_switches_per_s)
-        self._switch_t = time.monotonic()
+        self.mix = TierMix(cfg.max_tiers_per_step, cfg.path_switches_per_s, clock)
         n = cfg.num_tiers
         self.stats = SchedulerStats(peak_kv_blocks=[0] * n, prefill_computed=[0] * n,
                                     prefill_reused=[0] * n, cache_queries=[0] * n, cache_hits=[0] * n,
@@ -302,39 +302,14 @@ class StepScheduler:
         self.waiting.appendleft(req)
         log.debug("preempted", request_id=req.request_id, tier=req.tier, tokens=req.num_tokens)
 
-    # ---- the tier mix ------------------------------------------------------------------------
-    def _allowed_tiers(self) -> set[int] | None:
-        cfg = self.cfg
-        if not cfg.max_tiers_per_step and not cfg.path_switches_per_s:
-            return None
-        order: list[int] = []
-        for r in self.policy.order(self.running) + list(self.waiting):
-            if r.tier not in order:
-                order.append(r.tier)
-        if cfg.path_switches_per_s:
-            now = time.monotonic()
-            self._switch_tokens = min(max(1.0, cfg.path_switches_per_s),
-                                      self._switch_tokens + (now - self._switch_t) * cfg.path_switches_per_s)
-            self._switch_t = now
-            keep = [t for t in order if t in self._last_mix]
-            if keep and self._switch_tokens < 1.0:
-                return set(keep)  # no budget to change the mix: run the current one
-        return set(order[:cfg.max_tiers_per_step] if cfg.max_tiers_per_step else order)
-
-    def _count_switch(self, mix: frozenset[int]) -> None:
-        if mix and self._last_mix and mix != self._last_mix:
-            self.stats.path_switches += 1
-            self._switch_tokens -= 1.0
-        if mix:
-            self._last_mix = mix
-
     # ---- one iteration -----------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
         budget = self.cfg.max_num_batched_tokens
         if self.cfg.cache_ttl_s > 0:
             for p in self.pools:
                 p.reclaim_expired(self.cfg.cache_ttl_s)
-        allowed = self._allowed_tiers()
+        allowed = self.mix.allowed(r.tier for r in self.policy.order(self.running) + list(self.waiting)) \
+            if self.mix.limited else None
         rows: list[tuple[Request, int]] = []
         draft_rows: list[tuple[Request, int, int]] = []
         verify_rows: list[tuple[Request, list[int], int]] = []
@@ -400,9 +375,9 @@ class StepScheduler:
         for r in new:
             r.announced = True
         drop, self._drop = self._drop, []
-        self._count_switch(frozenset(r.tier for r, _ in rows) | {r.tier for r, _, _ in verify_rows}
-                           | {r.params.spec_draft_tier for r, _, _ in draft_rows}
-                           | {r.tier for r, *_ in catchups})
+        if self.mix.ran(frozenset(r.tier for r, _ in rows) | {r.tier for r, _, _ in verify_rows}
+                        | {r.params.spec_draft_tier for r, _, _ in draft_rows} | {r.tier for r, *_ in catchups}):
+            self.stats.path_switches += 1
         for s, p in enumerate(self.pools):
             self.stats.peak_kv_blocks[s] = max(self.stats.peak_kv_blocks[s], p.num_used)
         if rows:

@@ -1,7 +1,6 @@
 """Prefix caching with delayed reclamation in the in-process engine: multi-turn reuse, LRU eviction
 order under pressure, segment-0 blocks shared across tiers, TTL reclamation. Outputs always equal a
 cold engine's (float64)."""
-import time
 
 from mfs.engine import Engine
 from worker.sampling import SamplingParams
@@ -145,11 +144,16 @@ def test_a_session_escalating_from_small_to_large_computes_only_upper_segments_f
 
 
 def test_cached_blocks_expire_after_the_ttl(llama_family):
-    eng = make_engine(llama_family, cache_ttl_s=0.05)
+    now = [0.0]  # the scheduler's clock, stepped by the test
+    eng = make_engine(llama_family, cache_ttl_s=60.0, clock=lambda: now[0])
     p = list(range(60, 73))
     eng.generate([p], [0], greedy(2))
     assert eng.pools[0].num_cached == 3
-    time.sleep(0.1)
+    now[0] += 59.0  # within the TTL: the next turn reuses them
+    before = snapshot(eng)
+    eng.generate([p], [0], greedy(2))
+    assert deltas(eng, before)["prefill_reused"][0] == 12 and eng.stats.evictions[0] == 0
+    now[0] += 60.5  # released at 59 s (the second turn's end), 119.5 s now: past the TTL
     before = snapshot(eng)
     eng.generate([p], [0], greedy(2))
     assert deltas(eng, before)["prefill_reused"][0] == 0

@@ -5,10 +5,10 @@ from scheduler.policy import FCFS
 from worker.sampling import SamplingParams
 
 
-def make(**kw) -> StepScheduler:
+def make(clock=None, **kw) -> StepScheduler:
     cfg = SchedulerConfig(num_tiers=3, num_blocks=[64, 64, 64], block_size=4, max_model_len=128,
                           vocab_size=1000, **kw)
-    return StepScheduler(cfg)
+    return StepScheduler(cfg) if clock is None else StepScheduler(cfg, clock=clock)
 
 
 def run(s: StepScheduler, max_steps=500):
@@ -75,6 +75,29 @@ def test_path_switch_budget_keeps_the_mix_until_budget_returns():
     joined_early, free = _newcomer_waits(rate=0.0)  # 0 = unlimited
     assert not joined_early
     assert capped.stats.path_switches >= 1 and free.stats.path_switches >= 2
+
+
+def test_the_switch_budget_refills_at_its_rate_on_the_schedulers_clock():
+    """One switch per 10 s: the clock is the test's, so the refill is exact (no sleeps)."""
+    now = [0.0]
+    s = make(clock=lambda: now[0], path_switches_per_s=0.1)
+    p = SamplingParams(max_tokens=1000, ignore_eos=True)
+
+    def step() -> set[int]:
+        st = s.schedule()
+        s.update(st, {r.request_id: 7 for r, n in st.rows if r.num_computed_tokens + n == r.num_tokens})
+        return {r.tier for r, _ in st.rows}
+
+    s.add_request("a", [5, 6, 7], 0, p)
+    assert step() == {0}
+    s.add_request("b", [5, 6, 8], 1, p)
+    assert step() == {0, 1}  # the first switch spends the bucket's one token
+    s.add_request("c", [5, 6, 9], 2, p)
+    now[0] += 9.9  # 0.99 of a token: not yet
+    assert [step() for _ in range(5)] == [{0, 1}] * 5
+    now[0] += 0.1  # 10 s after the switch: one token, one switch
+    assert step() == {0, 1, 2} and s.stats.path_switches == 2
+    assert step() == {0, 1, 2}  # the same mix again costs nothing
 
 
 def test_kv_quota_holds_a_tier_back_without_blocking_others():
