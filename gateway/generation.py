@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import structlog
@@ -48,6 +48,12 @@ class Serving(Protocol):
     def token_text(self, token: int) -> str: ...
 
     def token_info(self, lp: P.TokenLogprob, top: int) -> TokenInfo: ...
+
+
+# The SamplingParams fields a request body sets, by name (GenParams spells them the same): a new sampling
+# parameter is a SamplingParams field, a GenParams field with its parser line, and its OpenAPI entry.
+BODY_SAMPLING_FIELDS = tuple(sorted({f.name for f in fields(SamplingParams)} & {f.name for f in fields(GenParams)}
+                                    - {"max_tokens", "seed", "stop_token_ids", "logit_bias", "grammar"}))
 
 
 class ClientGone(Exception):
@@ -184,15 +190,14 @@ class Generation:
         if seed is not None and self.index:  # choice i: seed + i (within int64)
             seed = (seed + self.index + (1 << 63)) % (1 << 64) - (1 << 63)
         first = self.index == 0
-        params = SamplingParams(max_tokens=max(1, j.max_tokens), temperature=p.temperature, top_k=p.top_k,
-                                top_p=p.top_p,
-                                seed=seed, stop_token_ids=tuple(sorted(self.stop_ids)), ignore_eos=p.ignore_eos,
+        # Every sampling field the body sets (a GenParams field of the same name) passes as it is; the
+        # rest come from the job (limits, stop ids, tier-level defaults) or the choice (its seed).
+        params = SamplingParams(**{name: getattr(p, name) for name in BODY_SAMPLING_FIELDS},
+                                max_tokens=max(1, j.max_tokens), seed=seed, stop_token_ids=tuple(sorted(self.stop_ids)),
                                 spec_draft_tier=j.spec_draft, spec_gamma=j.spec_gamma,
                                 spec_stop_confidence=j.spec_stop_confidence,
                                 cascade_threshold=j.cascade_threshold, cascade_window=j.cascade_window,
-                                logprobs=p.logprobs, prompt_logprobs=p.logprobs if p.echo and first else None,
-                                min_p=p.min_p, presence_penalty=p.presence_penalty,
-                                frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+                                prompt_logprobs=p.logprobs if p.echo and first else None,
                                 logit_bias=dict(p.logit_bias),
                                 grammar=(p.grammar.kind, p.grammar.text) if p.grammar is not None else None)
         sub = P.Submit(request_id=self.rid, gateway_id=self.svc.gateway_id, prompt_ids=j.prompt_ids,
