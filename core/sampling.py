@@ -47,8 +47,10 @@ class SamplingParams:
     # output is divided by it when positive, multiplied when not), frequency (minus penalty x count in
     # the output) and presence (minus penalty if in the output at all). Greedy takes the argmax of the
     # result; sampling then applies temperature, min_p (drop tokens below min_p x the top probability),
-    # top_k and top_p.
+    # typical_p (locally typical sampling, Meister et al. 2022: keep the tokens whose surprisal is closest
+    # to the distribution's entropy until their mass reaches typical_p; 1 = off), top_k and top_p.
     min_p: float = 0.0
+    typical_p: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -72,8 +74,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("top_p", "typical_p"):  # 0 keeps only the first token of the order (as OpenAI's top_p)
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.spec_draft_tier is not None and self.spec_gamma < 1:
             raise ValueError(f"spec_gamma must be >= 1, got {self.spec_gamma}")
         if self.cascade_threshold is not None:

@@ -61,6 +61,7 @@ class GenParams:
     multilevel: MultiLevel = field(default_factory=MultiLevel)
     logprobs: int | None = None       # alternatives per token (0: the chosen token's only); None: off
     min_p: float = 0.0
+    typical_p: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -229,6 +230,7 @@ def parse_params(body: dict, lim: Limits = DEFAULT_LIMITS, chat: bool = True) ->
                      session_id=_session(body, lim), multilevel=parse_multilevel(body),
                      logprobs=_logprobs(body, chat), echo=echo, n=_n(body),
                      min_p=float_field(body, "min_p", 0.0, 0.0, 1.0),
+                     typical_p=float_field(body, "typical_p", 1.0, 0.0, 1.0),
                      presence_penalty=float_field(body, "presence_penalty", 0.0, -2.0, 2.0),
                      frequency_penalty=float_field(body, "frequency_penalty", 0.0, -2.0, 2.0),
                      repetition_penalty=_repetition_penalty(body), logit_bias=_logit_bias(body),

@@ -161,6 +161,10 @@ def _common_params(f: Facts) -> dict:
         "min_p": nullable({"type": "number", "minimum": 0, "maximum": 1,
                             "description": "MFS/vLLM extension: sample only tokens whose probability is at least "
                                            "min_p times the most likely token's (after temperature)."}),
+        "typical_p": nullable({"type": "number", "minimum": 0, "maximum": 1,
+                                "description": "MFS/Hugging Face extension (locally typical sampling): sample only "
+                                               "the tokens whose surprisal is closest to the distribution's "
+                                               "entropy, as many as reach this probability mass (1: off)."}),
         "logit_bias": nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
                                  "propertyNames": {"pattern": id_pattern(f.vocab - 1)},
                                  "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},

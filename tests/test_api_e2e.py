@@ -281,7 +281,7 @@ def test_bad_sampling_parameters_are_400(service, models, body, param):
 def stats(service):
     import redis
     from core import protocol as P
-from core.keyrecords import StatsSnapshot
+    from core.keyrecords import StatsSnapshot
     return StatsSnapshot.decode(redis.Redis.from_url(service.redis_url).hget(P.STATS_KEY, "scheduler"))
 
 
@@ -441,6 +441,9 @@ def sweep_checks(s: Sweep, models, fam) -> dict:
         "top_p": lambda: s.text(s.send(**hot, top_p=1e-6)) == s.text(s.baseline),
         "top_k": lambda: s.text(s.send(**hot, top_k=1)) == s.text(s.baseline),
         "min_p": lambda: s.text(s.send(**hot, min_p=1.0)) == s.text(s.baseline),
+        # typical_p=0 keeps one token (the most typical, not always the likeliest): no seed moves it
+        "typical_p": lambda: s.text(s.send(**hot, typical_p=0.0)) == s.text(s.send(temperature=1.5, seed=2,
+                                                                                  typical_p=0.0)),
         "stream": lambda: s.stream()[0].startswith("text/event-stream"),
         "stream_options": lambda: s.stream(stream_options={"include_usage": True})[1][-1]["usage"][
             "completion_tokens"] == 8,

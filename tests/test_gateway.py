@@ -229,13 +229,14 @@ def test_models_lists_tiers_and_family(gw):
 def test_chat_non_stream(gw, backend, frontend):
     r = gw.client().chat.completions.create(
         model="smollm2-135m-medium", messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=50, temperature=0.7, top_p=0.9, seed=7, extra_body={"top_k": 20})
+        max_tokens=50, temperature=0.7, top_p=0.9, seed=7, extra_body={"top_k": 20, "typical_p": 0.6})
     assert r.choices[0].message.content == PARIS
     assert r.choices[0].finish_reason == "stop"
     assert r.model == "smollm2-135m-medium"
     sub = backend.submits[r.id]
     p = sub.params
     assert (sub.tier, p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (1, 50, 0.7, 0.9, 20, 7)
+    assert p.typical_p == 0.6
     assert sub.gateway_id == "gw-test" and sub.model_id == "smollm2-135m-medium"
     assert frontend.tokenizer.eos_token_id in sub.params.stop_token_ids
     expect = frontend.tokenizer.apply_chat_template(
@@ -405,6 +406,7 @@ CHAT = {"model": "smollm2-135m-small", "messages": [{"role": "user", "content": 
     (json.dumps({**CHAT, "max_tokens": "ten"}).encode(), "max_tokens"),
     (json.dumps({**CHAT, "stop": [1, 2]}).encode(), "stop"),
     (json.dumps({**CHAT, "top_p": 1.5}).encode(), "top_p"),
+    (json.dumps({**CHAT, "typical_p": -0.5}).encode(), "typical_p"),
     (json.dumps({**CHAT, "stream": "yes"}).encode(), "stream"),
     (json.dumps({"messages": CHAT["messages"]}).encode(), "model"),
     (json.dumps({**CHAT, "seed": 2 ** 70}).encode(), "seed"),

@@ -64,7 +64,7 @@ VALID = {
     "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3), "ignore_eos": st.booleans(),
     "n": st.just(1), "user": st.text(max_size=20), "session_id": st.text(max_size=20),
     "frequency_penalty": st.floats(-2, 2), "logprobs": st.just(False), "echo": st.just(False),
-    "presence_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.5, 2), "min_p": st.floats(0, 1),
+    "presence_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.5, 2), "min_p": st.floats(0, 1), "typical_p": st.floats(0, 1),
     "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=3),
 }
 EXTRA = ["best_of", "suffix", "tools", "functions", "presence_penalty", "response_format", "logit_bias"]

@@ -1,5 +1,5 @@
-"""Sampling parameters (issue 15): logit_bias, repetition / frequency / presence penalties and min_p,
-against straightforward reference implementations of their definitions (vLLM's formulas, Hugging
+"""Sampling parameters (issue 15): logit_bias, repetition / frequency / presence penalties, min_p and
+typical_p, against straightforward reference implementations of their definitions (vLLM's formulas, Hugging
 Face's repetition penalty), on given logits and through the engine; self-speculation stays exact with
 them; requests without them are untouched in mixed batches."""
 from __future__ import annotations
@@ -73,6 +73,23 @@ def test_min_p_keeps_the_tokens_within_min_p_of_the_top():
         torch.testing.assert_close(probs[keep], base[keep] / base[keep].sum())
 
 
+def test_typical_p_matches_hugging_faces_warper():
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TypicalLogitsWarper
+    torch.manual_seed(2)
+    for row in range(4):
+        logits = torch.randn(V, dtype=torch.float64) * (1 + row)
+        for mass in (0.2, 0.5, 0.9, 0.99):
+            got = probs_for(logits, SamplingParams(temperature=0.8, typical_p=mass))
+            ref = TypicalLogitsWarper(mass)(None, TemperatureLogitsWarper(0.8)(None, logits[None].clone()))[0]
+            want = torch.softmax(ref, -1).float()
+            assert torch.equal(got > 0, want > 0), (row, mass)
+            torch.testing.assert_close(got, want)
+    # 0 keeps one token (the one whose surprisal is closest to the entropy); 1 is off
+    assert int((probs_for(logits, SamplingParams(temperature=1.0, typical_p=0.0)) > 0).sum()) == 1
+    torch.testing.assert_close(probs_for(logits, SamplingParams(temperature=1.0, typical_p=1.0)),
+                               torch.softmax(logits, -1).float())
+
+
 def dense_decode(model, prompt: list[int], tier: int, p: SamplingParams, n: int) -> list[int]:
     """Greedy decoding by the definitions: a dense forward per token, the reference transforms, argmax."""
     out: list[int] = []
@@ -134,7 +151,8 @@ def test_sampled_penalties_are_reproducible_and_spec_completes(llama_family):
     assert len(Engine(llama_family.model, block_size=4, num_blocks=64).generate([prompt], [2], s)[0]) == 16
 
 
-@pytest.mark.parametrize("kw", [{"min_p": -0.1}, {"min_p": 1.5}, {"presence_penalty": 2.5},
+@pytest.mark.parametrize("kw", [{"min_p": -0.1}, {"min_p": 1.5}, {"typical_p": -0.1}, {"typical_p": 1.5},
+                                {"top_p": 1.01}, {"presence_penalty": 2.5},
                                 {"frequency_penalty": -3}, {"repetition_penalty": 0}, {"repetition_penalty": -1},
                                 {"logit_bias": {1: 101}}, {"logit_bias": {-1: 1}}])
 def test_bad_sampling_parameters_are_refused(llama_family, kw):

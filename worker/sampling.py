@@ -1,4 +1,4 @@
-"""Per-request sampling: logit_bias and penalties, greedy, temperature, min-p, top-k, top-p, with a
+"""Per-request sampling: logit_bias and penalties, greedy, temperature, min-p, typical-p, top-k, top-p, with a
 per-request seeded generator; the acceptance rule of speculative decoding and the confidence the
 cascade watches."""
 from __future__ import annotations
@@ -59,7 +59,7 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], counts: l
 
 def probs_for(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy request samples from (its logits already processed): [V] float32.
-    Temperature, then min-p, top-k and top-p. The top logit is subtracted before dividing by the
+    Temperature, then min-p, typical-p, top-k and top-p. The top logit is subtracted before dividing by the
     temperature, in float64 (a temperature below float32's range would divide by zero), so a tiny
     temperature gives a (near) one-hot distribution instead of overflowing."""
     x = logits.double()
@@ -67,6 +67,14 @@ def probs_for(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.min_p > 0.0:
         p = torch.softmax(x, -1)
         x = x.masked_fill(p < params.min_p * p.max(), float("-inf"))
+    if params.typical_p < 1.0:  # the tokens closest to the entropy in surprisal, until typical_p of the mass
+        logp = torch.log_softmax(x, -1)
+        p = logp.exp()
+        entropy = -torch.where(p > 0, p * logp, 0.0).sum()
+        order = torch.argsort((-logp - entropy).abs(), stable=True)
+        ps = p[order]
+        drop = torch.cumsum(ps, -1) - ps > params.typical_p
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
