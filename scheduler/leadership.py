@@ -2,7 +2,9 @@
 every half second) says who; taking it increments the epoch ``mfs:scheduler:epoch``, which the
 leader's plans carry (a worker refuses an older one). A new leader claims what its predecessor left
 pending in the ``scheduler`` group: stale results (acknowledged) and the submits of requests in flight
-(resumed by the service, scheduler/service.py, from ``mfs:progress:{request}``)."""
+(resumed by the service, scheduler/service.py, from ``mfs:progress:{request}``). A leader's round of
+writes (plans, progress, acknowledgements, token events) reaches Redis as one script that applies it only
+while the epoch is still the leader's (:meth:`Lease.write`)."""
 from __future__ import annotations
 
 import time
@@ -32,6 +34,21 @@ end
 return 0
 """
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+# A leader's round of writes, applied only while the shard's epoch is still the leader's: Redis itself
+# fences a round that was delayed in flight (a partition, TCP retransmitting it after the link is back)
+# past a takeover. ARGV: the epoch, then per command its argument count and its arguments. Each command
+# runs as in a pipeline: an error answers that command and the rest still run.
+_FENCED = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+local i, n = 2, 0
+while i <= #ARGV do
+  local argc = tonumber(ARGV[i])
+  redis.pcall(unpack(ARGV, i + 1, i + argc))
+  i = i + 1 + argc
+  n = n + 1
+end
+return n
+"""
 
 
 
@@ -51,6 +68,7 @@ class Lease:
         self._acquire = r.register_script(_ACQUIRE)
         self._renew = r.register_script(_RENEW)
         self._release = r.register_script(_RELEASE)
+        self._fenced = r.register_script(_FENCED)
 
     def acquire(self) -> bool:
         """Takes the lease if nobody holds it, with an epoch above every one a worker has seen."""
@@ -80,6 +98,15 @@ class Lease:
             self._last_renew = time.monotonic()
             return True
         return False
+
+    def write(self, pipe: redis.client.Pipeline) -> bool:
+        """Sends the commands queued on ``pipe`` (not executed) as one fenced script; False, and nothing
+        written, when the epoch has moved on (another scheduler leads)."""
+        argv: list = [self.epoch]
+        for args, _options in pipe.command_stack:
+            argv += [len(args), *args]
+        pipe.reset()
+        return len(argv) == 1 or int(self._fenced(keys=[self.shard.epoch_key], args=argv)) >= 0
 
     def release(self) -> None:
         """Hands the lease over now rather than when it expires (only if it is still ours)."""

@@ -312,7 +312,9 @@ class SchedulerService:
             self.dispatch(pipe)
             if not self.lease.held() and not self.renew_now():
                 return  # fenced: a round prepared under a lapsed lease is not written (see Lease.held)
-            pipe.execute()
+            if not self.lease.write(pipe):  # and fenced by Redis: the epoch moved while it was in flight
+                self.step_down("another scheduler took over: Redis refused this leader's round (epoch moved)")
+                return
         finally:
             self.round = None
         self.registry.flush_directory()

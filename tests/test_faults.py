@@ -5,6 +5,10 @@ clear error), no token is duplicated with a different value or missing, and outp
 run. Each test prints what it observed; docs/RELIABILITY.md records the figures."""
 import random
 import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -14,6 +18,8 @@ from core import protocol as P
 from scheduler.housekeeping import GATEWAY_LOST, GONE_STREAM_TTL_S
 from worker.family import load_family
 from mfs.launch import Service
+from tests.redis_group import server_argv, wait_for
+from tests.redis_server import free_port
 from tests.test_pipeline import Reader, stats, submit, wait_kv_idle
 from mfs.engine import Engine
 from worker.sampling import SamplingParams
@@ -192,3 +198,104 @@ def test_redis_killed_and_restarted_streams_end_and_new_requests_succeed(llama_d
     print(f"redis kill -9 + restart: {in_flight} of {len(work)} streams in flight; all ended "
           f"{ended_in:.1f}s after the restart, {complete} complete and equal to a fault-free run, "
           f"{len(work) - complete} interrupted (a gap or an error event)")
+
+
+class DelayingProxy:
+    """A TCP proxy to Redis that can deliver one write late: once armed, the first chunk from a client
+    that holds ``marker`` is forwarded ``hold_s`` later (and what that client sends after it waits behind
+    it), as TCP delivers a write that went out into a partition once the link is back."""
+
+    def __init__(self, port: int, marker: bytes, hold_s: float):
+        self.target, self.marker, self.hold_s = port, marker, hold_s
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.armed, self.released = threading.Event(), threading.Event()
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            self.socks += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, to_redis: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if to_redis and self.armed.is_set() and self.marker in data:
+                    self.armed.clear()
+                    time.sleep(self.hold_s)
+                    self.released.set()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.server.close()
+        for s in self.socks:
+            s.close()
+
+
+def test_a_round_delayed_in_flight_past_a_takeover_is_refused_by_redis(llama_dir, tmp_path):
+    """Scheduler A leads through a proxy; one of its rounds (plans, progress, acknowledgements, token
+    events: one script) is held 4 s on its way, longer than the 2-s lease: B takes over meanwhile, and
+    when A's round arrives Redis refuses it whole (the epoch moved). A steps down; every stream completes
+    equal to a fault-free run."""
+    port = free_port()
+    redis_proc = subprocess.Popen(server_argv(port, ["127.0.0.1"], tmp_path / "redis"))
+    proxy = DelayingProxy(port, b"mfs:plan:", hold_s=4.0)
+    log_a = tmp_path / "scheduler-a.log"
+    a = None
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        r = redis.Redis.from_url(url)
+        wait_for(lambda: r.ping(), 10, "redis")
+        with open(log_a, "wb") as out:
+            a = subprocess.Popen([sys.executable, "-m", "scheduler", "--redis-url", f"redis://127.0.0.1:{proxy.port}/0",
+                                  "--lease-s", "2", "--redis-timeout", "10"], stdout=out, stderr=subprocess.STDOUT)
+        wait_for(lambda: (r.get(P.LEADER_KEY) or b"").endswith(f"-{a.pid}".encode()), 30, "A to lead")
+        epoch = int(r.get(P.EPOCH_KEY))
+        work = workload(16, 33, max_tokens=100)
+        with service(llama_dir, redis_url=url, scheduler_args=["--lease-s", "2"]) as svc:  # B and two workers
+            assert svc.procs and a.poll() is None
+            for rid, prompt, tier, n in work:
+                submit(r, rid, prompt, tier, max_tokens=n, ignore_eos=True)
+            rd = Reader(r)
+            rd.until(lambda: sum(len(v) for v in rd.events.values()) >= 150)
+            proxy.armed.set()
+            armed = time.monotonic()
+            wait_for(lambda: int(r.get(P.EPOCH_KEY)) == epoch + 1, 15, "B to take over")
+            took_over_in = time.monotonic() - armed
+            assert proxy.released.wait(10)
+            refused = "Redis refused this leader's round"
+            wait_for(lambda: refused in log_a.read_text(), 10, "A to learn that its round was refused")
+            rd.until(lambda: all(rd.finished(rid) for rid, *_ in work), timeout=120)
+            s = wait_kv_idle(r)
+            assert s.epoch == epoch + 1 and a.poll() is None
+            assert r.xpending(P.REQ_STREAM, P.SCHEDULER_GROUP)["pending"] == 0
+            assert not list(r.scan_iter(P.progress_key("*")))
+            stale = sum(p.read_text().count("plan from a former scheduler leader dropped")
+                        for p in svc.log_dir.glob("worker-*.log"))
+            assert stale == 0  # nothing of A's round reached a worker
+        assert_complete_and_equal(rd, work, expected(llama_dir, work))
+    finally:
+        if a is not None:
+            a.kill()
+            a.wait(10)
+        proxy.close()
+        redis_proc.kill()
+        redis_proc.wait(10)
+    print(f"delayed round: A's round held 4 s on its way (lease 2 s); B led {took_over_in:.1f}s after it was "
+          f"sent (epoch {epoch} -> {epoch + 1}); Redis refused A's round when it arrived (A stepped down); "
+          f"{stale} stale plans reached a worker; all 16 complete and equal")

@@ -1,6 +1,7 @@
 """The leadership lease as a fence, against a real Redis: a leader cut off long enough for its lease to
 lapse (and a standby to take over) may come back holding entries it read before the cut; nothing it
-prepares from them is written."""
+prepares from them is written. And Redis fences a round that was already on its way: a round's writes
+apply only while the epoch is the leader's (Lease.write)."""
 import redis
 
 from core import protocol as P
@@ -69,3 +70,27 @@ def test_a_worker_refuses_the_plans_of_a_former_leader(redis_url):
     assert delivered() == (["new-leader"], [2]) and set(w.live) == {"new-leader"}  # refused whole
     w.execute(plan(3, 3, "newer-leader"))  # a newer leader: what the worker held is forgotten
     assert delivered() == (["new-leader", "newer-leader"], [2, 3]) and set(w.live) == {"newer-leader"}
+
+
+def test_redis_applies_a_round_only_while_the_epoch_is_the_leaders(redis_url):
+    """A round sent under a valid lease but delivered after a takeover (delayed in flight) is refused
+    whole by Redis; on time, every command of it applies, and one command's error does not stop the rest."""
+    r, a = leader_a(redis_url)
+    r.set("k", "not a stream")
+
+    def a_round() -> redis.client.Pipeline:
+        pipe = r.pipeline(transaction=False)
+        pipe.xadd(P.plan_stream("w0"), {"t": "x", "d": b"\x00\xff"}, maxlen=100, approximate=True)
+        pipe.xadd("k", {"t": "x"})  # WRONGTYPE: answers an error, the rest still applies
+        pipe.append(P.progress_key("r1"), b"\x01\x00\x00\x00")
+        return pipe
+
+    assert a.lease.write(a_round())
+    assert r.xlen(P.plan_stream("w0")) == 1 and r.get(P.progress_key("r1")) == b"\x01\x00\x00\x00"
+    assert r.xrange(P.plan_stream("w0"))[0][1] == {b"t": b"x", b"d": b"\x00\xff"}  # bytes kept exactly
+    late = a_round()  # prepared and sent by A while it led...
+    b = SchedulerService(redis_url, SchedulerProcessConfig(lease_s=1.0), consumer="B")
+    assert b.try_lead()  # ...but B took over before it arrived
+    assert not a.lease.write(late)
+    assert r.xlen(P.plan_stream("w0")) == 1 and r.get(P.progress_key("r1")) == b"\x01\x00\x00\x00"
+    assert a.lease.write(r.pipeline(transaction=False))  # nothing to write: nothing refused
