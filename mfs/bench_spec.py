@@ -84,8 +84,8 @@ def run(args) -> int:
                                 spec_stop_confidence=stop)
             plain_tps, spec_tps, acc, per, gated = [], [], [], [], 0
             gate = {} if args.min_acceptance is None else {"spec_min_acceptance": args.min_acceptance}
-            eng_plain = Engine(model, num_blocks=1024, enable_prefix_caching=False)
-            eng_spec = Engine(model, num_blocks=1024, enable_prefix_caching=False, **gate)
+            eng_plain = Engine(model, num_blocks=1024, prefix_caching=False)
+            eng_spec = Engine(model, num_blocks=1024, prefix_caching=False, **gate)
             for _ in range(args.repeats):
                 for b in batches:
                     a = _run(eng_plain, b, top, base)

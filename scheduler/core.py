@@ -206,7 +206,7 @@ class StepScheduler:
         than the step's token budget is only planned in a step of its own (`alone`): it then runs
         with nothing else waiting on it."""
         req.catchup = None
-        if not self.cfg.enable_prefix_caching:
+        if not self.cfg.prefix_caching:
             return None
         if req.params.prompt_logprobs is not None and not req.output_ids:
             return None  # it scores every prompt position, so computes them all (its blocks are cached)
@@ -243,7 +243,7 @@ class StepScheduler:
     def _register_full_blocks(self, req: Request) -> None:
         """After a step: the request's newly completed blocks become findable by hash."""
         full = req.num_computed_tokens // self.cfg.block_size
-        if not self.cfg.enable_prefix_caching or full <= req.num_cached_blocks:
+        if not self.cfg.prefix_caching or full <= req.num_cached_blocks:
             return
         chains = self._hashes(req, full)
         for s, table in enumerate(req.block_tables):
@@ -268,7 +268,7 @@ class StepScheduler:
         choice's prompt is being computed here, then starts from its cached blocks."""
         lead = self.requests.get(req.meta.get("follow") or "")
         return (lead is not None and lead is not req and lead.status is not Status.FINISHED
-                and lead.num_computed_tokens < len(lead.prompt_ids) and self.cfg.enable_prefix_caching)
+                and lead.num_computed_tokens < len(lead.prompt_ids) and self.cfg.prefix_caching)
 
     def _within_quota(self, req: Request, num_new: int) -> bool:
         share = self.cfg.kv_quota.get(req.tier)

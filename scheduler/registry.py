@@ -5,6 +5,7 @@ lost worker's requests on a live one. The service (scheduler/service.py) reads a
 this module owns the maps they change."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import redis
@@ -13,7 +14,7 @@ import structlog
 from core import protocol as P
 from core.keyrecords import WorkerInfo
 from kvstore.directory import BlockDirectory, common_blocks
-from scheduler.config import SchedulerProcessConfig
+from scheduler.config import STEP_LIMITS, SchedulerProcessConfig
 from scheduler.core import StepScheduler
 from scheduler.request import InvalidRequest, Request, ScheduledStep, SchedulerConfig
 
@@ -80,17 +81,12 @@ class WorkerRegistry:
     def _new_worker(self, wid: str, info: WorkerInfo) -> WorkerState:
         tiers = info.tiers
         standalone = len(tiers) == 1 and info.num_tiers > 1
-        lim = self.cfg
         cfg = SchedulerConfig(
             num_tiers=info.num_tiers if not standalone else 1,
-            num_blocks=list(info.num_blocks), block_size=info.block_size,
-            max_num_batched_tokens=lim.max_num_batched_tokens, max_num_seqs=lim.max_num_seqs,
-            max_model_len=info.max_model_len, max_tiers_per_step=lim.max_tiers_per_step,
-            path_switches_per_s=lim.path_switches_per_s, kv_quota=dict(lim.kv_quota),
+            num_blocks=list(info.num_blocks), block_size=info.block_size, max_model_len=info.max_model_len,
             served_tiers=tuple(tiers) if standalone else None,
             eos_token_ids=tuple(info.eos), vocab_size=info.vocab_size,
-            enable_prefix_caching=lim.prefix_caching, cache_ttl_s=lim.cache_ttl_s,
-            spec_min_acceptance=lim.spec_min_acceptance, spec_probe_every=lim.spec_probe_every)
+            **{name: copy.copy(getattr(self.cfg, name)) for name in STEP_LIMITS})
         if standalone:  # a standalone copy keeps global tier numbers for validation, one segment
             cfg.num_tiers = max(tiers) + 1
             cfg.num_blocks = cfg.num_blocks * cfg.num_tiers

@@ -100,7 +100,7 @@ class SchedulerConfig:
     served_tiers: tuple[int, ...] | None = None  # None: every tier (nested); else a standalone copy
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int = 0
-    enable_prefix_caching: bool = True
+    prefix_caching: bool = True
     cache_ttl_s: float = 0.0           # uncache blocks unused this long (0: only under pressure)
     # Speculation gate per draft>target tier pair: while the pair's running acceptance (over every
     # request's rounds) is below this, a round starts only every `spec_probe_every`-th chance; the

@@ -185,7 +185,7 @@ class SchedulerService:
             if o.finished:
                 self.registry.placement.pop(o.request_id, None)
                 self.end(o.request_id, req.meta.get("entry"), pipe)
-                if req.meta.get("session_id") and w.core.cfg.enable_prefix_caching:
+                if req.meta.get("session_id") and w.core.cfg.prefix_caching:
                     full = req.num_computed_tokens // w.core.cfg.block_size
                     self.registry.directory.touch_session(req.meta["session_id"], w.worker_id, w.started, req.tier,
                                                           [c[:full] for c in req.block_hashes],

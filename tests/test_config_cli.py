@@ -8,6 +8,7 @@ from typing import Literal
 import pytest
 
 from core.cli import add_args, from_args, opt
+from tests.redis_server import redis_url  # noqa: F401 - the session fixture
 
 
 def _pair(spec: str) -> tuple[int, int]:
@@ -150,3 +151,36 @@ def test_gateway_flags_fill_its_config_and_nested_limits():
     assert parse_args([]).limits == d.limits and parse_args([]).complexity == d.complexity
     assert (c.request_timeout_s, c.limits.max_stop, c.spec_draft_tier, c.complexity.w_length, c.gateway_id) == (
         5.0, 2, "1", 2.0, "g1")
+
+
+PROCESS_ONLY = {"directory_ttl_s", "affinity_abs_threshold", "affinity_rel_threshold", "lease_s", "housekeeping_s",
+                "shard"}
+
+
+def test_every_scheduler_knob_reaches_the_workers_step_scheduler_or_is_the_process_own(redis_url):  # noqa: F811
+    """The step-scheduler knobs are said once (SchedulerConfig's fields and defaults) and passed by name:
+    a new scheduler flag is either one of them or named here as the process's own."""
+    import dataclasses  # noqa: PLC0415
+
+    import redis  # noqa: PLC0415
+
+    from core.keyrecords import WorkerInfo  # noqa: PLC0415
+    from scheduler.config import STEP_LIMITS, SchedulerProcessConfig  # noqa: PLC0415
+    from scheduler.registry import WorkerRegistry  # noqa: PLC0415
+    from scheduler.request import SchedulerConfig  # noqa: PLC0415
+    names = {f.name for f in dataclasses.fields(SchedulerProcessConfig)}
+    assert names == set(STEP_LIMITS) | PROCESS_ONLY and not set(STEP_LIMITS) & PROCESS_ONLY
+    for name in STEP_LIMITS:  # the process's defaults are the step scheduler's
+        assert getattr(SchedulerProcessConfig(), name) == getattr(SchedulerConfig(1, [1]), name), name
+    cfg = _scheduler(["--max-num-batched-tokens", "96", "--max-num-seqs", "5", "--max-tiers-per-step", "2",
+                      "--path-switches-per-s", "3", "--kv-quota", "0=0.5", "--no-prefix-caching",
+                      "--cache-ttl-s", "7", "--spec-min-acceptance", "0.4", "--spec-probe-every", "9"])
+    reg = WorkerRegistry(redis.Redis.from_url(redis_url), cfg)
+    info = WorkerInfo(tiers=[0, 1, 2], num_tiers=3, num_blocks=[32, 32, 32], block_size=4, max_model_len=256,
+                      vocab_size=100, eos=[2], started="t0")
+    step = reg._new_worker("w-knobs", info).core.cfg
+    assert {n: getattr(step, n) for n in STEP_LIMITS} == {
+        "max_num_batched_tokens": 96, "max_num_seqs": 5, "max_tiers_per_step": 2, "path_switches_per_s": 3.0,
+        "kv_quota": {0: 0.5}, "prefix_caching": False, "cache_ttl_s": 7.0, "spec_min_acceptance": 0.4,
+        "spec_probe_every": 9}
+    assert (step.num_blocks, step.block_size, step.max_model_len, step.eos_token_ids) == ([32] * 3, 4, 256, (2,))

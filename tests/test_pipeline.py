@@ -156,7 +156,7 @@ def test_session_escalating_to_the_top_tier_reuses_its_lower_segment_kv(nested_s
     assert first.cached_tokens == 16  # positions of turn 1 whose segment-0 KV was reused
     assert {e.worker for e in rd.events["esc-1"]} == {e.worker for e in rd.events["esc-2"]}
     fam = load_family(str(llama_dir), tiers="2,4,6", dtype="float64")
-    cold = Engine(fam.model, block_size=4, num_blocks=64, enable_prefix_caching=False)
+    cold = Engine(fam.model, block_size=4, num_blocks=64, prefix_caching=False)
     assert rd.tokens("esc-2") == cold.generate([turn2], [2], SamplingParams(max_tokens=6, ignore_eos=True))[0]
 
 

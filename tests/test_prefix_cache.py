@@ -161,7 +161,7 @@ def test_cached_blocks_expire_after_the_ttl(llama_family):
 
 
 def test_prefix_caching_can_be_switched_off(llama_family):
-    eng = make_engine(llama_family, enable_prefix_caching=False)
+    eng = make_engine(llama_family, prefix_caching=False)
     p = list(range(60, 73))
     first = eng.generate([p], [2], greedy(3))[0]
     assert eng.generate([p], [2], greedy(3))[0] == first

@@ -126,7 +126,7 @@ class NewestFirst(FCFS):
 def _preempted_under(policy) -> list[str]:
     """Two tier-0 requests that cannot both grow in a 5-block pool: which one is preempted?"""
     cfg = SchedulerConfig(num_tiers=1, num_blocks=[5], block_size=4, max_model_len=128, vocab_size=1000,
-                          enable_prefix_caching=False)
+                          prefix_caching=False)
     s = StepScheduler(cfg, policy)
     p = SamplingParams(max_tokens=8, ignore_eos=True)
     s.add_request("old", [5, 6, 7, 8, 9, 10, 11], 0, p)

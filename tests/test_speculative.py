@@ -19,7 +19,7 @@ def make_engine(fam, **kw):
 
 
 def plain(fam, prompt, tier, n):
-    return make_engine(fam, enable_prefix_caching=False).generate(
+    return make_engine(fam, prefix_caching=False).generate(
         [prompt], [tier], SamplingParams(max_tokens=n, ignore_eos=True))[0]
 
 
@@ -45,7 +45,7 @@ def test_greedy_speculation_equals_plain_decoding_in_mixed_batches(llama_family,
 
 def test_many_rejections_leave_no_blocks_held(llama_family):
     # Random tiny tiers disagree often: most drafts are rejected and their KV positions rolled back.
-    eng = make_engine(llama_family, enable_prefix_caching=False)
+    eng = make_engine(llama_family, prefix_caching=False)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 160) for _ in range(6)] for _ in range(4)]
     sp = SamplingParams(max_tokens=60, ignore_eos=True, spec_draft_tier=0, spec_gamma=4)
@@ -60,7 +60,7 @@ def test_many_rejections_leave_no_blocks_held(llama_family):
 def test_early_stop_ends_rounds_when_the_drafter_is_unsure(llama_family, stop):
     """spec_stop_confidence 1.0: every draft is below it, so each round verifies a single draft;
     0.0: rounds run to gamma. Outputs equal plain decoding either way, every block comes back."""
-    eng = make_engine(llama_family, enable_prefix_caching=False)
+    eng = make_engine(llama_family, prefix_caching=False)
     rng = random.Random(9)
     prompts = [[rng.randrange(3, 160) for _ in range(6)] for _ in range(3)]
     sp = SamplingParams(max_tokens=30, ignore_eos=True, spec_draft_tier=0, spec_gamma=4,
@@ -83,8 +83,8 @@ def test_a_pair_below_break_even_is_gated_but_still_probed(llama_family):
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 160) for _ in range(6)] for _ in range(8)]
     sp = SamplingParams(max_tokens=24, ignore_eos=True, spec_draft_tier=0, spec_gamma=4)
-    free = make_engine(llama_family, enable_prefix_caching=False)
-    gated = make_engine(llama_family, enable_prefix_caching=False, spec_min_acceptance=0.5, spec_probe_every=16)
+    free = make_engine(llama_family, prefix_caching=False)
+    gated = make_engine(llama_family, prefix_caching=False, spec_min_acceptance=0.5, spec_probe_every=16)
     for p in prompts:  # one after another, as a server sees them
         want = plain(llama_family, p, 2, 24)
         assert free.generate([p], [2], sp)[0] == want
