@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import redis
 
 from core import protocol as P
+from core.cli import add_args, from_args, opt
 from core.redisconn import add_redis_args, connect, target_from_args
 from core.sampling import SamplingParams
 from worker.loop import WorkerLoop, WorkerSpec
@@ -96,28 +97,43 @@ class NullWorker(WorkerLoop):
         self._published = time.perf_counter()
 
 
+def parse_shards(spec: str) -> list[str]:
+    """``a,b`` -> the shard names, each checked (core.protocol.Shard.check)."""
+    return [P.Shard.check(s.strip()) for s in spec.split(",")]
+
+
+@dataclass(slots=True)
+class NullConfig:
+    """The knobs of one ``python -m worker.null`` process (its flags are generated from these fields)."""
+    workers: int = opt(1, "null workers in this process (one thread each)")
+    prefix: str = opt(default_factory=lambda: f"null-{os.getpid()}-", help="worker ids are PREFIX0, PREFIX1, ...")
+    step_ms: float = opt(15.0, "simulated step time (a GPU decode step: ~15)")
+    num_tiers: int = opt(3, "tiers of the simulated family")
+    stats_file: str | None = opt(None, "JSON of the measured gaps, written on stop")
+    shards: list[str] = opt(default_factory=lambda: [P.DEFAULT_SHARD], parse=parse_shards,
+                            help="comma list of control-plane shards; worker i joins shard i mod their number")
+
+    def check(self) -> None:
+        if self.workers < 1 or self.step_ms < 0 or self.num_tiers < 1:
+            raise ValueError("--workers and --num-tiers must be >= 1, --step-ms >= 0")
+
+
 def main(argv: list[str] | None = None) -> int:
     from core.logs import configure, install_stop_signals  # noqa: PLC0415
     p = argparse.ArgumentParser(prog="python -m worker.null",
                                 description="null workers (no model) for the control-plane benchmark")
     add_redis_args(p)
-    p.add_argument("--workers", type=int, default=1, help="null workers in this process (one thread each)")
-    p.add_argument("--prefix", default=f"null-{os.getpid()}-", help="worker ids are PREFIX0, PREFIX1, ...")
-    p.add_argument("--step-ms", type=float, default=15.0, help="simulated step time (a GPU decode step: ~15)")
-    p.add_argument("--num-tiers", type=int, default=3)
-    p.add_argument("--stats-file", default=None, help="JSON of the measured gaps, written on stop")
-    p.add_argument("--shards", default=P.DEFAULT_SHARD,
-                   help="comma list of control-plane shards; worker i joins shard i mod their number")
-    args = p.parse_args(argv)
-    if args.workers < 1 or args.step_ms < 0 or args.num_tiers < 1:
-        p.error("--workers and --num-tiers must be >= 1, --step-ms >= 0")
+    add_args(p, NullConfig)
+    a = p.parse_args(argv)
+    args = from_args(NullConfig, a)
     try:
-        shards = [P.Shard.check(s.strip()) for s in args.shards.split(",")]
+        args.check()
     except ValueError as e:
-        p.error(f"--shards: {e}")
+        p.error(str(e))
+    shards = args.shards
     configure(json_lines=True)
     install_stop_signals()
-    target = target_from_args(args)
+    target = target_from_args(a)
     loops = [NullWorker(f"{args.prefix}{i}", connect(target), args.step_ms / 1000,
                         num_tiers=args.num_tiers, shard=shards[i % len(shards)]) for i in range(args.workers)]
     threads = [threading.Thread(target=w.run, name=w.id, daemon=True) for w in loops]
