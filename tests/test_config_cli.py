@@ -184,3 +184,17 @@ def test_every_scheduler_knob_reaches_the_workers_step_scheduler_or_is_the_proce
         "kv_quota": {0: 0.5}, "prefix_caching": False, "cache_ttl_s": 7.0, "spec_min_acceptance": 0.4,
         "spec_probe_every": 9}
     assert (step.num_blocks, step.block_size, step.max_model_len, step.eos_token_ids) == ([32] * 3, 4, 256, (2,))
+
+
+def test_null_worker_flags_come_from_its_config(capsys):
+    from worker.null import NullConfig, main  # noqa: PLC0415
+    p = argparse.ArgumentParser()
+    add_args(p, NullConfig)
+    cfg = from_args(NullConfig, p.parse_args(["--workers", "3", "--shards", "a, b", "--step-ms", "5"]))
+    assert (cfg.workers, cfg.shards, cfg.step_ms, cfg.num_tiers, cfg.stats_file) == (3, ["a", "b"], 5.0, 3, None)
+    assert cfg.prefix.startswith("null-")
+    for bad, says in ((["--shards", "a b"], "argument --shards: shard name 'a b'"),
+                      (["--workers", "0"], "--workers and --num-tiers must be >= 1")):
+        with pytest.raises(SystemExit):
+            main(bad)
+        assert says in capsys.readouterr().err
