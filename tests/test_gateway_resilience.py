@@ -236,9 +236,10 @@ def test_redis_down_health_and_new_requests_then_recovery(gw, peer, srv, ids, po
     re_ = fe.result(15)
     assert re_.status_code == 200 and re_.json()["choices"][0]["text"] == WORDS
     # nothing stayed registered: the refused requests left no queue behind
-    time.sleep(1.2)
-    beat = json.loads(peer.r.get(P.gateway_key(gw.cfg.gateway_id)))
-    assert beat["waiting"] == 0
+    deadline = time.monotonic() + 5  # the next heartbeat (every second) says so
+    while json.loads(peer.r.get(P.gateway_key(gw.cfg.gateway_id)))["waiting"]:
+        assert time.monotonic() < deadline, "requests still registered at the gateway"
+        time.sleep(0.05)
     assert metric(gw, "mfs_inflight_requests") == 0
     assert metric(gw, "mfs_redis_up") == 1
     assert metric(gw, 'mfs_requests_interrupted_total{reason="redis"}') == 1

@@ -14,6 +14,7 @@ import redis
 
 from core import protocol as P
 from mfs.launch import Service
+from tests.redis_group import wait_for
 from tests.test_pipeline import stats, wait_kv_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -83,7 +84,9 @@ def test_soak_redis_memory_and_kv_pools_return_to_baseline():
             counts = {"requests": 0, "disconnects": 0}
             asyncio.run(load(svc.url, ROUND_S, k, counts))
             wait_kv_idle(r, timeout=30)  # every block back (cached prefixes are evictable, not in use)
-            time.sleep(2.5)  # one housekeeping pass of the scheduler (trims, cancels)
+            # the scheduler's housekeeping (every 2 s) trims the streams and ends what is left: within 15 s
+            wait_for(lambda: (f := redis_figures(r))["pending"] == 0 and f["progress_keys"] == 0
+                     and f["stream_entries"] < 200, 15, "the streams trimmed, nothing pending", poll=0.25)
             rounds.append({**redis_figures(r), **counts})
         total_blocks = sum(sum(v) for v in stats(r).kv_blocks_total.values())
         for f in rounds:
