@@ -26,8 +26,9 @@ GATEWAY_LOST = "gateway_lost"
 class GatewayReaper:
     """Watches the heartbeats of the gateways whose requests are in flight."""
 
-    def __init__(self, r: redis.Redis):
+    def __init__(self, r: redis.Redis, clock: Callable[[], float] = time.monotonic):
         self.r = r
+        self.clock = clock
         self.gateways_seen: set[str] = set()  # gateways whose heartbeat was seen (their loss cancels)
         self.gateways_gone: dict[str, float] = {}  # -> when: a step in flight may still write its stream
         self.gateway_cancels = 0
@@ -42,7 +43,7 @@ class GatewayReaper:
                 gw = req.meta.get("gateway_id")
                 if gw:
                     by_gw.setdefault(gw, []).append((w, rid))
-        now = time.monotonic()
+        now = self.clock()
         for gw, t in list(self.gateways_gone.items()):
             # a step in flight may still write the stream, and an XADD after it expired makes a new one
             # without a TTL: set it again for a while

@@ -8,7 +8,7 @@ while the epoch is still the leader's (:meth:`Lease.write`)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import redis
 
@@ -57,8 +57,9 @@ class Lease:
     """The leadership lease of one scheduler process, and the epoch it took with it."""
 
     def __init__(self, r: redis.Redis, consumer: str, lease_s: float, renew_every_s: float = 0.5,
-                 shard: P.Shard = P.Shard()):
+                 shard: P.Shard = P.Shard(), clock: Callable[[], float] = time.monotonic):
         self.r = r
+        self.clock = clock  # this process's own: what Lease.held measures the lease with
         self.shard = shard
         self.consumer = consumer
         self.lease_ms = int(lease_s * 1000)
@@ -77,12 +78,12 @@ class Lease:
         if not epoch:
             return False
         self.epoch = epoch
-        self._last_renew = time.monotonic()
+        self._last_renew = self.clock()
         return True
 
     def renew(self) -> bool:
         """Extends the lease when due; False once another scheduler has taken it."""
-        if time.monotonic() - self._last_renew < self.renew_every_s:
+        if self.clock() - self._last_renew < self.renew_every_s:
             return True
         return self.renew_now()
 
@@ -91,11 +92,11 @@ class Lease:
         lease ago. A leader cut off from Redis may come back with results it read before the cut; it
         must not write what it planned from them (plans, progress) unless renewing succeeds first,
         since a standby may have led, and written, meanwhile."""
-        return time.monotonic() - self._last_renew < self.lease_ms / 1000
+        return self.clock() - self._last_renew < self.lease_ms / 1000
 
     def renew_now(self) -> bool:
         if self._renew(keys=[self.shard.leader_key, self.shard.epoch_key], args=[self.consumer, self.lease_ms, self.epoch]):
-            self._last_renew = time.monotonic()
+            self._last_renew = self.clock()
             return True
         return False
 

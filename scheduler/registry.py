@@ -6,6 +6,8 @@ this module owns the maps they change."""
 from __future__ import annotations
 
 import copy
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -33,8 +35,10 @@ class WorkerState:
 
 
 class WorkerRegistry:
-    def __init__(self, r: redis.Redis, cfg: SchedulerProcessConfig, shard: P.Shard = P.Shard()):
+    def __init__(self, r: redis.Redis, cfg: SchedulerProcessConfig, shard: P.Shard = P.Shard(),
+                 clock: Callable[[], float] = time.monotonic):
         self.r = r
+        self.clock = clock  # each worker's step scheduler's (its path-switch budget, cached blocks' TTL)
         self.cfg = cfg
         self.shard = shard  # only the workers that joined this shard
         self.workers: dict[str, WorkerState] = {}
@@ -91,7 +95,7 @@ class WorkerRegistry:
             cfg.num_tiers = max(tiers) + 1
             cfg.num_blocks = cfg.num_blocks * cfg.num_tiers
         log.info("worker joined", worker=wid, tiers=tiers, blocks=cfg.num_blocks[:1])
-        core = StepScheduler(cfg)
+        core = StepScheduler(cfg, clock=self.clock)
         core.cache_log = []
         self.directory.drop_worker(wid)  # whatever a previous life of this id (or scheduler) listed
         return WorkerState(wid, info.started, tiers, core)

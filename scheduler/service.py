@@ -31,6 +31,7 @@ import dataclasses
 import os
 import socket
 import time
+from collections.abc import Callable
 
 import redis
 import structlog
@@ -56,18 +57,21 @@ log = structlog.get_logger(__name__)
 
 class SchedulerService:
     def __init__(self, redis_target: RedisTarget | str, cfg: SchedulerProcessConfig | None = None,
-                 consumer: str | None = None):
+                 consumer: str | None = None, clock: Callable[[], float] = time.monotonic):
+        """``clock``: what the lease, the loop's periods (worker refresh, stats, housekeeping) and the step
+        schedulers read; tests step one instead of sleeping."""
+        self.clock = clock
         self.target = redis_target if isinstance(redis_target, RedisTarget) else RedisTarget.parse(redis_target)
         self.r = connect(self.target)
         self.cfg = cfg = cfg or SchedulerProcessConfig()
         # unique per process across hosts: two containers both run their scheduler as pid 1
         self.consumer = consumer or f"sched-{socket.gethostname()}-{os.getpid()}"
         self.shard = P.Shard(cfg.shard)  # the shard it plans for: its streams, workers set, lease, epoch
-        self.lease = Lease(self.r, self.consumer, cfg.lease_s, shard=self.shard)
+        self.lease = Lease(self.r, self.consumer, cfg.lease_s, shard=self.shard, clock=clock)
         self.leader = False
         self.takeovers = 0
-        self.registry = WorkerRegistry(self.r, cfg, shard=self.shard)
-        self.reaper = GatewayReaper(self.r)
+        self.registry = WorkerRegistry(self.r, cfg, shard=self.shard, clock=clock)
+        self.reaper = GatewayReaper(self.r, clock)
         self._last_refresh = 0.0
         self._last_stats = 0.0
         self._last_gc = 0.0
@@ -252,7 +256,7 @@ class SchedulerService:
         self.setup()
         self.registry.clear()
         self.refresh_workers()
-        self._last_refresh = time.monotonic()
+        self._last_refresh = self.clock()
         subs, cancels, stale = claim_requests(self.r, self.consumer, self.shard)
         # Workers re-register within a heartbeat after Redis comes back: wait for them (up to their
         # TTL) rather than failing the requests in flight for want of a worker.
@@ -297,7 +301,7 @@ class SchedulerService:
                     pipe.xack(stream, P.SCHEDULER_GROUP, entry_id)
 
     def run_once(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if now - self._last_refresh > 0.5:
             self.refresh_workers()
             self._last_refresh = now

@@ -10,11 +10,21 @@ from scheduler.service import SchedulerService
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture
 
 
-def leader_a(redis_url) -> tuple[redis.Redis, SchedulerService]:
+class Clock:
+    """A clock the test steps (SchedulerService(clock=...)): A's own sense of time, apart from Redis's."""
+
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def leader_a(redis_url, clock=None) -> tuple[redis.Redis, SchedulerService]:
     """A fresh Redis with scheduler A leading, its lease then expired in Redis (as if A were cut off)."""
     r = redis.Redis.from_url(redis_url)
     r.flushdb()
-    a = SchedulerService(redis_url, SchedulerProcessConfig(lease_s=1.0), consumer="A")
+    a = SchedulerService(redis_url, SchedulerProcessConfig(lease_s=1.0), consumer="A", clock=clock or Clock())
     a.setup()
     assert a.try_lead()
     r.delete(P.LEADER_KEY)
@@ -22,10 +32,13 @@ def leader_a(redis_url) -> tuple[redis.Redis, SchedulerService]:
 
 
 def test_a_leader_whose_lease_lapsed_writes_nothing_of_its_round(redis_url):
-    r, a = leader_a(redis_url)  # A is cut off: its lease expires in Redis...
+    clock = Clock()
+    r, a = leader_a(redis_url, clock)  # A is cut off: its lease expires in Redis...
     b = SchedulerService(redis_url, SchedulerProcessConfig(lease_s=1.0), consumer="B")
     assert b.try_lead() and b.lease.epoch == a.lease.epoch + 1  # ...and B leads
-    a.lease._last_renew -= 5.0  # A's own clock: its last renewal was longer than a lease ago
+    clock.t += 0.99
+    assert a.lease.held()  # by A's own clock, just under a lease since it renewed
+    clock.t += 0.02  # and now over it
     assert not a.lease.held()
     r.xadd(P.REQ_STREAM, P.Cancel("x").encode())  # something A's round would acknowledge
     a.run_once()
@@ -36,9 +49,10 @@ def test_a_leader_whose_lease_lapsed_writes_nothing_of_its_round(redis_url):
 
 def test_a_leader_whose_lease_lapsed_unnoticed_takes_it_back_and_writes(redis_url):
     """No one took over: renewing at write time succeeds (same epoch) and the round is written."""
-    r, a = leader_a(redis_url)
+    clock = Clock()
+    r, a = leader_a(redis_url, clock)
     epoch = a.lease.epoch
-    a.lease._last_renew -= 5.0
+    clock.t += 5.0
     r.xadd(P.REQ_STREAM, P.Cancel("x").encode())
     a.run_once()
     assert a.leader and a.lease.epoch == epoch and a.lease.held()
