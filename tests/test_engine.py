@@ -146,7 +146,7 @@ def test_stop_tokens_and_max_tokens_finish_requests(llama_family):
     (dict(prompt=[5, 6], tier=0, params=SamplingParams(max_tokens=0)), "max_tokens"),
     (dict(prompt=[5, 6], tier=0, params=SamplingParams(max_tokens=-3)), "max_tokens"),
     (dict(prompt=[5, 999999], tier=0), "token ids"),
-    (dict(prompt=[5, 6], tier=0, params=SamplingParams(top_p=0.0)), "top_p"),
+    (dict(prompt=[5, 6], tier=0, params=SamplingParams(top_p=1.5)), "top_p"),
 ])
 def test_bad_requests_get_a_clear_error_and_others_keep_running(llama_family, kwargs, message):
     eng = make_engine(llama_family, max_model_len=256)
