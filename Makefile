@@ -24,7 +24,7 @@ up: setup
 	$(BIN)/mfs up --model default
 
 test: setup test-tools
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 # chromium (the status page's browser test) and promtool (the Prometheus config's check), installed
 # with apt-get when missing and we are root; never fails: without them those tests skip
