@@ -10,6 +10,7 @@ import msgpack
 
 from core.protocol import DEFAULT_SHARD, from_wire
 
+
 def encode_progress(tokens: list[int]) -> bytes:
     """Output tokens as ``mfs:progress:{request}`` holds them: int32 little-endian, appended per step."""
     return struct.pack(f"<{len(tokens)}i", *tokens)

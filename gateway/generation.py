@@ -251,7 +251,8 @@ class Generation:
             if ev.finish_reason == "error":
                 self.done, self.finish_reason = True, "error"
                 status = ev.status or (400 if ev.error_code == "context_length_exceeded" else 500)
-                raise APIError(status, ev.error or "The backend failed this request.", code=ev.error_code)
+                raise APIError(status, ev.error or "The backend failed this request.", code=ev.error_code,
+                               headers={"Retry-After": "1"} if status == 503 else None)  # worker_lost, gateway_lost
             if ev.seq > self.next_seq:  # tokens next_seq..seq-1 were lost: the text would have a hole
                 self.log.warning("tokens.gap", expected=self.next_seq, got=ev.seq)
                 raise self._interrupted("gap", "stream_interrupted",

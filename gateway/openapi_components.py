@@ -147,8 +147,10 @@ def component_responses(f: Facts) -> dict:
         "RateLimited": _error(f"Over this key's requests or tokens per minute (rate_limit_exceeded), or "
                               f"{f.max_inflight} requests in flight on this gateway (too_many_requests).",
                               "Retry-After"),
-        "Unavailable": _error("No live worker (no_live_worker), Redis unreachable (backend_unavailable), or "
-                              "the token stream broke (stream_interrupted, redis_interrupted): retry.",
+        "Unavailable": _error("No live worker (no_live_worker), Redis unreachable (backend_unavailable), the "
+                              "token stream broke (stream_interrupted, redis_interrupted), the request's worker "
+                              "was lost with no other to take it (worker_lost), or this gateway lost Redis "
+                              "long enough for the scheduler to cancel its requests (gateway_lost): retry.",
                               "Retry-After"),
         "Timeout": _error(f"The request did not finish within {f.request_timeout_s:g} s (timeout)."),
         "ServerError": _error("Any other failure, in the same shape."),

@@ -112,9 +112,9 @@ class BlockPool:
         self.hash_of[block] = h
         return True
 
-    def reclaim_expired(self, ttl_s: float, now: float | None = None) -> int:
-        """Uncaches evictable blocks released more than `ttl_s` ago; returns how many."""
-        now = self.clock() if now is None else now
+    def reclaim_expired(self, ttl_s: float) -> int:
+        """Uncaches evictable blocks released more than `ttl_s` ago (by the pool's clock); returns how many."""
+        now = self.clock()
         n = 0
         while self.evictable:
             b, t = next(iter(self.evictable.items()))

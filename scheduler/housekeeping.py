@@ -71,7 +71,8 @@ class GatewayReaper:
                     end(rid, req.meta.get("entry"))
                     pipe.xadd(P.out_stream(gw), P.TokenEvent(
                         rid, 0, [], True, "error", status=503, error_code=GATEWAY_LOST,
-                        error="the gateway lost Redis for longer than its heartbeat TTL: the scheduler cancelled this request and freed its KV; please retry").encode(),
+                        error="the gateway lost Redis for longer than its heartbeat TTL: the scheduler "
+                              "cancelled this request and freed its KV; please retry").encode(),
                         maxlen=P.STREAM_MAXLEN, approximate=True)
             pipe.expire(P.out_stream(gw), GONE_STREAM_TTL_S)
             pipe.execute()

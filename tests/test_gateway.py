@@ -498,6 +498,9 @@ def test_backend_error_event_keeps_its_status(gw, backend):
     lines = [ln[6:] for ln in r.text.split("\n\n") if ln.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     assert json.loads(lines[-2])["error"]["code"] == "worker_failed"
+    backend.script = backend.error(503, "gateway_lost", "the scheduler cancelled it")  # retryable: says when
+    r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT)
+    assert _err(r, 503, "gateway_lost")["message"] == "the scheduler cancelled it" and r.headers["Retry-After"] == "1"
 
 
 def test_overload_is_429(redis_url, frontend, backend, rds):  # noqa: F811
