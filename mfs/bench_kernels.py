@@ -5,7 +5,9 @@ On CUDA: every kernel is verified against its reference at serving shapes, then 
 the reference, and paged attention also against ``scaled_dot_product_attention`` on the same KV
 already gathered contiguous. Last, one decode step at batch 1 of a random-weight ~1B Llama (bf16)
 is timed with each backend against the memory-bandwidth floor: bytes of weights and KV read per
-step over ``--bandwidth``.
+step over ``--bandwidth``; then the same model with int4 weights (the Triton dequantize-matmul,
+:mod:`kernels.quant_matmul_triton`), against the floor of its own bytes, and that matmul alone at
+SmolLM2-135M's and the 1B model's shapes next to dense bf16 ``F.linear``.
 
 Without CUDA there is nothing to time: the command runs the correctness pass on tiny shapes in
 triton's CPU interpreter (in a child process, which must import triton with ``TRITON_INTERPRET=1``),
@@ -127,6 +129,24 @@ def _checks(dims: Dims, device: str):
     f32 = paged_case([(1, 700), (4, 90), (40, 300)], replace(dims, dtype=torch.float32), device)
     yield ("paged_attention fp32 mixed", lambda: paged_attention_triton(*f32),
            lambda: paged_attention_torch(*f32), {"atol": 1e-4, "rtol": 1e-4})
+    yield from _quant_checks(dims, device)
+
+
+def _quant_checks(dims: Dims, device: str):
+    """The dequantize-matmul, 4 and 8 bits: fp32 activations (ieee dots, tight) and the bench dtype's
+    (the tile rounded to it for the tensor cores on a GPU)."""
+    from kernels.quant_matmul import quant_matmul_torch, quantize_groups  # noqa: PLC0415
+    from kernels.quant_matmul_triton import quant_matmul_triton  # noqa: PLC0415
+    n, k = (3 * dims.hidden, dims.hidden) if device == "cuda" else (40, 96)
+    for bits in (4, 8):
+        packed = [t.to(device) for t in quantize_groups(torch.randn(n, k), 32, bits)]
+        for m in ((1, 16, 200) if device == "cuda" else (1, 19)):
+            for dtype, tol in ((torch.float32, 1e-4), (dims.dtype, 2e-2)):
+                x = torch.randn(m, k, device=device).to(dtype)
+                yield (f"quant_matmul int{bits} {m}x{k}->{n} {str(dtype)[6:]}",
+                       lambda x=x, p=packed, b=bits: quant_matmul_triton(x, *p, 32, b),
+                       lambda x=x, p=packed, b=bits: quant_matmul_torch(x, *p, 32, b),
+                       {"atol": tol, "rtol": tol})
 
 
 def _write_kv_thunks(k, dims: Dims, device: str, triton_fn, torch_fn):
@@ -276,6 +296,46 @@ def time_kernels(timer: Timer) -> list[dict]:
     return out
 
 
+# SmolLM2-135M's linears (q/k/v fused, gate/up fused, the 49152-row head) and the ~1B Llama's.
+QUANT_SHAPES = {"smollm2 qkv": (960, 576), "smollm2 gate_up": (3072, 576), "smollm2 down": (576, 1536),
+                "smollm2 head": (49152, 576), "1b qkv": (3072, 2048), "1b gate_up": (16384, 2048),
+                "1b down": (2048, 8192)}
+
+
+def time_quant_linears(timer: Timer, bandwidth: float) -> list[dict]:
+    """The Triton dequantize-matmul at serving shapes, batch 1 and 16, fp32 activations (what the
+    quantized family serves), against dense bf16 ``F.linear`` of the same weight, with the bytes it
+    streams and its time against the bandwidth floor for them."""
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    from kernels.quant_matmul import quantize_groups  # noqa: PLC0415
+    from kernels.quant_matmul_triton import quant_matmul_triton  # noqa: PLC0415
+    rows = []
+    for name, (n, k) in QUANT_SHAPES.items():
+        dense = (torch.randn(n, k, device="cuda") * 0.02)
+        for bits in (4, 8):
+            packed = quantize_groups(dense, 32, bits)
+            nbytes = sum(t.numel() * t.element_size() for t in packed)
+            for m in (1, 16):
+                x = torch.randn(m, k, device="cuda")
+                ms = timer(lambda x=x, p=packed, b=bits: quant_matmul_triton(x, *p, 32, b))
+                floor_ms = nbytes / bandwidth * 1e3
+                rows.append({"op": "quant_matmul", "case": f"{name} int{bits} batch {m}", "n": n, "k": k,
+                             "bits": bits, "batch": m, "triton_ms": ms, "bytes": nbytes,
+                             "GBps": nbytes / ms / 1e6, "floor_ms": floor_ms, "x_floor": ms / floor_ms})
+        wb = dense.to(torch.bfloat16)
+        for m in (1, 16):
+            xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ms = timer(lambda xb=xb: F.linear(xb, wb))
+            rows.append({"op": "dense_bf16_linear", "case": f"{name} batch {m}", "n": n, "k": k,
+                         "batch": m, "torch_ms": ms, "bytes": wb.numel() * 2,
+                         "GBps": wb.numel() * 2 / ms / 1e6})
+        for r in rows[-6:]:
+            t = r.get("triton_ms", r.get("torch_ms"))
+            print(f"{r['op']:18s} {r['case']:28s} {t:.4f} ms  {r['GBps']:.0f} GB/s", flush=True)
+    return rows
+
+
 # ---- decode step (CUDA) ----------------------------------------------------------------------
 def _random_llama(ops):
     """A bf16 NestedModel of the LLAMA_1B shape with random weights, built on the GPU."""
@@ -345,7 +405,29 @@ def time_decode_step(timer: Timer, ctx: int, bandwidth: float) -> dict:
               "bandwidth floor", flush=True)
     del model, kv
     torch.cuda.empty_cache()
+    result["int4"] = _time_int4_step(timer, ctx, bandwidth)
     return result
+
+
+def _time_int4_step(timer: Timer, ctx: int, bandwidth: float) -> dict:
+    """The same model quantized as the family serves it on CUDA (``--weights int4``: 4-bit groups of
+    32, 8-bit head, fp32 activations and KV), the Triton backend; its floor is its own bytes."""
+    from kernels import select_backend  # noqa: PLC0415
+    from worker.quant import quantize_model  # noqa: PLC0415
+    model = _random_llama(select_backend("triton", "cuda")).float()
+    quantize_model(model, "int4", device="cuda")
+    batch, kv = _decode_batch(model, ctx, SERVE.block_size)
+    kv.k, kv.v = [t.float() for t in kv.k], [t.float() for t in kv.v]
+    weights, _ = _floor_bytes(model, ctx)
+    kv_bytes = 2 * ctx * model.cfg.num_layers * model.cfg.num_kv_heads * model.cfg.head_dim * 4
+    floor_ms = (weights + kv_bytes) / bandwidth * 1e3
+    ms = timer(lambda: model.forward_step(batch, kv))
+    print(f"decode step (int4 weights, triton): {ms:.3f} ms, {ms / floor_ms:.1f}x the {floor_ms:.3f} ms "
+          "bandwidth floor", flush=True)
+    del model, kv
+    torch.cuda.empty_cache()
+    return {"weights": "int4", "activations": "float32", "weight_bytes": weights, "kv_bytes": kv_bytes,
+            "floor_ms": floor_ms, "step_ms": ms, "x_floor": ms / floor_ms}
 
 
 # ---- the command -----------------------------------------------------------------------------
@@ -379,6 +461,7 @@ def run(args) -> int:
         timer = Timer(args.iters)
         result["iters"] = args.iters
         result["kernels"] = time_kernels(timer)
+        result["quant_linears"] = time_quant_linears(timer, args.bandwidth)
         result["decode_step"] = time_decode_step(timer, args.ctx, args.bandwidth)
     _print_checks(result.get("correctness"))
     write_json(args.json, result)

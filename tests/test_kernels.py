@@ -280,6 +280,10 @@ COMPILE_FOR_HOPPER = textwrap.dedent("""
         compile_(_paged_attention_kernel, [b] * 3 + [P("i64")] * 3 + [acc or b, acc, acc, F]
                  + [I] * 10 + [4, 16, block_m // 4, block_m, 64, 64, split, False])
     compile_(_merge_kernel, [P("fp32")] * 3 + [b] + [I] * 5 + [16, 64])
+    from kernels.quant_matmul_triton import _quant_matmul_kernel
+    for x, bits, q in ((P("fp32"), 4, P("u8")), (P("fp32"), 8, P("i8")), (b, 4, P("u8"))):
+        compile_(_quant_matmul_kernel, [x, q, P("fp16"), P("fp16"), x] + [I] * 6
+                 + [32, bits, 16, 16, 64, x == P("fp32")])
 """)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from worker.quant import (GGUFSource, Int4Linear, Int8Embedding, Int8Linear, q4_1_to_int4,
+from worker.quant import (GGUFSource, GroupQuantLinear, Int4Linear, Int8Embedding, Int8Linear, q4_1_to_int4,
                           quantize_model, resolve_mode)
 
 
@@ -43,6 +43,8 @@ def test_q4_1_blocks_repack_to_int4_bit_exactly(gguf_and_hf, gguf_name, hf_name)
     torch.testing.assert_close(lin(x), x @ w.t(), rtol=1e-4, atol=1e-4)  # accumulation order only
     served = q4_1_to_int4(q[perm], d[perm], m[perm])  # bf16 activations, scales and output
     _assert_bf16_close(served(x), x.bfloat16().float() @ w.t())
+    gpu = GroupQuantLinear.from_q4_1(q[perm], d[perm], m[perm], 32)  # the CUDA layout: as shipped
+    assert torch.equal(gpu.dequantize(), w)
 
 
 @pytest.mark.slow
@@ -112,8 +114,9 @@ def test_auto_mode_picks_a_supported_format():
     assert resolve_mode("auto", "cuda") == "fp32"
     with pytest.raises(ValueError):
         resolve_mode("int3")
-    with pytest.raises(ValueError):
-        resolve_mode("int4", "cuda")
+    assert resolve_mode("int4", "cuda") == "int4"  # the Triton kernel's layout (test_quant_matmul.py)
+    with pytest.raises(ValueError, match="CPU and CUDA"):
+        resolve_mode("int4", "mps")
 
 
 # ---- quantized families served by the engine -------------------------------------------------

@@ -14,6 +14,8 @@ Int4Linear also keeps its scales and zeros in fp32: the exact form, which the fp
 dequantizes bit for bit (``exact=True``: tests and the perplexity reference, not for speed).
 * :class:`Int8Embedding` — int8 rows with one scale per 32 values (GGUF's Q8_0 layout); a lookup
   dequantizes only the rows it reads.
+* On CUDA (``layout="groups"``): :class:`worker.quant_groups.GroupQuantLinear`, GGUF-style codes with an
+  fp16 (scale, min) per group of 32, served by a Triton dequantize-matmul; Q4_1 blocks load as they ship.
 * :func:`fuse_projections` — each decoder layer's q/k/v and gate/up linears of one quantized kind
   become one linear each (their packed rows concatenated: the outputs are the same bit for bit, checked
   on a random input at fusion time): per layer 4 matmuls and 4 activation casts instead of 7 and 7.
@@ -32,6 +34,8 @@ from typing import Iterator
 import structlog
 import torch
 from torch import nn
+
+from worker.quant_groups import GroupQuantLinear
 
 log = structlog.get_logger(__name__)
 
@@ -180,6 +184,12 @@ def concat_linears(mods: list[nn.Module]) -> nn.Module | None:
         out.scales_zeros = nn.Parameter(torch.cat([m.scales_zeros for m in mods], dim=1), requires_grad=False)
     elif isinstance(first, Int8Linear):
         out.scales = nn.Parameter(torch.cat([m.scales for m in mods]), requires_grad=False)
+    elif isinstance(first, GroupQuantLinear):  # rows are independent: every tensor concatenates by row
+        if any(m.group != first.group or m.bits != first.bits for m in mods):
+            return None
+        out.group, out.bits = first.group, first.bits
+        out.scales = nn.Parameter(torch.cat([m.scales for m in mods]), requires_grad=False)
+        out.mins = nn.Parameter(torch.cat([m.mins for m in mods]), requires_grad=False)
     else:
         return None
     out.qweight = nn.Parameter(torch.cat([m.qweight for m in mods]), requires_grad=False)
@@ -288,7 +298,7 @@ class GGUFSource:
         deq = dequant_q4_1(*blocks) if t.kind == "Q4_1" else dequant_q8_0(*blocks)
         if deq.shape != like.shape:
             return None
-        perm = match_rows(deq, like.detach().float())
+        perm = match_rows(deq, like.detach().float().cpu())
         return None if perm is None else (t.kind, perm, blocks)
 
 
@@ -313,13 +323,14 @@ _auto_logged = False
 
 def resolve_mode(mode: str, device: str = "cpu") -> str:
     """'auto': int4 where torch's CPU int4 kernel has a vector path (AVX2 / AVX-512), else fp32. On
-    other devices fp32 (these kernels are CPU ones). Logged once per process."""
+    CUDA 'auto' stays fp32 until the Triton kernel's speed is measured there (int4 / int8 ask for it).
+    Logged once per process."""
     global _auto_logged
     if mode not in MODES:
         raise ValueError(f"--weights {mode!r}: expected one of {', '.join(MODES)}")
     if mode != "auto":
-        if mode != "fp32" and not str(device).startswith("cpu"):
-            raise ValueError(f"--weights {mode}: the quantized kernels here are CPU ones (device {device})")
+        if mode != "fp32" and not str(device).startswith(("cpu", "cuda")):
+            raise ValueError(f"--weights {mode}: quantized kernels exist for CPU and CUDA, not {device}")
         return mode
     cap = torch.backends.cpu.get_cpu_capability()
     choice = "int4" if str(device).startswith("cpu") and cap in ("AVX2", "AVX512") else "fp32"
@@ -355,16 +366,25 @@ def _targets(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module, str]
             yield name, mod, model.get_submodule(parent_name) if parent_name else model, child
 
 
+LAYOUTS = ("cpu", "groups")
+
+
 def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, group: int = _GGUF_BLOCK,
-                   device: str = "cpu", fuse: bool = True) -> QuantReport:
+                   device: str = "cpu", fuse: bool = True, layout: str | None = None) -> QuantReport:
     """Swaps every nn.Linear / nn.Embedding of ``model`` for its quantized form, in place.
 
     int8: linears int8 per channel. int4: linears 4-bit groups of ``group`` (the GGUF's Q4_1 blocks when
     they still match; group 32 then), falling back to int8 for shapes the int4 kernel can't take (N % 16).
     Both: the LM head int8 per channel; embeddings int8 per 32 values (the GGUF's Q8_0 blocks when
     they match). A tied head/embedding pair becomes two modules (the head needs per-channel scales).
-    ``fuse``: then join q/k/v and gate/up (:func:`fuse_projections`; False only to measure it)."""
+    ``fuse``: then join q/k/v and gate/up (:func:`fuse_projections`; False only to measure it).
+    ``layout``: "cpu" (torch's CPU packs) or "groups" (:class:`GroupQuantLinear`, the Triton kernel's);
+    None picks "groups" on CUDA, "cpu" elsewhere. In "groups" int4 and int8 are both group-wise (32),
+    and the head is 8-bit groups."""
     mode = resolve_mode(mode, device)
+    layout = layout or ("groups" if str(device).startswith("cuda") else "cpu")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
     report = QuantReport(mode)
     if mode == "fp32":
         return report
@@ -375,7 +395,9 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, gr
     for name, mod, parent, child in _targets(model):
         gname = _gguf_name(name) if isinstance(mod, nn.Embedding) or mode == "int4" else None
         found = src.blocks(gname, mod.weight) if src is not None and gname else None
-        new, exact = _quantized(mod, mode, group, found, is_head=child == "lm_head")
+        make = _quantized_groups if layout == "groups" else _quantized
+        new, exact = make(mod, mode, group, found, is_head=child == "lm_head")
+        new = new.to(mod.weight.device)
         (report.from_gguf if exact else report.from_float).append(name)
         setattr(parent, child, new)
     _detach_from_shared_storage(model)
@@ -412,17 +434,32 @@ def _quantized(mod: nn.Module, mode: str, group: int, found, is_head: bool) -> t
     return Int8Linear.from_float(mod.weight, mod.bias), False
 
 
+def _quantized_groups(mod: nn.Module, mode: str, group: int, found, is_head: bool) -> tuple[nn.Module, bool]:
+    """As :func:`_quantized`, in the GPU layout: int4 linears from the GGUF's Q4_1 blocks as they ship
+    (or quantized from fp32 likewise), 8-bit groups for int8 and the head; a row whose K is not a multiple
+    of ``group`` is one group."""
+    if isinstance(mod, nn.Embedding):
+        return _quantized(mod, mode, group, found, is_head)
+    g = group if mod.in_features % group == 0 else mod.in_features
+    if mode == "int4" and not is_head:
+        if found and found[0] == "Q4_1" and g == _GGUF_BLOCK:
+            _, perm, (q, d, m) = found
+            return GroupQuantLinear.from_q4_1(q[perm], d[perm], m[perm], g, mod.bias), True
+        return GroupQuantLinear.from_float(mod.weight, g, 4 if g % 2 == 0 else 8, mod.bias), False
+    return GroupQuantLinear.from_float(mod.weight, g, 8, mod.bias), False
+
+
 def linear_bytes_per_step(model: nn.Module) -> int:
     """Bytes a decode step streams through the linears (the head included)."""
     total = 0
     for m in model.modules():
         if isinstance(m, nn.Linear):
             total += m.weight.numel() * m.weight.element_size()
-        elif isinstance(m, (Int8Linear, Int4Linear)):
+        elif isinstance(m, (Int8Linear, Int4Linear, GroupQuantLinear)):
             total += sum(p.numel() * p.element_size() for p in m.parameters())
     return total
 
 
-__all__ = ["MODES", "Int8Linear", "Int4Linear", "Int8Embedding", "GGUFSource", "QuantReport",
+__all__ = ["MODES", "LAYOUTS", "GroupQuantLinear", "Int8Linear", "Int4Linear", "Int8Embedding", "GGUFSource", "QuantReport",
            "quantize_model", "resolve_mode", "concat_linears", "fuse_projections", "q4_1_blocks", "q8_0_blocks", "q4_1_to_int4",
            "dequant_q4_1", "dequant_q8_0", "match_rows", "linear_bytes_per_step"]
