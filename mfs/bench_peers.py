@@ -36,15 +36,20 @@ class Spec:
     new_tokens: int
     windows: list[list[int]]      # held-out perplexity windows
     gguf: str | None
+    device: str = "cpu"           # MFS and transformers run here; llama.cpp (a CPU build) always on CPU
 
 
 # ---- measurements, run inside a child ------------------------------------------------------------
-def _rss() -> dict:
+def _rss(device: str = "cpu") -> dict:
+    """Resident host memory, and on CUDA the device memory torch holds (now and at peak)."""
     out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(("VmRSS:", "VmHWM:")):
             out[line[:5].lower()] = int(line.split()[1]) * 1024
-    return {"rss_bytes": out.get("vmrss", 0), "peak_rss_bytes": out.get("vmhwm", 0)}
+    res = {"rss_bytes": out.get("vmrss", 0), "peak_rss_bytes": out.get("vmhwm", 0)}
+    if device.startswith("cuda"):
+        res.update(cuda_bytes=torch.cuda.memory_allocated(), peak_cuda_bytes=torch.cuda.max_memory_allocated())
+    return res
 
 
 def _release() -> None:
@@ -82,7 +87,7 @@ def _ppl(logits_fn, windows: list[list[int]]) -> float:
     nll, count = 0.0, 0
     for w in windows:
         ids = torch.tensor([w])
-        logits = logits_fn(ids)[0, :-1].float()
+        logits = logits_fn(ids)[0, :-1].float().cpu()
         nll += float(F.cross_entropy(logits, ids[0, 1:], reduction="sum"))
         count += len(w) - 1
     return float(torch.exp(torch.tensor(nll / count)))
@@ -92,20 +97,20 @@ def run_mfs(spec: Spec, mode: str) -> dict:
     from worker.family import load_family  # noqa: PLC0415
     from worker.model import weight_bytes  # noqa: PLC0415
     t0 = time.perf_counter()
-    fam = load_family(spec.model, weights=mode)
+    fam = load_family(spec.model, weights=mode, device=spec.device)
     model = fam.model
     load_s = time.perf_counter() - t0
     _release()
-    mem = _rss()
+    mem = _rss(spec.device)
     top = len(model.tiers) - 1
     n = len(spec.prompts)
     res = {"name": f"mfs {mode}", "load_s": load_s, "weights_bytes": weight_bytes(model),
            "single": _engine_run(model, spec.prompts[:1], [top], spec.new_tokens),
            "concurrent": _engine_run(model, spec.prompts, [top] * n, spec.new_tokens),
            "family_mix": _engine_run(model, spec.prompts, spec.mix, spec.new_tokens)}
-    res["ppl_top"] = _ppl(lambda ids: model.logits(model.exit_hidden(ids)[-1]), spec.windows)
+    res["ppl_top"] = _ppl(lambda ids: model.logits(model.exit_hidden(ids.to(spec.device))[-1]), spec.windows)
     res["rss_after_load_bytes"] = mem["rss_bytes"]
-    res.update(_rss())  # resident while serving: every weight page touched by now
+    res.update(_rss(spec.device))  # resident while serving: every weight page touched by now
     return res
 
 
@@ -119,21 +124,22 @@ def run_hf(spec: Spec) -> dict:
     folder, gguf = resolve_cached(resolve_base(manifest.base, mdir))
     t0 = time.perf_counter()
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                              **({"gguf_file": gguf} if gguf else {})).eval()
+                                              **({"gguf_file": gguf} if gguf else {})).eval().to(spec.device)
     load_s = time.perf_counter() - t0
     _release()
-    mem = _rss()
+    mem = _rss(spec.device)
     pad = hf.generation_config.eos_token_id
     pad = pad[0] if isinstance(pad, list) else pad
 
     def gen(prompts, new):
         L = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (L - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad] * (L - len(p)) + p for p in prompts], device=spec.device)
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=spec.device)
         t = time.perf_counter()
         with torch.inference_mode():
-            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                        do_sample=False, pad_token_id=pad)
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, pad_token_id=pad)
+        out.cpu()  # waits for the device
         return time.perf_counter() - t
 
     def measure(prompts):
@@ -145,9 +151,9 @@ def run_hf(spec: Spec) -> dict:
     res = {"name": "transformers generate fp32", "load_s": load_s,
            "weights_bytes": sum(p.numel() * p.element_size() for p in hf.parameters()),
            "single": measure(spec.prompts[:1]), "concurrent": measure(spec.prompts),
-           "ppl_top": _ppl(lambda ids: hf(ids).logits, spec.windows)}
+           "ppl_top": _ppl(lambda ids: hf(ids.to(spec.device)).logits, spec.windows)}
     res["rss_after_load_bytes"] = mem["rss_bytes"]
-    res.update(_rss())  # resident while serving: every weight page touched by now
+    res.update(_rss(spec.device))  # resident while serving: every weight page touched by now
     return res
 
 
@@ -226,7 +232,7 @@ def make_spec(args) -> Spec:
                          f"--concurrency {n}")
     mix = [t for t, c in enumerate(counts) for _ in range(c)]
     return Spec(args.model, args.threads, prompts, mix, args.new_tokens, windows.tolist(),
-                base if base.endswith(".gguf") else None)
+                base if base.endswith(".gguf") else None, args.device)
 
 
 def _child(kind: str, mode: str, spec_path: Path, out: Path, log_dir: Path) -> dict:
@@ -252,6 +258,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] for MFS and transformers "
+                   "(llama-cpp-python as pip builds it is a CPU build: it stays on the CPU)")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None)
     p.set_defaults(func=run)
@@ -260,6 +268,12 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import importlib.util  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"--device {args.device}: CUDA is not available here", file=sys.stderr)
+        return 2
+    if not args.device.startswith(("cpu", "cuda")):
+        print(f"--device {args.device}: expected cpu or cuda[:N]", file=sys.stderr)
+        return 2
     spec = make_spec(args)
     work = Path(tempfile.mkdtemp(prefix="mfs-peers-"))
     spec_path = work / "spec.json"
@@ -280,7 +294,8 @@ def run(args) -> int:
         print(f"running {kind} {mode} ...", flush=True)
         results.append(_child(kind, mode, spec_path, work / f"{kind}-{mode}.json", work))
     out = {"benchmark": "peers", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "machine": {"platform": platform.platform(), "threads": args.threads,
+           "machine": {"platform": platform.platform(), "threads": args.threads, "device": args.device,
+                       "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
                        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__},
            "model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
            "concurrency": args.concurrency, "mix": args.mix, "heldout_tokens": len(spec.windows) * args.seq_len,

@@ -81,3 +81,35 @@ def test_bench_engine_reports_both_regimes(llama_dir, tmp_path):
     assert (tmp_path / "e.png").stat().st_size > 0
     bad = run("bench", "engine", "--model", str(llama_dir), "--json", str(out), "--regimes", "fast")
     assert bad.returncode != 0 and "--regimes" in bad.stderr
+
+
+def test_bench_peers_runs_each_contender_side_by_side(tmp_path, frontend):
+    """A tiny model over the real tokenizer (an HF folder: llama.cpp is skipped with the reason):
+    every MFS mode and transformers answer the same prompts, with perplexities that agree in fp32."""
+    from tests.factories import tiny_llama_with_tokenizer
+    from family.manifest import manifest_for
+    family = tiny_llama_with_tokenizer(tmp_path / "fam", frontend.tokenizer)
+    tiers = len(manifest_for(str(family))[0].tiers)
+    out = tmp_path / "peers.json"
+    mix = ",".join(["1"] * tiers)
+    r = run("bench", "peers", "--model", str(family), "--modes", "fp32,int4", "--prompt-len", "4",
+            "--new-tokens", "3", "--concurrency", str(tiers), "--mix", mix, "--heldout-tokens", "64",
+            "--seq-len", "32", "--threads", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [x["name"] for x in res["results"]] == ["mfs fp32", "mfs int4", "transformers generate fp32"]
+    assert res["machine"]["device"] == "cpu"
+    assert any("llama.cpp" in n for n in res["notes"])
+    for x in res["results"]:
+        assert x["single"]["tokens"] == 3 and x["concurrent"]["tokens"] == 3 * tiers
+        assert x["single"]["tokens_per_s"] > 0 and x["rss_bytes"] > 0
+    fp32, int4, hf = res["results"]
+    assert fp32["ppl_top"] == pytest.approx(hf["ppl_top"], rel=1e-4)
+    assert int4["weights_bytes"] < fp32["weights_bytes"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message without CUDA")
+def test_bench_peers_on_cuda_without_one_fails_fast(tmp_path):
+    r = run("bench", "peers", "--device", "cuda", "--json", str(tmp_path / "p.json"))
+    assert r.returncode == 2 and "CUDA is not available" in r.stderr
+    assert not (tmp_path / "p.json").exists()
