@@ -46,11 +46,14 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q_lens_host = (q_start_loc[1:] - q_start_loc[:-1]).tolist()
     if ctx_lens_host is None:
         ctx_lens_host = ctx_lens.tolist()
+    kv = (k_cache.view(nb * bs, hkv, d), v_cache.view(nb * bs, hkv, d), bs)
+    if T == R and max(q_lens_host, default=0) == 1:  # all decode rows: row r is token r
+        return _attend_decode(q, None, kv, block_tables, ctx_lens, list(range(R)), list(range(R)),
+                              ctx_lens_host, scale, memo)
     starts = [0]
     for n in q_lens_host:
         starts.append(starts[-1] + n)
     out = torch.empty_like(q)
-    kv = (k_cache.view(nb * bs, hkv, d), v_cache.view(nb * bs, hkv, d), bs)
     small = [r for r in range(R) if q_lens_host[r] <= SMALL_Q]
     if small and max(q_lens_host[r] for r in small) == 1:
         _attend_decode(q, out, kv, block_tables, ctx_lens, small, starts, ctx_lens_host, scale, memo)
@@ -74,8 +77,9 @@ def _gather(kv, block_tables, ctx_lens, rows: list[int], lmax: int):
     return k, v, valid, lens
 
 
-def _attend_decode(q, out, kv, block_tables, ctx_lens, rows, starts, ctx_host, scale, memo=None) -> None:
-    """One query per row: one masked SDPA over the padded gather."""
+def _attend_decode(q, out, kv, block_tables, ctx_lens, rows, starts, ctx_host, scale, memo=None):
+    """One query per row: one masked SDPA over the padded gather. ``out`` None: every token is a
+    decode row, in row order, so the queries are q itself and the result is returned, not copied."""
     ent = memo.get("decode") if memo is not None else None
     if ent is None:
         lmax = max(ctx_host[r] for r in rows)
@@ -92,10 +96,13 @@ def _attend_decode(q, out, kv, block_tables, ctx_lens, rows, starts, ctx_host, s
     B, hkv, d = len(rows), kflat.shape[1], kflat.shape[2]
     k = kflat.index_select(0, flat).view(B, lmax, hkv, d).transpose(1, 2)
     v = vflat.index_select(0, flat).view(B, lmax, hkv, d).transpose(1, 2)
-    qq = q.index_select(0, tok).unsqueeze(2)  # [B, Hq, 1, D]
+    qq = (q if out is None else q.index_select(0, tok)).unsqueeze(2)  # [B, Hq, 1, D]
     o = F.scaled_dot_product_attention(qq, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                        scale=scale, enable_gqa=q.shape[1] != hkv)
+    if out is None:
+        return o[:, :, 0]
     out.index_copy_(0, tok, o[:, :, 0])
+    return out
 
 
 def _attend_small(q, out, kv, block_tables, ctx_lens, rows, starts, q_host, ctx_host, scale) -> None:

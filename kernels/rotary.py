@@ -14,10 +14,11 @@ def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, attention_sc
     return torch.cat([cos, sin], dim=-1).to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """[x1 cos - x2 sin, x2 cos + x1 sin] as x * [cos, cos] + [x2, x1] * [-sin, sin]: four kernels
+    instead of seven, and the same bits (x2 * -sin is -(x2 * sin) exactly, and a + -b is a - b)."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return x * cos2 + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin2
 
 
 def rotary_torch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -31,8 +32,9 @@ def rotary_torch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if ent is None or ent[0] is not positions or ent[1] != q.dtype:
         cs = cos_sin_cache.index_select(0, positions)  # [T, D]
         half = cs.shape[-1] // 2
-        ent = (positions, q.dtype, cs[:, :half].unsqueeze(1).to(q.dtype), cs[:, half:].unsqueeze(1).to(q.dtype))
+        cos, sin = cs[:, :half].unsqueeze(1).to(q.dtype), cs[:, half:].unsqueeze(1).to(q.dtype)
+        ent = (positions, q.dtype, torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1))
         if memo is not None:
             memo["rotary"] = ent
-    _, _, cos, sin = ent
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    _, _, cos2, sin2 = ent
+    return _rotate(q, cos2, sin2), _rotate(k, cos2, sin2)
