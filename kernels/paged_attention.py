@@ -77,21 +77,28 @@ def _gather(kv, block_tables, ctx_lens, rows: list[int], lmax: int):
     return k, v, valid, lens
 
 
-def _attend_decode(q, out, kv, block_tables, ctx_lens, rows, starts, ctx_host, scale, memo=None):
-    """One query per row: one masked SDPA over the padded gather. ``out`` None: every token is a
-    decode row, in row order, so the queries are q itself and the result is returned, not copied."""
+def decode_gather(block_tables, ctx_lens, rows: list[int], starts: list[int], ctx_host: list[int],
+                  block_size: int, memo: dict | None = None) -> tuple:
+    """(flat slots [B * lmax], mask [B, 1, 1, lmax], query token index [B], lmax, rows) of decode
+    rows: computed by a segment's first layer, kept in ``memo`` for the others."""
     ent = memo.get("decode") if memo is not None else None
     if ent is None:
         lmax = max(ctx_host[r] for r in rows)
         idx = torch.tensor(rows, dtype=torch.long, device=block_tables.device)
         slots, valid = _gather_index(block_tables.index_select(0, idx), ctx_lens.index_select(0, idx),
-                                     kv[2], lmax)
-        tok = torch.tensor([starts[r] for r in rows], dtype=torch.long, device=q.device)
+                                     block_size, lmax)
+        tok = torch.tensor([starts[r] for r in rows], dtype=torch.long, device=block_tables.device)
         ent = (slots.reshape(-1), valid[:, None, None, :], tok, lmax, tuple(rows))
         if memo is not None:
             memo["decode"] = ent
-    flat, mask, tok, lmax, memo_rows = ent
-    assert memo_rows == tuple(rows), "a decode memo is for one segment of one step"
+    assert ent[4] == tuple(rows), "a decode memo is for one segment of one step"
+    return ent
+
+
+def _attend_decode(q, out, kv, block_tables, ctx_lens, rows, starts, ctx_host, scale, memo=None):
+    """One query per row: one masked SDPA over the padded gather. ``out`` None: every token is a
+    decode row, in row order, so the queries are q itself and the result is returned, not copied."""
+    flat, mask, tok, lmax, _ = decode_gather(block_tables, ctx_lens, rows, starts, ctx_host, kv[2], memo)
     kflat, vflat, _ = kv
     B, hkv, d = len(rows), kflat.shape[1], kflat.shape[2]
     k = kflat.index_select(0, flat).view(B, lmax, hkv, d).transpose(1, 2)

@@ -96,15 +96,23 @@ def _ppl(logits_fn, windows: list[list[int]]) -> float:
 def run_mfs(spec: Spec, mode: str) -> dict:
     from worker.family import load_family  # noqa: PLC0415
     from worker.model import weight_bytes  # noqa: PLC0415
+    weights, compiled = mode.removesuffix("+compile"), mode.endswith("+compile")
     t0 = time.perf_counter()
-    fam = load_family(spec.model, weights=mode, device=spec.device)
+    fam = load_family(spec.model, weights=weights, device=spec.device)
     model = fam.model
     load_s = time.perf_counter() - t0
     _release()
     mem = _rss(spec.device)
+    warm_s = None
+    if compiled:  # compile both graphs (batch 1, and dynamic batch) before anything is timed
+        model.compile_decode()
+        t0 = time.perf_counter()
+        _engine_run(model, spec.prompts[:1], [len(model.tiers) - 1], 4)
+        _engine_run(model, spec.prompts, [len(model.tiers) - 1] * len(spec.prompts), 4)
+        warm_s = time.perf_counter() - t0
     top = len(model.tiers) - 1
     n = len(spec.prompts)
-    res = {"name": f"mfs {mode}", "load_s": load_s, "weights_bytes": weight_bytes(model),
+    res = {"name": f"mfs {mode}", "load_s": load_s, "compile_warmup_s": warm_s, "weights_bytes": weight_bytes(model),
            "single": _engine_run(model, spec.prompts[:1], [top], spec.new_tokens),
            "concurrent": _engine_run(model, spec.prompts, [top] * n, spec.new_tokens),
            "family_mix": _engine_run(model, spec.prompts, spec.mix, spec.new_tokens)}
@@ -249,7 +257,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("peers", help="MFS per --weights mode vs transformers generate vs llama.cpp")
     p.add_argument("--model", default="default-raw",
                    help="default-raw: the GGUF as shipped, the weights every contender can serve")
-    p.add_argument("--modes", default="fp32,int8,int4", help="MFS --weights modes to run")
+    p.add_argument("--modes", default="fp32,int8,int4",
+                   help="MFS --weights modes to run; MODE+compile (e.g. int4+compile) adds the compiled "
+                        "decode segments (CPU), compiled in an untimed warm-up")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=16)
@@ -274,11 +284,16 @@ def run(args) -> int:
     if not args.device.startswith(("cpu", "cuda")):
         print(f"--device {args.device}: expected cpu or cuda[:N]", file=sys.stderr)
         return 2
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m.removesuffix("+compile") not in ("fp32", "int8", "int4")]
+    if bad:
+        print(f"--modes: unknown {', '.join(bad)} (fp32, int8, int4, each optionally +compile)", file=sys.stderr)
+        return 2
     spec = make_spec(args)
     work = Path(tempfile.mkdtemp(prefix="mfs-peers-"))
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(asdict(spec)))
-    plan = [("mfs", m) for m in args.modes.split(",")]
+    plan = [("mfs", m) for m in modes]
     if not args.skip_hf:
         plan.append(("hf", "fp32"))
     notes = []

@@ -4,7 +4,8 @@ family, starts `batch` requests of 16-token prompts on one tier, runs a few warm
 `--steps` decode steps and reports the median and the 10th percentile (other jobs on the machine only
 ever slow a step down). ``--no-fuse`` serves the quantized formats with q/k/v and gate/up as separate
 linears (worker/quant.py: fuse_projections), to measure what fusing buys side by side; ``--profile``
-prints torch's operator table of the timed steps."""
+prints torch's operator table of the timed steps; ``--compile`` times all-decode steps with each layer as
+one compiled graph (worker/compiled_step.py), the warm-up steps paying for the compilation."""
 from __future__ import annotations
 
 import os
@@ -19,12 +20,14 @@ from mfs.runtime import write_json
 
 
 def measure(model: str, weights: str, batch: int, steps: int, tier: int | None, fuse: bool,
-            profile: bool = False) -> dict:
+            profile: bool = False, compile: bool = False) -> dict:
     from mfs.engine import Engine  # noqa: PLC0415
     from worker.family import load_family  # noqa: PLC0415
     from worker.quant import linear_bytes_per_step  # noqa: PLC0415
     from worker.sampling import SamplingParams  # noqa: PLC0415
     fam = load_family(model, weights=weights, fuse=fuse)
+    if compile:
+        fam.model.compile_decode()
     top = fam.model.num_segments - 1
     tier = top if tier is None else tier
     if not 0 <= tier <= top:
@@ -33,8 +36,10 @@ def measure(model: str, weights: str, batch: int, steps: int, tier: int | None, 
     for i in range(batch):
         eng.add_request(f"r{i}", [100 + (i * 17 + k) % 20000 for k in range(16)], tier,
                         SamplingParams(max_tokens=steps + 16, ignore_eos=True))
-    for _ in range(6):  # the prefill and a few decode steps
+    t_warm = time.perf_counter()
+    for _ in range(6):  # the prefill and a few decode steps (and any compilation)
         eng.step()
+    warm_s = time.perf_counter() - t_warm
     times = []
     prof = None
     if profile:
@@ -53,7 +58,8 @@ def measure(model: str, weights: str, batch: int, steps: int, tier: int | None, 
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     times.sort()
     med = statistics.median(times)
-    return {"weights": weights, "fused": fuse and weights != "fp32", "batch": batch, "tier": tier,
+    return {"weights": weights, "fused": fuse and weights != "fp32", "compiled": compile,
+            "warmup_s": round(warm_s, 2), "batch": batch, "tier": tier,
             "steps": steps, "median_ms": round(med * 1e3, 2),
             "p10_ms": round(times[max(0, len(times) // 10 - 1)] * 1e3, 2),
             "tokens_per_s": round(batch / med, 1), "linear_mb_per_step": round(linear_bytes_per_step(fam.model) / 1e6, 1)}
@@ -69,6 +75,8 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up separate (quantized formats)")
     p.add_argument("--profile", action="store_true", help="print torch's operator table of the timed steps")
+    p.add_argument("--compile", action="store_true",
+                   help="all-decode steps with each layer one compiled graph (CPU; worker/compiled_step.py)")
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)
 
@@ -90,9 +98,9 @@ def run(args) -> int:
     points = []
     for w in weights:
         for b in batches:
-            pt = measure(args.model, w, b, args.steps, args.tier, not args.no_fuse, args.profile)
+            pt = measure(args.model, w, b, args.steps, args.tier, not args.no_fuse, args.profile, args.compile)
             points.append(pt)
-            print(f"{w:>5}{' fused' if pt['fused'] else '':6} batch {b:3d}: median {pt['median_ms']:8.2f} ms "
+            print(f"{w:>5}{' fused' if pt['fused'] else '':6}{' compiled' if pt['compiled'] else ''} batch {b:3d}: median {pt['median_ms']:8.2f} ms "
                   f"(p10 {pt['p10_ms']:.2f}), {pt['tokens_per_s']:7.1f} tok/s, linears "
                   f"{pt['linear_mb_per_step']} MB/step", flush=True)
     if args.json:

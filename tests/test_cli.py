@@ -113,3 +113,5 @@ def test_bench_peers_on_cuda_without_one_fails_fast(tmp_path):
     r = run("bench", "peers", "--device", "cuda", "--json", str(tmp_path / "p.json"))
     assert r.returncode == 2 and "CUDA is not available" in r.stderr
     assert not (tmp_path / "p.json").exists()
+    r = run("bench", "peers", "--modes", "int4,int3+compile", "--json", str(tmp_path / "p.json"))
+    assert r.returncode == 2 and "unknown int3+compile" in r.stderr

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import TORCH_OPS, KernelOps
+from kernels.paged_attention import decode_gather
 from kernels.rotary import build_cos_sin_cache
+from worker.compiled_step import compiled_decode_segment, write_segment_kv
 from worker.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -100,6 +102,18 @@ class NestedModel(nn.Module):
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         self.rebuild_buffers()
         self.scale = cfg.head_dim ** -0.5
+        self._compiled_decode = None  # compile_decode(): all-decode segments as one compiled graph
+
+    def compile_decode(self, enable: bool = True) -> None:
+        """All-decode steps run each segment's trunk layers as one compiled graph
+        (:mod:`worker.compiled_step`: CPU, the torch ops; opt-in, see there why)."""
+        if not enable:
+            self._compiled_decode = None
+            return
+        if self.ops.name != "torch" or self.embed_tokens.weight.device.type != "cpu":
+            raise ValueError(f"--compile is for the torch ops on CPU (ops {self.ops.name}, "
+                             f"device {self.embed_tokens.weight.device})")
+        self._compiled_decode = compiled_decode_segment(self.cfg, list(self.layers))
 
     # ---- construction ------------------------------------------------------------------------
     def tie_weights(self) -> None:
@@ -330,8 +344,23 @@ class NestedModel(nn.Module):
         """The trunk layers of segment s over its active tokens; stores their hidden state after the
         segment for later cross-tier reuse (every segment but the last)."""
         k_cache, v_cache = kv.k[s], kv.v[s]
-        for j, li in enumerate(self.segment_layers(s)):
-            h, residual = self._layer(self.layers[li], h, residual, pos, seg, k_cache[j], v_cache[j])
+        R = len(seg.q_lens_host)
+        if self._compiled_decode is not None and h.shape[0] == R:  # every row one token: all decode
+            flat, mask, _, _, _ = decode_gather(seg.block_tables, seg.ctx_lens, list(range(R)), list(range(R)),
+                                                seg.ctx_lens_host, k_cache.shape[2], seg.memo)
+            if "last" not in seg.memo:
+                seg.memo["last"] = seg.ctx_lens - 1
+            if residual is None:  # the model's first layer: h + 0 is h, so one graph serves it too
+                residual = torch.zeros_like(h)
+            layers = tuple(self.layers[li] for li in self.segment_layers(s))
+            kp = k_cache.view(k_cache.shape[0], -1, *k_cache.shape[3:])
+            vp = v_cache.view(v_cache.shape[0], -1, *v_cache.shape[3:])
+            h, residual, ks, vs = self._compiled_decode(layers, h, residual, pos, self.cos_sin, kp, vp, flat,
+                                                        seg.memo["last"], mask)
+            write_segment_kv(kp, vp, seg.slot_mapping, ks, vs)
+        else:
+            for j, li in enumerate(self.segment_layers(s)):
+                h, residual = self._layer(self.layers[li], h, residual, pos, seg, k_cache[j], v_cache[j])
         if s < len(kv.hid):
             hid = kv.hid[s]
             hid.view(-1, hid.shape[-1]).index_copy_(0, seg.slot_mapping, (h + residual).to(hid.dtype))

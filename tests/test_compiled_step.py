@@ -1,0 +1,66 @@
+"""The opt-in compiled decode segment (worker/compiled_step.py, ``compile_decode``): the same logits as
+the eager ops within fp32 rounding, every step of a mixed-tier run; mixed steps stay eager; and the KV
+it writes is the eager path's."""
+import pytest
+import torch
+
+from mfs.engine import Engine
+from worker.family import load_family
+from worker.sampling import SamplingParams
+
+
+def _run(model, n=6):
+    eng = Engine(model, block_size=4, num_blocks=64, keep_logits=True)
+    prompts = [([5, 9, 33, 7, 2], 2), ([7, 8], 0), ([4, 4, 4, 4, 4, 4, 4], 1), ([11, 12, 13], 2)]
+    for i, (p, t) in enumerate(prompts):
+        eng.add_request(f"r{i}", p, t, SamplingParams(max_tokens=n, ignore_eos=True))
+    steps = []
+    while eng.has_unfinished():
+        steps.append({o.request_id: (list(o.new_token_ids), o.logits) for o in eng.step()})
+    return steps, eng
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_compiled_decode_matches_eager(llama_dir, weights):
+    eager = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights=weights).model
+    comp = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights=weights).model
+    comp.compile_decode()
+    calls = {"n": 0}
+    inner = comp._compiled_decode
+
+    def counting(*a, **kw):
+        calls["n"] += 1
+        return inner(*a, **kw)
+    comp._compiled_decode = counting
+    a, eng_a = _run(eager)
+    b, eng_b = _run(comp)
+    assert len(a) == len(b)
+    compared = 0
+    for sa, sb in zip(a, b):
+        assert sa.keys() == sb.keys()
+        for rid in sa:
+            (ta, la), (tb, lb) = sa[rid], sb[rid]
+            if la is not None:
+                torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
+                compared += 1
+            assert ta == tb
+    assert compared >= 20 and calls["n"] >= 3 * 4  # all-decode steps went through the graph, per segment
+    for s in range(3):  # the pools hold the same K/V (the compiled path writes after its graph)
+        torch.testing.assert_close(eng_b.kv.k[s], eng_a.kv.k[s], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(eng_b.kv.v[s], eng_a.kv.v[s], rtol=1e-5, atol=1e-5)
+
+
+def test_compile_is_refused_off_the_torch_cpu_path(llama_dir):
+    model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32").model
+    model.ops = type(model.ops)(**{**{f: getattr(model.ops, f) for f in model.ops.__dataclass_fields__},
+                                   "name": "triton"})
+    with pytest.raises(ValueError, match="torch ops on CPU"):
+        model.compile_decode()
+
+
+def test_layers_of_different_structure_are_refused(llama_dir):
+    from torch import nn
+    model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32").model
+    model.layers[3].mlp_extra = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="one structure"):
+        model.compile_decode()

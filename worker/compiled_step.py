@@ -1,0 +1,115 @@
+"""An opt-in compiled decode layer for CPU serving (``--compile``; issue 14's lean step).
+
+When every row of a segment's step is a decode row (one new token each) and the torch ops serve, the
+segment's trunk layers -- per layer its norms, q/k/v, rotary, the KV write, the gathered attention,
+o_proj and MLP -- run as one ``torch.compile`` graph (inductor's C++ backend) instead of ~50 eager ops
+and their Python per layer. One graph per segment, not per layer: dynamo's guard check and call cost
+~60 us a call here, as much as a layer's fusions save. The layers' modules are inputs, so segments of
+equal length share a graph; batch size and context length are dynamic (one recompile going from batch
+1 to more). Prefill chunks, verification rows, mixed steps and exit blocks stay eager.
+
+Why opt-in: the graph fuses elementwise work, so its fp32 results may round differently from the
+eager ops'. A decode row's logits could then differ in their last bits between an all-decode step and
+a mixed one, and speculation's and batching's bit-for-bit guarantees are stated for the eager path.
+"""
+from __future__ import annotations
+
+import itertools
+import types
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels.rmsnorm import fused_add_rms_norm_torch
+from kernels.rotary import rotary_torch
+
+
+def make_decode_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float):
+    """One decoder layer for T decode rows (row r is token r): the eager ops' computation as one
+    function to compile, except that it does not write the pool: the rows' new K/V are put into the
+    gathered context at their positions (what the eager path reads back after writing them) and
+    returned for the caller to write. The model's sizes are closed over, so they stay constants when
+    the batch and context are dynamic. k_pool/v_pool [blocks * block_size, Hkv, D]; flat [T * lmax]
+    slots; last [T] each row's new position in its context; mask [T, 1, 1, lmax]."""
+    gqa = num_heads != num_kv_heads
+
+    def decode_layer(layer, h, residual, pos, cos_sin, k_pool, v_pool, flat, last, mask):
+        hn, residual = fused_add_rms_norm_torch(h, residual, layer.input_layernorm, eps)
+        q, k, v = layer.qkv(hn)
+        T = hn.shape[0]
+        q = q.reshape(T, num_heads, head_dim)
+        k, v = k.reshape(T, num_kv_heads, head_dim), v.reshape(T, num_kv_heads, head_dim)
+        q, k = rotary_torch(q, k, pos, cos_sin)
+        k, v = k.to(k_pool.dtype), v.to(v_pool.dtype)  # what the pool will hold
+        rows = torch.arange(T, device=h.device)
+        kk = k_pool.index_select(0, flat).view(T, -1, num_kv_heads, head_dim).index_put((rows, last), k)
+        vv = v_pool.index_select(0, flat).view(T, -1, num_kv_heads, head_dim).index_put((rows, last), v)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kk.transpose(1, 2).to(q.dtype),
+                                           vv.transpose(1, 2).to(q.dtype), attn_mask=mask, scale=scale,
+                                           enable_gqa=gqa)
+        h = layer.o_proj(o[:, :, 0].reshape(T, -1))
+        hn, residual = fused_add_rms_norm_torch(h, residual, layer.post_attention_layernorm, eps)
+        return layer.mlp(hn), residual, k, v
+
+    return decode_layer
+
+
+def make_decode_segment(cfg):
+    """A segment's trunk layers over decode rows: layer j reads KV layer j of the segment's pools
+    ([kv layers, blocks * block_size, Hkv, D]). Returns (h, residual, K, V) with K, V [layers, T, Hkv, D]
+    the rows' new entries, for :func:`write_segment_kv`. (Writing them inside the graph would make
+    inductor copy the whole pool: a mutated view of an input.)"""
+    layer_fn = make_decode_layer(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps,
+                                 cfg.head_dim ** -0.5)
+
+    def decode_segment(layers: tuple, h, residual, pos, cos_sin, k_pool, v_pool, flat, last, mask):
+        ks, vs = [], []
+        for j, layer in enumerate(layers):
+            h, residual, k, v = layer_fn(layer, h, residual, pos, cos_sin, k_pool[j], v_pool[j], flat, last,
+                                         mask)
+            ks.append(k)
+            vs.append(v)
+        return h, residual, torch.stack(ks), torch.stack(vs)
+
+    return decode_segment
+
+
+def write_segment_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor,
+                     ks: torch.Tensor, vs: torch.Tensor) -> None:
+    """The rows' new K/V of a segment's first ``len(ks)`` KV layers into its pools, one op each."""
+    n = ks.shape[0]
+    k_pool[:n].index_copy_(1, slot_mapping, ks)
+    v_pool[:n].index_copy_(1, slot_mapping, vs)
+
+
+_instances = itertools.count()
+
+
+def layer_signature(layer) -> tuple:
+    """What a compiled graph assumes of a layer: each submodule's name and type, each parameter's name,
+    shape and dtype. Equal signatures, one graph."""
+    return tuple((n, type(m).__name__) for n, m in layer.named_modules()) + tuple(
+        (n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters())
+
+
+def compiled_decode_segment(cfg, layers) -> Callable:
+    """:func:`make_decode_segment` compiled (inductor, dynamic batch and context) for one model's
+    trunk ``layers``: one graph, and one guard check, per segment and step. Guards on the layers'
+    modules are skipped -- checking every parameter of ten layers costs more than the graph saves --
+    which is sound because (a) every layer has the same signature (checked here: ValueError if not),
+    (b) each call of this function compiles its own copy of the code, so dynamo's cache, which lives on
+    the code object, is never shared with another model, and (c) the modules are final (quantization
+    and fusion happen at load, before this). Tensor inputs' shapes stay guarded."""
+    sigs = {layer_signature(layer) for layer in layers}
+    if len(sigs) != 1:
+        raise ValueError(f"--compile needs trunk layers of one structure; this model has {len(sigs)}")
+    fn = make_decode_segment(cfg)
+    code = fn.__code__.replace(co_name=f"decode_segment_{next(_instances)}")
+    fn = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    return torch.compile(fn, dynamic=True,
+                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+
+__all__ = ["make_decode_layer", "make_decode_segment", "compiled_decode_segment", "layer_signature",
+           "write_segment_kv"]
