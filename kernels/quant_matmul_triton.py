@@ -73,13 +73,14 @@ def _check(x, qweight, scales, mins, group: int, bits: int) -> tuple[int, int]:
     return N, K
 
 
-def _tiles(M: int, N: int, interp: bool) -> tuple[int, int, int]:
+def _tiles(N: int, interp: bool) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K). Decode batches are a few rows: narrow N tiles put more programs on
-    the SMs for the small projections (576 outputs -> 36 programs). Fixed per call shape, never per
-    batch composition (the sums' order must not change with the batch)."""
+    the SMs for the small projections (576 outputs -> 36 programs). The tiles depend on the weight's
+    shape only, never on the batch, so a row's sums run in one order whatever shares its batch (a
+    prefill of thousands of rows pays for it by re-reading each weight tile every 16 rows)."""
     if interp:  # small tiles so tests cross several tiles on tiny shapes
         return 16, 16, 32
-    return (16 if M <= 16 else 64), (16 if N <= 4096 else 64), 64
+    return 16, (16 if N <= 4096 else 64), 64
 
 
 def quant_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -97,7 +98,7 @@ def quant_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     if M == 0:
         return y.view(*lead, N)
     interp = interpreted(_quant_matmul_kernel)
-    bm, bn, bk = _tiles(M, N, interp)
+    bm, bn, bk = _tiles(N, interp)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
     _quant_matmul_kernel[grid](x2, qweight, scales, mins, y, M, N, K, x2.stride(0), y.stride(0),
                                K // group, GROUP=group, BITS=bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
