@@ -119,18 +119,18 @@ def test_a_family_in_the_gpu_layout_tracks_fp32_and_serves(llama_dir):
     assert isinstance(fam.embed_tokens, Int8Embedding)
     assert {m.bits for m in lins if m is not fam.lm_head} == {4}
     assert fam.lm_head.bits == 8
-    ids = torch.randint(3, 160, (2, 16), generator=_gen(11))
+    ids = torch.randint(3, 160, (1, 8), generator=_gen(11))
     with torch.inference_mode():
         for a, b in zip(ref.exit_hidden(ids), fam.exit_hidden(ids)):
             la, lb = ref.logits(a), fam.logits(b)
             assert (la - lb).abs().max() < 0.25 * la.abs().max()
     fam.to(DEVICE)
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
     prompts, tiers = [[5, 9, 33], [7, 8]], [2, 1]
     eng = Engine(fam, max_model_len=64)
     together = eng.generate(prompts, tiers, params)
     alone = [eng.generate([p], [t], params)[0] for p, t in zip(prompts, tiers)]
-    assert together == alone and all(len(o) == 4 for o in together)
+    assert together == alone and all(len(o) == 3 for o in together)
 
 
 def test_layout_must_be_known(llama_dir):
