@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common_triton import check_device, check_float, check_last_dim_contiguous, interpreted, require
+from kernels.common_triton import (check_device, check_float, check_last_dim_contiguous, interpreted,
+                                   needs_autograd, require)
 from kernels.quant_matmul import BITS, quant_matmul_torch
 
 
@@ -89,7 +90,7 @@ def quant_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     dtype. Calls that must record gradients go to the reference (the kernel is forward-only)."""
     N, K = _check(x, qweight, scales, mins, group, bits)
     check_device(_quant_matmul_kernel, x=x, qweight=qweight, scales=scales, mins=mins)
-    if torch.is_grad_enabled() and x.requires_grad:
+    if needs_autograd(x):
         return quant_matmul_torch(x, qweight, scales, mins, group, bits)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)

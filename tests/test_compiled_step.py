@@ -1,6 +1,8 @@
 """The opt-in compiled decode segment (worker/compiled_step.py, ``compile_decode``): the same logits as
 the eager ops within fp32 rounding, every step of a mixed-tier run; mixed steps stay eager; and the KV
 it writes is the eager path's."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -52,8 +54,7 @@ def test_compiled_decode_matches_eager(llama_dir, weights):
 
 def test_compile_is_refused_off_the_torch_cpu_path(llama_dir):
     model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32").model
-    model.ops = type(model.ops)(**{**{f: getattr(model.ops, f) for f in model.ops.__dataclass_fields__},
-                                   "name": "triton"})
+    model.ops = dataclasses.replace(model.ops, name="triton")
     with pytest.raises(ValueError, match="torch ops on CPU"):
         model.compile_decode()
 

@@ -392,10 +392,10 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, gr
     if floats - {torch.float32}:
         raise ValueError(f"quantized weights serve an fp32 model, this one holds {sorted(map(str, floats))}")
     src = GGUFSource(gguf_path) if gguf_path and str(gguf_path).endswith(".gguf") else None
+    make = _quantized_groups if layout == "groups" else _quantized
     for name, mod, parent, child in _targets(model):
         gname = _gguf_name(name) if isinstance(mod, nn.Embedding) or mode == "int4" else None
         found = src.blocks(gname, mod.weight) if src is not None and gname else None
-        make = _quantized_groups if layout == "groups" else _quantized
         new, exact = make(mod, mode, group, found, is_head=child == "lm_head")
         new = new.to(mod.weight.device)
         (report.from_gguf if exact else report.from_float).append(name)
