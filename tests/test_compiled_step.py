@@ -27,6 +27,10 @@ def test_compiled_decode_matches_eager(llama_dir, weights):
     eager = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights=weights).model
     comp = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights=weights).model
     comp.compile_decode()
+    if weights == "int8":  # the compiled head computes in fp32: the eager run gets the same sum uncompiled
+        from worker.compiled_step import int8_rows
+        assert comp.lm_head.rows_kernel is not None
+        eager.lm_head.rows_kernel = int8_rows
     calls = {"n": 0}
     inner = comp._compiled_decode
 
@@ -65,3 +69,24 @@ def test_layers_of_different_structure_are_refused(llama_dir):
     model.layers[3].mlp_extra = nn.Linear(4, 4)
     with pytest.raises(ValueError, match="one structure"):
         model.compile_decode()
+
+
+def test_the_compiled_int8_head_is_fp32_exact_and_batch_invariant(llama_dir):
+    """Under compile_decode an int8 head computes in fp32 (torch's int8 kernel rounds activations to
+    bf16): close to the dequantized weights' fp32 product, and each row's logits the same bit for bit
+    whatever the batch; compile_decode(False) puts the bf16 kernel back."""
+    model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32", weights="int8").model
+    head = model.lm_head
+    x = torch.randn(7, head.in_features, generator=torch.Generator().manual_seed(3))
+    want = x.double() @ head.dequantize().double().t()
+    with torch.inference_mode():
+        bf16 = head(x)
+        model.compile_decode()
+        got = head(x)
+        singles = torch.cat([head(x[i:i + 1]) for i in range(7)])
+        pairs = torch.cat([head(x[i:i + 2]) for i in range(0, 6, 2)])
+        model.compile_decode(False)
+        back = head(x)
+    assert (got.double() - want).abs().max() < 1e-5 < (bf16.double() - want).abs().max()
+    assert torch.equal(singles, got) and torch.equal(pairs, got[:6])
+    assert head.rows_kernel is None and torch.equal(back, bf16)

@@ -8,6 +8,12 @@ and their Python per layer. One graph per segment, not per layer: dynamo's guard
 equal length share a graph; batch size and context length are dynamic (one recompile going from batch
 1 to more). Prefill chunks, verification rows, mixed steps and exit blocks stay eager.
 
+With ``--compile`` the int8 LM head (49152 x 576 for SmolLM2, a third of an int4 step's bytes) also
+runs compiled (:func:`int8_rows`): inductor's loop reads each weight row once and dots it with every
+activation row in fp32, where torch's ``_weight_int8pack_mm`` rounds the activations to bf16. Measured
+on SmolLM2's head (one thread): 2.1 vs 4.6 ms at one row, 3.6 vs 6.1 at two, about equal from 4 rows
+up; errors ~1e-6 instead of ~2e-2, and a row's logits are the same bit for bit at any batch size.
+
 Why opt-in: the graph fuses elementwise work, so its fp32 results may round differently from the
 eager ops'. A decode row's logits could then differ in their last bits between an all-decode step and
 a mixed one, and speculation's and batching's bit-for-bit guarantees are stated for the eager path.
@@ -111,5 +117,25 @@ def compiled_decode_segment(cfg, layers) -> Callable:
                          options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
 
+def int8_rows(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (q * scales[:, None]).T`` for x [M, K] fp32, q int8 [N, K], one scale per output row; as
+    written for inductor: [N, M] with the K reduction innermost, so a weight row is read from memory
+    once and stays in L1 for all M rows, then one transpose."""
+    o = (q.unsqueeze(1).float() * x.unsqueeze(0)).sum(-1)
+    return (o * scales.float()[:, None]).t()
+
+
+_int8_rows_compiled: Callable | None = None
+
+
+def compiled_int8_rows() -> Callable:
+    """:func:`int8_rows` compiled once per process (dynamic shapes: every int8 head shares the graphs,
+    one for a single row and one for more)."""
+    global _int8_rows_compiled
+    if _int8_rows_compiled is None:
+        _int8_rows_compiled = torch.compile(int8_rows, dynamic=True)
+    return _int8_rows_compiled
+
+
 __all__ = ["make_decode_layer", "make_decode_segment", "compiled_decode_segment", "layer_signature",
-           "write_segment_kv"]
+           "write_segment_kv", "int8_rows", "compiled_int8_rows"]

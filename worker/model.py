@@ -20,7 +20,7 @@ from torch import nn
 from kernels import TORCH_OPS, KernelOps
 from kernels.paged_attention import decode_gather
 from kernels.rotary import build_cos_sin_cache
-from worker.compiled_step import compiled_decode_segment, write_segment_kv
+from worker.compiled_step import compiled_decode_segment, compiled_int8_rows, write_segment_kv
 from worker.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -105,15 +105,19 @@ class NestedModel(nn.Module):
         self._compiled_decode = None  # compile_decode(): all-decode segments as one compiled graph
 
     def compile_decode(self, enable: bool = True) -> None:
-        """All-decode steps run each segment's trunk layers as one compiled graph
-        (:mod:`worker.compiled_step`: CPU, the torch ops; opt-in, see there why)."""
+        """All-decode steps run each segment's trunk layers as one compiled graph, and an int8 LM head
+        runs compiled in fp32 (:mod:`worker.compiled_step`: CPU, the torch ops; opt-in, see there why)."""
         if not enable:
             self._compiled_decode = None
+            if hasattr(self.lm_head, "rows_kernel"):
+                self.lm_head.rows_kernel = None
             return
         if self.ops.name != "torch" or self.embed_tokens.weight.device.type != "cpu":
             raise ValueError(f"--compile is for the torch ops on CPU (ops {self.ops.name}, "
                              f"device {self.embed_tokens.weight.device})")
         self._compiled_decode = compiled_decode_segment(self.cfg, list(self.layers))
+        if hasattr(self.lm_head, "rows_kernel"):  # an int8 head (worker/quant.py: Int8Linear)
+            self.lm_head.rows_kernel = compiled_int8_rows()
 
     # ---- construction ------------------------------------------------------------------------
     def tie_weights(self) -> None:

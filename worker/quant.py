@@ -2,7 +2,8 @@
 model after its weights (and any precipitation delta) are final.
 
 Owns:
-* :class:`Int8Linear` — int8 per output channel, ``torch._weight_int8pack_mm``.
+* :class:`Int8Linear` — int8 per output channel, ``torch._weight_int8pack_mm`` (or, for the LM head
+  under ``compile_decode``, a compiled fp32-activation kernel: ``rows_kernel``).
 * :class:`Int4Linear` — 4-bit, group-wise scale and zero along K, ``torch._weight_int4pack_mm_for_cpu``.
   The kernel dequantizes ``w = fma(q - 8, scale, zero)`` (checked in tests against its own output).
 
@@ -67,10 +68,17 @@ class Int8Linear(nn.Module):
         q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls(q, scales, bias)
 
+    # a callable (x [M, K] fp32, qweight, scales) -> [M, N] that replaces the bf16 kernel: the compiled
+    # head of ``NestedModel.compile_decode`` (worker/compiled_step.py: int8_rows); None: the kernel above
+    rows_kernel = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight,
-                                      self.scales).float()
+        if self.rows_kernel is not None:
+            y = self.rows_kernel(x.reshape(-1, shape[-1]).float().contiguous(), self.qweight, self.scales)
+        else:
+            y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight,
+                                          self.scales).float()
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
