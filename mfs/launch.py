@@ -362,6 +362,8 @@ def up(args) -> int:
     worker_args = ["--threads", str(args.threads)] if args.threads else []
     if getattr(args, "weights", "fp32") != "fp32":
         worker_args += ["--weights", args.weights]
+    if getattr(args, "compile", False):
+        worker_args += ["--compile"]
     for flag in ("device", "kernels"):
         if getattr(args, flag, None):
             worker_args += [f"--{flag}", getattr(args, flag)]

@@ -90,3 +90,36 @@ def test_the_compiled_int8_head_is_fp32_exact_and_batch_invariant(llama_dir):
     assert (got.double() - want).abs().max() < 1e-5 < (bf16.double() - want).abs().max()
     assert torch.equal(singles, got) and torch.equal(pairs, got[:6])
     assert head.rows_kernel is None and torch.equal(back, bf16)
+
+
+def test_a_warmed_up_runner_serves_without_compiling_and_its_blocks_leak_nothing(llama_dir):
+    """``python -m worker --compile`` builds the graphs with ModelRunner.warm_up before registering:
+    afterwards requests of other lengths, batch sizes and tiers compile nothing, and the blocks the
+    warm-up wrote change no request's tokens (the eager model, its head computing the same fp32 sum
+    uncompiled, gives the same)."""
+    from torch._dynamo.utils import counters
+    from worker.compiled_step import int8_rows
+    work = [([5, 9, 33, 7, 2] * 5, 2), ([7, 8], 0), ([4] * 13, 1), ([11, 12, 13], 2), ([3, 1, 4, 1, 5, 9, 2], 2)]
+
+    def serve(model, warm: bool):
+        eng = Engine(model, block_size=4, num_blocks=64)
+        graphs = [counters["stats"]["unique_graphs"]]
+        if warm:
+            assert eng.runner.warm_up() > 0 and not eng.runner.sampling  # its requests are gone
+            graphs.append(counters["stats"]["unique_graphs"])
+        for i, (p, t) in enumerate(work):
+            eng.add_request(f"r{i}", p, t, SamplingParams(max_tokens=9, ignore_eos=True))
+        out: dict[str, list[int]] = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return out, graphs + [counters["stats"]["unique_graphs"]]
+
+    comp = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights="int8").model
+    comp.compile_decode()
+    eager = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights="int8").model
+    eager.lm_head.rows_kernel = int8_rows
+    warmed, (before, after_warm_up, after_serving) = serve(comp, True)
+    want, _ = serve(eager, False)
+    assert after_warm_up > before and after_serving == after_warm_up  # built by the warm-up, then none
+    assert warmed == want and all(len(v) == 9 for v in warmed.values())

@@ -30,6 +30,9 @@ class WorkerConfig(ModelArgs):
                                             "layout)")
     threads: int = opt(default_factory=lambda: max(1, (os.cpu_count() or 2) - 1),
                        help="torch threads (default: all cores but one, which the gateway and scheduler use)")
+    compile: bool = opt(False, "all-decode steps as compiled graphs and a compiled int8 head (CPU, the torch "
+                               "ops; worker/compiled_step.py): built before the worker registers (tens of "
+                               "seconds; inductor needs a C++ compiler)")
 
 
 class WorkerService(WorkerLoop):
@@ -61,12 +64,29 @@ class WorkerService(WorkerLoop):
             tiers, tier_map, nseg = list(range(ntiers)), None, ntiers
         num_blocks = [cfg.num_blocks] * nseg
         runner = ModelRunner(model, num_blocks, cfg.block_size, tier_map=tier_map, tokenizer=tokenizer)
+        if cfg.compile:
+            _compile(model, runner)
         self.model = model
         mcfg = model.cfg
         spec = WorkerSpec(tiers, ntiers, num_blocks, cfg.block_size, min(cfg.max_model_len, model.max_positions),
                           mcfg.vocab_size, list(mcfg.eos_token_ids), device=str(runner.device),
                           kernels=model.ops.name, weights=self.weights, shard=cfg.shard)
         super().__init__(cfg.worker_id, connect(redis_target), runner, spec)
+
+
+def _compile(model, runner: ModelRunner) -> None:
+    """``--compile``: the graphs are built here, by throw-away requests, so no client waits for them."""
+    import structlog  # noqa: PLC0415
+    log = structlog.get_logger(__name__)
+    model.compile_decode()  # ValueError off the torch ops on CPU: the flag is refused as it stands
+    log.info("compiling the decode graphs before registering (--compile)")
+    try:
+        secs = runner.warm_up()
+    except Exception as e:  # inductor's failures (no C++ compiler, ...) come in many types
+        raise RuntimeError(f"--compile: building the compiled decode graphs failed ({type(e).__name__}: "
+                           f"{str(e)[:300]}); inductor needs a C++ compiler (gcc): install one or run "
+                           f"without --compile") from e
+    log.info("decode graphs compiled", seconds=round(secs, 1))
 
 
 def _release_memory() -> None:
