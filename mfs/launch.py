@@ -385,7 +385,10 @@ def up(args) -> int:
     install_stop_signals()
     status = 0
     try:
-        svc.start()
+        # --compile: each worker builds its graphs before registering (~1 min on 2 cores, longer when
+        # several build at once)
+        workers = len(svc.worker_plan())
+        svc.start(timeout=240.0 + (180.0 * workers if getattr(args, "compile", False) else 0.0))
         from core.redisconn import RedisTarget  # noqa: PLC0415
         print(f"mfs up: serving at {svc.url}/v1  (redis {RedisTarget.parse(svc.redis_url).describe()}); "
               "Ctrl-C stops everything",

@@ -123,3 +123,19 @@ def test_a_warmed_up_runner_serves_without_compiling_and_its_blocks_leak_nothing
     want, _ = serve(eager, False)
     assert after_warm_up > before and after_serving == after_warm_up  # built by the warm-up, then none
     assert warmed == want and all(len(v) == 9 for v in warmed.values())
+
+
+def test_a_standalone_tier_worker_warms_up_under_its_global_tier(llama_dir):
+    """The independent layout's worker holds one tier as its own one-segment model and is planned in
+    global tiers (``tier_map``): its warm-up plans the global number (here 2 for local 0; a 2-layer
+    tier, so the graph is the other tests' and compiles from inductor's cache) and builds that model's
+    graphs."""
+    from torch._dynamo.utils import counters
+    from worker.model import standalone_tier
+    from worker.runner import ModelRunner
+    model = standalone_tier(load_family(str(llama_dir), tiers="2,4,6", dtype="float32").model, 0)
+    model.compile_decode()
+    runner = ModelRunner(model, [16], 4, tier_map={2: 0})
+    before = counters["stats"]["unique_graphs"]
+    assert runner.warm_up() > 0 and not runner.sampling
+    assert counters["stats"]["unique_graphs"] > before

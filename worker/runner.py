@@ -115,8 +115,8 @@ class ModelRunner:
     def warm_up(self, steps: int = 2) -> float:
         """Runs throw-away requests through the top tier so that compiled graphs
         (``NestedModel.compile_decode``) are built before any client waits: one request decoding alone,
-        then two together, each over more than one KV block per segment (a size of 1 would be
-        specialized by the compiler and recompiled at the first longer request). Uses the first blocks
+        then two together (the compiler specializes a batch of one), each over more than one KV block
+        per segment, as real contexts are. Uses the first blocks
         of every pool; a real request never reads them before writing (each reads only positions its
         own rows wrote), and the warm-up requests are dropped after. Returns the seconds it took."""
         import time  # noqa: PLC0415

@@ -82,6 +82,8 @@ def _compile(model, runner: ModelRunner) -> None:
     log.info("compiling the decode graphs before registering (--compile)")
     try:
         secs = runner.warm_up()
+    except ValueError:  # the warm-up's own refusal (too few KV blocks): as it is
+        raise
     except Exception as e:  # inductor's failures (no C++ compiler, ...) come in many types
         raise RuntimeError(f"--compile: building the compiled decode graphs failed ({type(e).__name__}: "
                            f"{str(e)[:300]}); inductor needs a C++ compiler (gcc): install one or run "
