@@ -62,10 +62,15 @@ def _release() -> None:
         pass
 
 
-def _engine_run(model, prompts, tiers, new: int) -> dict:
+def _engine(model, n: int):
+    """One engine per run, all alike: a compiled graph is specialized to the KV pool it was built on."""
     from mfs.engine import Engine  # noqa: PLC0415
+    return Engine(model, max_num_seqs=max(64, n), num_blocks=1024)
+
+
+def _engine_run(model, prompts, tiers, new: int) -> dict:
     from worker.sampling import SamplingParams  # noqa: PLC0415
-    eng = Engine(model, max_num_seqs=max(64, len(prompts)), num_blocks=1024)
+    eng = _engine(model, len(prompts))
     t0 = time.perf_counter()
     for i, (p, t) in enumerate(zip(prompts, tiers)):
         eng.add_request(f"r{i}", p, t, SamplingParams(max_tokens=new, ignore_eos=True))
@@ -105,9 +110,8 @@ def run_mfs(spec: Spec, mode: str) -> dict:
     mem = _rss(spec.device)
     warm_s = None
     if compiled:  # the graphs are built as a serving worker builds them, before anything is timed
-        from mfs.engine import Engine  # noqa: PLC0415
         model.compile_decode()
-        warm_s = Engine(model, max_num_seqs=64, num_blocks=64).runner.warm_up()
+        warm_s = _engine(model, len(spec.prompts)).runner.warm_up()
     top = len(model.tiers) - 1
     n = len(spec.prompts)
     res = {"name": f"mfs {mode}", "load_s": load_s, "compile_warmup_s": warm_s, "weights_bytes": weight_bytes(model),
