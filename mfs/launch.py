@@ -363,6 +363,8 @@ def up(args) -> int:
     if getattr(args, "weights", "fp32") != "fp32":
         worker_args += ["--weights", args.weights]
     if getattr(args, "compile", False):
+        if str(getattr(args, "device", "cpu")).startswith("cuda") or getattr(args, "kernels", None) == "triton":
+            raise ValueError("--compile is for the torch ops on CPU (add --device cpu, or drop --compile)")
         worker_args += ["--compile"]
     for flag in ("device", "kernels"):
         if getattr(args, flag, None):
@@ -387,8 +389,8 @@ def up(args) -> int:
     try:
         # --compile: each worker builds its graphs before registering (~1 min on 2 cores, longer when
         # several build at once)
-        workers = len(svc.worker_plan())
-        svc.start(timeout=240.0 + (180.0 * workers if getattr(args, "compile", False) else 0.0))
+        compiling = len(svc.worker_plan()) if getattr(args, "compile", False) else 0
+        svc.start(timeout=240.0 + 180.0 * compiling)
         from core.redisconn import RedisTarget  # noqa: PLC0415
         print(f"mfs up: serving at {svc.url}/v1  (redis {RedisTarget.parse(svc.redis_url).describe()}); "
               "Ctrl-C stops everything",

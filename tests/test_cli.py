@@ -108,6 +108,12 @@ def test_bench_peers_runs_each_contender_side_by_side(tmp_path, frontend):
     assert int4["weights_bytes"] < fp32["weights_bytes"]
 
 
+def test_up_refuses_compile_off_the_cpu_before_starting_anything():
+    r = run("up", "--compile", "--device", "cuda", "--port", "0")
+    assert r.returncode == 2 and "--compile is for the torch ops on CPU" in r.stderr
+    assert "starting" not in r.stdout
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message without CUDA")
 def test_bench_peers_on_cuda_without_one_fails_fast(tmp_path):
     r = run("bench", "peers", "--device", "cuda", "--json", str(tmp_path / "p.json"))

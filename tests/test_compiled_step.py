@@ -1,6 +1,7 @@
 """The opt-in compiled decode segment (worker/compiled_step.py, ``compile_decode``): the same logits as
 the eager ops within fp32 rounding, every step of a mixed-tier run; mixed steps stay eager; and the KV
-it writes is the eager path's."""
+it writes is the eager path's. The compiled int8 head (fp32, batch-invariant), and the warm-up a
+``--compile`` worker runs before it registers."""
 import dataclasses
 
 import pytest

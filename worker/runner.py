@@ -116,9 +116,9 @@ class ModelRunner:
         """Runs throw-away requests through the top tier so that compiled graphs
         (``NestedModel.compile_decode``) are built before any client waits: one request decoding alone,
         then two together (the compiler specializes a batch of one), each over more than one KV block
-        per segment, as real contexts are. Uses the first blocks
-        of every pool; a real request never reads them before writing (each reads only positions its
-        own rows wrote), and the warm-up requests are dropped after. Returns the seconds it took."""
+        per segment, as real contexts are. Uses the first blocks of every pool; a real request never
+        reads them before writing (each reads only positions its own rows wrote), and the warm-up
+        requests are dropped after. Returns the seconds it took."""
         import time  # noqa: PLC0415
         t0 = time.perf_counter()
         top = self.model.num_segments - 1
