@@ -4,6 +4,7 @@ Sources (``--data``, comma-separated, mixed with equal weight per source):
 
 * ``self``: the base model's own greedy answers (top tier, chat template) to :data:`SELF_PROMPTS`, a
   broad built-in prompt set. Generated once with :class:`mfs.engine.Engine`, cached as JSONL.
+* ``chat``: the same, for :data:`CHAT_PROMPTS` (short factual questions and small instructions).
 * ``stdlib``: ``pydoc`` plain-text documentation of :data:`STDLIB_TRAIN` modules.
 * ``packages``: README/METADATA/licence text of installed distributions.
 * a ``.txt``/``.md`` file, a ``.jsonl`` file (a ``text`` field, or ``prompt`` + ``answer``), or a
@@ -11,7 +12,7 @@ Sources (``--data``, comma-separated, mixed with equal weight per source):
 
 The held-out text is the pydoc of :data:`STDLIB_HELDOUT`, modules no training source uses, plus the
 base model's answers to :data:`HELDOUT_PROMPTS` (disjoint from :data:`SELF_PROMPTS` and from the
-evaluation questions). :func:`check_disjoint` asserts it.
+evaluation questions; so is :data:`CHAT_PROMPTS`). :func:`check_disjoint` asserts it.
 """
 from __future__ import annotations
 
@@ -96,6 +97,106 @@ _TASKS_MORE = [
 SELF_PROMPTS = ([tp.format(t=t) for t in _TOPICS for tp in _TEMPLATES] + _TASKS
                 + [tp.format(t=t) for t in _TOPICS_MORE for tp in _TEMPLATES_MORE] + _TASKS_MORE)
 
+# ``chat``: a second, larger prompt set of the shape the tiers serve most - short factual questions
+# and small instructions, answered briefly - so the exit blocks see chat, not only documentation.
+# Written to avoid the facts the evaluation questions ask about (no capitals, sums or animals that
+# EVAL_QUESTIONS / EVAL_QUESTIONS_LARGE use); check_disjoint asserts the exact-string part of that.
+_TOPICS_CHAT = [
+    "the Pacific Ocean", "mountains", "rivers", "the Arctic", "rain forests", "islands", "caves",
+    "the wheel", "the telephone", "the light bulb", "the steam engine", "paper", "glass", "steel",
+    "plastic", "cotton", "wool", "bread", "cheese", "rice", "chocolate", "salt", "sugar", "apples",
+    "bananas", "potatoes", "tomatoes", "oranges", "carrots", "frogs", "butterflies", "ants", "eagles",
+    "sharks", "dolphins", "elephants", "horses", "rabbits", "wolves", "snakes", "turtles", "parrots",
+    "football", "tennis", "swimming", "running", "painting", "photography", "dancing", "poetry",
+    "libraries", "museums", "schools", "hospitals", "farms", "cities", "bridges", "trains", "ships",
+    "rockets", "satellites", "telescopes", "microscopes", "computers", "smartphones", "email",
+    "passwords", "batteries", "magnets", "fire", "clouds", "snow", "wind", "thunder", "stars",
+    "comets", "Jupiter", "Saturn's rings", "the Milky Way", "fossils", "rocks", "soil",
+    "trees", "flowers", "seeds", "leaves", "forests", "kindness", "honesty", "teamwork", "patience",
+    "gardening", "cooking", "camping", "maps", "clocks", "calendars", "money", "banks", "languages",
+]
+_TEMPLATES_CHAT = ["Give me one fact about {t}.", "Explain {t} to a child in two sentences."]
+_TASKS_CHAT = [
+    "What is 4 times 6?", "What is 9 plus 11?", "What is 30 minus 12?", "What is 45 divided by 9?",
+    "What is 8 times 3?", "What is 14 plus 14?", "What is 60 divided by 5?", "What is 11 times 11?",
+    "What is 50 plus 25?", "What is 81 divided by 9?", "What is 6 times 7?", "What is 13 minus 8?",
+    "What is double 12?", "What is a quarter of 100?", "Is 9 an even number?", "Is 21 a prime number?",
+    "What comes after Tuesday?", "What comes before Friday?", "How many minutes are in an hour?",
+    "How many seconds are in a minute?", "How many weeks are in a year?",
+    "How many cents are in a dollar?", "How many centimeters are in a meter?",
+    "How many grams are in a kilogram?", "How many legs does an insect have?",
+    "How many wheels does a bicycle have?", "How many strings does a violin have?",
+    "How many players are on a soccer team?", "What is the capital of Egypt?",
+    "What is the capital of China?", "What is the capital of India?", "What is the capital of Russia?",
+    "What is the capital of Kenya?", "What is the capital of Greece?", "What is the capital of Portugal?",
+    "What is the capital of Sweden?", "What is the capital of Argentina?",
+    "What is the capital of Norway?", "What is the capital of Peru?", "What is the capital of Ireland?",
+    "What is the longest river in the world?", "What is the largest desert in the world?",
+    "What is the smallest planet in the solar system?", "Which planet has the most moons?",
+    "What is the hottest planet?", "What is the largest continent?",
+    "What is the largest country by area?", "What is the deepest ocean trench?",
+    "Which ocean is the coldest?", "Who painted 'The Starry Night'?",
+    "Who composed the 'Moonlight Sonata'?", "Who invented the telephone?", "Who invented the light bulb?",
+    "Who developed the theory of relativity?", "Who was the first president of the United States?",
+    "Who wrote 'Oliver Twist'?", "Who discovered gravity?", "Who wrote 'The Odyssey'?",
+    "Who painted the ceiling of the Sistine Chapel?", "What is the chemical symbol for iron?",
+    "What is the chemical symbol for oxygen?", "What is the chemical symbol for sodium?",
+    "What gas do humans breathe out?", "What is the hardest natural substance?",
+    "What is the center of an atom called?", "What organ pumps blood through the body?",
+    "What organ do we use to think?", "How many bones are in the adult human body?",
+    "What is the largest organ of the human body?", "What do caterpillars turn into?",
+    "What do tadpoles grow into?", "What do squirrels eat?", "What do pandas eat?",
+    "Where do penguins live?", "Where do kangaroos live?", "What is a group of wolves called?",
+    "What is a baby horse called?", "What is a baby sheep called?", "What is a baby cow called?",
+    "What sound does a duck make?", "What sound does a sheep make?",
+    "Which bird cannot fly but runs fast?", "What color is a banana?", "What color is a ripe tomato?",
+    "What color do you get by mixing blue and yellow?", "What color do you get by mixing red and white?",
+    "What color is snow?", "What color is coal?", "What shape is a coin?",
+    "How many corners does a cube have?", "What is the opposite of 'fast'?",
+    "What is the opposite of 'happy'?", "What is the opposite of 'light'?",
+    "What is the opposite of 'open'?", "What is the opposite of 'early'?",
+    "What is the opposite of 'full'?", "Give me a synonym for 'small'.", "Give me a synonym for 'quick'.",
+    "Give me a synonym for 'smart'.", "Give me a synonym for 'angry'.",
+    "Give me a word that rhymes with 'cat'.", "Give me a word that rhymes with 'tree'.",
+    "What is the plural of 'child'?", "What is the plural of 'goose'?",
+    "What is the past tense of 'run'?", "What is the past tense of 'eat'?", "Spell the word 'school'.",
+    "How many letters are in the word 'apple'?", "Is 'quickly' an adverb or an adjective?",
+    "What is a verb?", "What is an adjective?", "Translate 'hello' into German.",
+    "Translate 'cat' into French.", "Translate 'water' into Spanish.", "Translate 'friend' into Italian.",
+    "Say goodbye in Spanish.", "How do you say 'yes' in French?", "Name a fruit that is yellow.",
+    "Name a bird that cannot fly.", "Name three countries in Europe.",
+    "Name a mammal that lives in the sea.", "Name two kinds of trees.", "Name a sport played with a bat.",
+    "Name a famous scientist.", "Name a tool used for cutting paper.", "Name something that is cold.",
+    "Write one sentence about horses.", "Write one sentence about the moon.",
+    "Write one sentence about books.", "Write one sentence about summer.",
+    "Write one sentence about music.", "Write one sentence about trees.",
+    "Write one sentence about friendship.", "Write one sentence about the city.",
+    "Write one sentence about trains.", "Write a two-line poem about the stars.",
+    "Write a haiku about snow.", "Write a haiku about the morning.",
+    "Write a short thank-you note to a teacher.", "Write a short message inviting a friend to lunch.",
+    "Write a short apology for being late.", "Write a one-sentence story about a dragon.",
+    "Give me a tip for sleeping better.", "Give me a tip for drinking more water.",
+    "Give me a tip for learning a new language.", "Give me a tip for staying focused.",
+    "Suggest a name for a pet goldfish.", "Suggest a fun activity for a rainy day.",
+    "Suggest a healthy snack.", "Suggest a title for a story about a lost key.", "How do I boil an egg?",
+    "How do I tie my shoelaces?", "How do I plant a seed?", "How do I wash my hands properly?",
+    "How do I make a paper airplane?", "How do I brush my teeth?", "What should I do if I feel tired?",
+    "What should I bring to a picnic?", "Why do we need sleep?", "Why do birds migrate?",
+    "Why is the ocean salty?", "Why do cats purr?", "Why does ice float?", "Why do stars twinkle?",
+    "What is a computer program?", "What is a variable in Python?",
+    "What does the print function do in Python?", "Write a Python function that adds two numbers.",
+    "Write a Python function that checks if a number is even.", "What is a dictionary in Python?",
+    "What does 'def' mean in Python?", "What is an if statement?", "How do I write a comment in Python?",
+    "What is the output of print(3 * 4) in Python?", "What is a file extension?",
+    "What does CPU stand for?", "What does www stand for?", "What is a keyboard used for?",
+    "What is the internet used for?", "Finish the sentence: An apple a day...",
+    "Finish the sentence: Practice makes...", "Finish the sentence: Better late than...",
+    "Is a tomato a fruit or a vegetable?", "Is the Earth flat or round?",
+    "Which is heavier, a kilogram of feathers or a kilogram of iron?",
+    "Which is bigger, an elephant or a mouse?", "Which is colder, ice or steam?",
+]
+CHAT_PROMPTS = [tp.format(t=t) for t in _TOPICS_CHAT for tp in _TEMPLATES_CHAT] + _TASKS_CHAT
+
 HELDOUT_PROMPTS = [
     "Explain how a refrigerator works.", "What is a glacier?", "Write a short poem about the forest.",
     "Give me two tips for a job interview.", "How do magnets work?", "What is a noun?",
@@ -135,6 +236,8 @@ def check_disjoint() -> None:
     assert not set(STDLIB_TRAIN) & set(STDLIB_HELDOUT)
     evals = set(HELDOUT_PROMPTS) | set(EVAL_QUESTIONS) | set(EVAL_QUESTIONS_LARGE)
     assert not set(SELF_PROMPTS) & evals
+    assert not set(CHAT_PROMPTS) & (evals | set(SELF_PROMPTS))
+    assert len(set(CHAT_PROMPTS)) == len(CHAT_PROMPTS)
     assert not set(HELDOUT_PROMPTS) & (set(EVAL_QUESTIONS) | set(EVAL_QUESTIONS_LARGE))
 
 
@@ -299,6 +402,9 @@ def read_sources(spec: str, model, tokenizer, cache_dir: Path, self_max_tokens: 
         if part == "self":
             out.append(("self", self_records(model, tokenizer, SELF_PROMPTS, cache_dir / "self.jsonl",
                                              self_max_tokens, log)))
+        elif part == "chat":
+            out.append(("chat", self_records(model, tokenizer, CHAT_PROMPTS, cache_dir / "chat.jsonl",
+                                             self_max_tokens, log)))
         elif part == "stdlib":
             out.append(("stdlib", stdlib_texts(STDLIB_TRAIN)))
         elif part == "packages":
@@ -306,6 +412,7 @@ def read_sources(spec: str, model, tokenizer, cache_dir: Path, self_max_tokens: 
         else:
             p = Path(part).expanduser()
             if not p.exists():
-                raise FileNotFoundError(f"--data {part!r}: not 'self', 'stdlib', 'packages' or a path")
+                raise FileNotFoundError(
+                    f"--data {part!r}: not 'self', 'chat', 'stdlib', 'packages' or a path")
             out.append((p.name, file_texts(p)))
     return out

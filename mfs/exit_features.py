@@ -97,10 +97,13 @@ def fill_cache(model: NestedModel, windows: torch.Tensor, cache: FeatureCache, b
     return rate
 
 
+ANSWER_SOURCES = ("self", "chat")
+
+
 def training_windows(docs: list[tuple[str, list]], tok, eos: int, seq_len: int, max_tokens: int,
                      seed: int) -> tuple[torch.Tensor, dict[str, int]]:
-    """Non-overlapping windows of every source, mixed: all chat ('self') windows first in the
-    budget, the rest filled from the text sources; shuffled by seed."""
+    """Non-overlapping windows of every source, mixed: all answer ('self', 'chat') windows first in
+    the budget, the rest filled from the text sources; shuffled by seed."""
     per: dict[str, torch.Tensor] = {}
     for name, dd in docs:
         stream = D.encode_docs(tok, dd, eos)
@@ -110,11 +113,14 @@ def training_windows(docs: list[tuple[str, list]], tok, eos: int, seq_len: int, 
     g = torch.Generator().manual_seed(seed)
     budget = max_tokens // seq_len
     chosen, counts, left = [], {}, budget
-    order = sorted(per, key=lambda k: (k != "self", k))  # 'self' first, then the text sources
+    # the model's answers first ('self' before 'chat': a 'self'-only run's windows are unchanged),
+    # then the text sources
+    rank = {k: i for i, k in enumerate(ANSWER_SOURCES)}
+    order = sorted(per, key=lambda k: (rank.get(k, len(rank)), k))
     for i, name in enumerate(order):
         w = per[name][torch.randperm(per[name].shape[0], generator=g)]
-        # 'self' takes what it has; each text source an equal share of what is left
-        take = w[: left if name == "self" else left // (len(order) - i)]
+        # an answer source takes what it has; each text source an equal share of what is left
+        take = w[: left if name in ANSWER_SOURCES else left // (len(order) - i)]
         chosen.append(take)
         counts[name] = int(take.shape[0])
         left -= counts[name]

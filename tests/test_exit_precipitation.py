@@ -116,3 +116,28 @@ def test_a_warm_start_with_an_added_layer_begins_where_the_artifact_ended(tiny, 
     assert "--block-layers may only add layers" in capsys.readouterr().err
     assert _run(base, txt, tmp_path / "fourth", "--steps", "1", "--block-layers", "2,1,1") == 2
     assert "one count >= 1, or one per lower tier" in capsys.readouterr().err
+
+
+def test_answer_sources_take_what_they_have_and_text_sources_share_the_rest():
+    from mfs.exit_features import training_windows  # noqa: PLC0415
+
+    class Tok:  # encode_docs needs only encode for plain texts
+        def encode(self, text, add_special_tokens=False):
+            return [int(w) for w in text.split()]
+
+    def docs(start, n):  # one document of n tokens, values marking the source
+        return [" ".join(str(start + i % 100) for i in range(n))]
+
+    seq = 8
+    src = [("stdlib", docs(1000, 400)), ("self", docs(0, 60)), ("chat", docs(200, 30)),
+           ("packages", docs(2000, 400))]
+    w, mix = training_windows(src, Tok(), 9999, seq, 40 * seq, seed=3)
+    # encode_docs appends EOS per document: 61 and 31 tokens -> 7 and 3 whole windows
+    assert mix == {"self": 7 * seq, "chat": 3 * seq, "packages": 15 * seq, "stdlib": 15 * seq}
+    assert w.shape == (40, seq)
+    first = w[:, 0]
+    assert int(((first >= 200) & (first < 300)).sum()) == 3  # every chat window is in
+    # the order of --data does not matter; without 'chat' the text sources share what it left
+    assert torch.equal(w, training_windows(src[::-1], Tok(), 9999, seq, 40 * seq, seed=3)[0])
+    _, mix2 = training_windows([s for s in src if s[0] != "chat"], Tok(), 9999, seq, 40 * seq, seed=3)
+    assert mix2 == {"self": 7 * seq, "packages": 16 * seq, "stdlib": 17 * seq}
