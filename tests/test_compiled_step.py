@@ -13,10 +13,12 @@ from worker.sampling import SamplingParams
 
 
 def _run(model, n=6):
+    """Four requests of three tiers; the tier-0 one stops early, so later steps have exit blocks whose
+    rows all go on (the block writes its KV alone) besides ones where a row leaves."""
     eng = Engine(model, block_size=4, num_blocks=64, keep_logits=True)
-    prompts = [([5, 9, 33, 7, 2], 2), ([7, 8], 0), ([4, 4, 4, 4, 4, 4, 4], 1), ([11, 12, 13], 2)]
-    for i, (p, t) in enumerate(prompts):
-        eng.add_request(f"r{i}", p, t, SamplingParams(max_tokens=n, ignore_eos=True))
+    prompts = [([5, 9, 33, 7, 2], 2, n), ([7, 8], 0, 2), ([4, 4, 4, 4, 4, 4, 4], 1, n), ([11, 12, 13], 2, n)]
+    for i, (p, t, m) in enumerate(prompts):
+        eng.add_request(f"r{i}", p, t, SamplingParams(max_tokens=m, ignore_eos=True))
     steps = []
     while eng.has_unfinished():
         steps.append({o.request_id: (list(o.new_token_ids), o.logits) for o in eng.step()})
@@ -25,8 +27,8 @@ def _run(model, n=6):
 
 @pytest.mark.parametrize("weights", ["fp32", "int8"])
 def test_compiled_decode_matches_eager(llama_dir, weights):
-    eager = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights=weights).model
-    comp = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights=weights).model
+    eager = load_family(str(llama_dir), tiers="2+2,4+1,6", dtype="float32", weights=weights).model
+    comp = load_family(str(llama_dir), tiers="2+2,4+1,6", dtype="float32", weights=weights).model
     comp.compile_decode()
     if weights == "int8":  # the compiled head computes in fp32: the eager run gets the same sum uncompiled
         from worker.compiled_step import int8_rows
@@ -51,8 +53,8 @@ def test_compiled_decode_matches_eager(llama_dir, weights):
                 torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
                 compared += 1
             assert ta == tb
-    assert compared >= 20 and calls["n"] >= 3 * 4  # all-decode steps went through the graph, per segment
-    for s in range(3):  # the pools hold the same K/V (the compiled path writes after its graph)
+    assert compared >= 14 and calls["n"] >= 3 * 4  # all-decode steps went through the graph, per segment
+    for s in range(3):  # the pools hold the same K/V (trunk, and exit blocks whose rows go on or leave)
         torch.testing.assert_close(eng_b.kv.k[s], eng_a.kv.k[s], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(eng_b.kv.v[s], eng_a.kv.v[s], rtol=1e-5, atol=1e-5)
 
