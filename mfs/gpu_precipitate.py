@@ -78,7 +78,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output folder (nested checkpoint + eval.json)")
     p.add_argument("--base", default="default")
     p.add_argument("--tiers", default="small=10,medium=20,large=30")
-    p.add_argument("--data", default="self,stdlib,packages")
+    p.add_argument("--data", default="self,chat,stdlib,packages")
     p.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget for everything")
     p.add_argument("--eval-reserve-minutes", type=float, default=1.5,
                    help="part of the budget kept for the final mfs eval")
