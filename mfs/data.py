@@ -393,6 +393,17 @@ def heldout_docs(model=None, tokenizer=None, cache: Path | None = None) -> list:
     return docs
 
 
+def answer_prompts_digest(spec: str) -> str:
+    """A digest of the prompt lists behind the answer sources ``spec`` names ('' if none): part of a
+    feature cache's key, so editing SELF_PROMPTS or CHAT_PROMPTS never reuses a stale cache."""
+    import hashlib  # noqa: PLC0415
+    lists = {"self": SELF_PROMPTS, "chat": CHAT_PROMPTS}
+    parts = [p.strip() for p in spec.split(",") if p.strip() in lists]
+    if not parts:
+        return ""
+    return hashlib.sha256(json.dumps({p: lists[p] for p in sorted(parts)}).encode()).hexdigest()[:16]
+
+
 def read_sources(spec: str, model, tokenizer, cache_dir: Path, self_max_tokens: int = 160,
                  log=print) -> list[tuple[str, list]]:
     """``--data`` -> [(name, documents)]."""

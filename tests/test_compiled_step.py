@@ -53,7 +53,7 @@ def test_compiled_decode_matches_eager(llama_dir, weights):
                 torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
                 compared += 1
             assert ta == tb
-    assert compared >= 14 and calls["n"] >= 3 * 4  # all-decode steps went through the graph, per segment
+    assert compared >= 20 and calls["n"] >= 3 * 4  # all-decode steps went through the graph, per segment
     for s in range(3):  # the pools hold the same K/V (trunk, and exit blocks whose rows go on or leave)
         torch.testing.assert_close(eng_b.kv.k[s], eng_a.kv.k[s], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(eng_b.kv.v[s], eng_a.kv.v[s], rtol=1e-5, atol=1e-5)

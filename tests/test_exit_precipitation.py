@@ -141,3 +141,12 @@ def test_answer_sources_take_what_they_have_and_text_sources_share_the_rest():
     assert torch.equal(w, training_windows(src[::-1], Tok(), 9999, seq, 40 * seq, seed=3)[0])
     _, mix2 = training_windows([s for s in src if s[0] != "chat"], Tok(), 9999, seq, 40 * seq, seed=3)
     assert mix2 == {"self": 7 * seq, "packages": 16 * seq, "stdlib": 17 * seq}
+
+
+def test_the_feature_cache_key_follows_the_answer_prompt_lists(monkeypatch):
+    from mfs import data as D  # noqa: PLC0415
+    assert D.answer_prompts_digest("stdlib,/some/file.txt") == ""
+    a = D.answer_prompts_digest("self,chat,stdlib")
+    assert a == D.answer_prompts_digest("chat, self") and a != D.answer_prompts_digest("self")
+    monkeypatch.setattr(D, "CHAT_PROMPTS", D.CHAT_PROMPTS + ["What is a new prompt?"])
+    assert D.answer_prompts_digest("self,chat,stdlib") != a
