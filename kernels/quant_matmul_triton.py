@@ -25,7 +25,8 @@ from kernels.quant_matmul import BITS, quant_matmul_torch
 @triton.jit
 def _quant_matmul_kernel(X, Q, S, MN, Y, M, N, K, stride_xm, stride_ym, n_groups,
                          GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                         INTERP: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
@@ -47,7 +48,11 @@ def _quant_matmul_kernel(X, Q, S, MN, Y, M, N, K, stride_xm, stride_ym, n_groups
         s = tl.load(S + g, mask=w_ok, other=0.0).to(tl.float32)
         mn = tl.load(MN + g, mask=w_ok, other=0.0).to(tl.float32)
         w = q.to(tl.float32) * s + mn  # [BLOCK_N, BLOCK_K]
-        if DOT_F32:
+        if INTERP:  # the CPU interpreter: products and a sum whose order never depends on the row's
+            # place in the tile (its tl.dot is numpy's BLAS, which on some CPUs - AVX2 OpenBLAS -
+            # sums row 7 of a tile in another order than row 0)
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+        elif DOT_F32:
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
@@ -103,7 +108,7 @@ def quant_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
     _quant_matmul_kernel[grid](x2, qweight, scales, mins, y, M, N, K, x2.stride(0), y.stride(0),
                                K // group, GROUP=group, BITS=bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                               DOT_F32=interp or x.dtype == torch.float32, num_warps=4)
+                               DOT_F32=interp or x.dtype == torch.float32, INTERP=interp, num_warps=4)
     return y.view(*lead, N)
 
 
