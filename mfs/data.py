@@ -5,6 +5,9 @@ Sources (``--data``, comma-separated, mixed with equal weight per source):
 * ``self``: the base model's own greedy answers (top tier, chat template) to :data:`SELF_PROMPTS`, a
   broad built-in prompt set. Generated once with :class:`mfs.engine.Engine`, cached as JSONL.
 * ``chat``: the same, for :data:`CHAT_PROMPTS` (short factual questions and small instructions).
+* ``vocab`` or ``vocab:N``: the same, for N (default :data:`VOCAB_PROMPTS_DEFAULT`) prompts about whole
+  English words of the tokenizer's own vocabulary (:func:`vocab_prompts`): thousands of chat answers
+  without writing thousands of prompts by hand.
 * ``stdlib``: ``pydoc`` plain-text documentation of :data:`STDLIB_TRAIN` modules.
 * ``packages``: README/METADATA/licence text of installed distributions.
 * a ``.txt``/``.md`` file, a ``.jsonl`` file (a ``text`` field, or ``prompt`` + ``answer``), or a
@@ -241,6 +244,56 @@ def check_disjoint() -> None:
     assert not set(HELDOUT_PROMPTS) & (set(EVAL_QUESTIONS) | set(EVAL_QUESTIONS_LARGE))
 
 
+# ``vocab``: prompts about whole English words of the tokenizer's vocabulary, never about a word the
+# evaluation asks about or answers with (nor one sharing its first four letters with such a word).
+VOCAB_PROMPTS_DEFAULT = 2400
+_VOCAB_TEMPLATES = ['What does the word "{w}" mean?', 'Use the word "{w}" in a sentence.',
+                    "Tell me something about {w}."]
+# words the top tier's answers to the evaluation questions use (Paris, 4, honey, ...)
+_EVAL_ANSWER_WORDS = (
+    "paris berlin madrid canberra honey leonardo vinci primary red blue yellow green four eight hundred "
+    "five seven twelve thirteen cow cold down carrot piano guitar mars jupiter austen jane armstrong neil "
+    "water puppy kitten whale cheetah giraffe spanish yen triangle three square gracias large huge ocean "
+    "winter birthday autumn fall fahrenheit sunlight sphere round letter alphabet rainbow ice star "
+    "oxygen hydrogen sun loyal companion").split()
+
+
+def _eval_words() -> set[str]:
+    import re  # noqa: PLC0415
+    text = " ".join(EVAL_QUESTIONS + EVAL_QUESTIONS_LARGE + HELDOUT_PROMPTS).lower()
+    return {w for w in re.findall(r"[a-z]+", text) if len(w) >= 3} | set(_EVAL_ANSWER_WORDS)
+
+
+def vocab_prompts(tokenizer, n: int = VOCAB_PROMPTS_DEFAULT, seed: int = 0) -> list[str]:
+    """``n`` prompts about distinct words drawn (seeded) from the tokenizer's whole-word tokens
+    (a leading-space token of 5-12 lowercase ASCII letters), templates taken in turn."""
+    import random  # noqa: PLC0415
+    banned = _eval_words()
+    stems = {w[:4] for w in banned if len(w) >= 4}
+    words = sorted({t[1:] for t in tokenizer.get_vocab()
+                    if t.startswith("\u0120") and t[1:].isascii() and t[1:].isalpha()
+                    and t[1:].islower() and 5 <= len(t) - 1 <= 12})
+    words = [w for w in words if w not in banned and w[:4] not in stems]
+    if n > len(words):
+        raise ValueError(f"vocab:{n}: the tokenizer has only {len(words)} eligible words")
+    picked = random.Random(seed).sample(words, n)
+    return [_VOCAB_TEMPLATES[i % len(_VOCAB_TEMPLATES)].format(w=w) for i, w in enumerate(picked)]
+
+
+def _vocab_count(part: str) -> int | None:
+    """'vocab' -> the default count, 'vocab:N' -> N, anything else -> None."""
+    if part == "vocab":
+        return VOCAB_PROMPTS_DEFAULT
+    if part.startswith("vocab:"):
+        try:
+            n = int(part[6:])
+        except ValueError:
+            n = 0
+        if n <= 0:
+            raise ValueError(f"--data {part!r}: vocab:N needs a positive number of prompts")
+        return n
+    return None
+
 # ---- text sources ----------------------------------------------------------------------------
 def pydoc_text(module: str) -> str:
     with warnings.catch_warnings():
@@ -302,8 +355,9 @@ def chat_ids(tokenizer, prompt: str, answer: str | None = None) -> list[int]:
 
 
 def generate_answers(model, tokenizer, prompts: list[str], max_tokens: int = 160,
-                     batch: int = 32, tier: int | None = None) -> list[tuple[str, bool]]:
-    """Greedy (answer, finished) of one tier (default: the top) through the serving engine."""
+                     batch: int = 32, tier: int | None = None, on_batch=None) -> list[tuple[str, bool]]:
+    """Greedy (answer, finished) of one tier (default: the top) through the serving engine;
+    ``on_batch(prompts, answers)`` is called after every batch (the caller saves them)."""
     from mfs.engine import Engine  # noqa: PLC0415
     from worker.sampling import SamplingParams  # noqa: PLC0415
     tier = model.num_segments - 1 if tier is None else tier
@@ -316,25 +370,51 @@ def generate_answers(model, tokenizer, prompts: list[str], max_tokens: int = 160
         chunk = prompts[i:i + batch]
         ids = [chat_ids(tokenizer, p) for p in chunk]
         gen = eng.generate(ids, [tier] * len(ids), SamplingParams(max_tokens=max_tokens))
-        out += [(tokenizer.decode(g, skip_special_tokens=True).strip(), len(g) < max_tokens)
-                for g in gen]
+        answers = [(tokenizer.decode(g, skip_special_tokens=True).strip(), len(g) < max_tokens)
+                   for g in gen]
+        out += answers
+        if on_batch is not None:
+            on_batch(chunk, answers)
         bar.update(len(chunk))
     bar.close()
     return out
 
 
+def _read_records(cache: Path) -> list[dict]:
+    recs = []
+    for line in cache.read_text().splitlines():
+        try:
+            recs.append(json.loads(line))
+        except json.JSONDecodeError:  # the last line of a run killed mid-write
+            break
+    return recs
+
+
 def self_records(model, tokenizer, prompts: list[str], cache: Path | None, max_tokens: int = 160,
                  log=print) -> list[dict]:
+    """The base model's answers to ``prompts``, cached in ``cache`` (JSONL) batch by batch: a run
+    stopped half-way resumes where it stopped; a cache of other prompts is regenerated."""
+    recs: list[dict] = []
     if cache is not None and cache.exists():
-        recs = [json.loads(x) for x in cache.read_text().splitlines() if x.strip()]
+        recs = _read_records(cache)
         if [r["prompt"] for r in recs] == prompts:
             return recs
-    log(f"generating the base model's answers to {len(prompts)} prompts (greedy, {max_tokens} tokens)")
-    answers = generate_answers(model, tokenizer, prompts, max_tokens)
-    recs = [{"prompt": p, "answer": a, "finished": f} for p, (a, f) in zip(prompts, answers)]
-    if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
+        if [r["prompt"] for r in recs] != prompts[:len(recs)]:
+            recs = []  # another prompt list: start over
         cache.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    left = prompts[len(recs):]
+    log(f"generating the base model's answers to {len(left)} prompts (greedy, {max_tokens} tokens)"
+        + (f"; {len(recs)} cached" if recs else ""))
+
+    def save(chunk, answers):
+        new = [{"prompt": p, "answer": a, "finished": f} for p, (a, f) in zip(chunk, answers)]
+        recs.extend(new)
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            with cache.open("a") as fh:
+                fh.write("".join(json.dumps(r) + "\n" for r in new))
+
+    generate_answers(model, tokenizer, left, max_tokens, on_batch=save)
     return recs
 
 
@@ -393,15 +473,23 @@ def heldout_docs(model=None, tokenizer=None, cache: Path | None = None) -> list:
     return docs
 
 
-def answer_prompts_digest(spec: str) -> str:
+def answer_prompts_digest(spec: str, tokenizer=None) -> str:
     """A digest of the prompt lists behind the answer sources ``spec`` names ('' if none): part of a
-    feature cache's key, so editing SELF_PROMPTS or CHAT_PROMPTS never reuses a stale cache."""
+    feature cache's key, so editing SELF_PROMPTS, CHAT_PROMPTS or the vocab prompts never reuses a
+    stale cache (``vocab`` needs the tokenizer)."""
     import hashlib  # noqa: PLC0415
     lists = {"self": SELF_PROMPTS, "chat": CHAT_PROMPTS}
-    parts = [p.strip() for p in spec.split(",") if p.strip() in lists]
-    if not parts:
+    named: dict[str, list[str]] = {}
+    for part in [p.strip() for p in spec.split(",") if p.strip()]:
+        if part in lists:
+            named[part] = lists[part]
+        elif (n := _vocab_count(part)) is not None:
+            if tokenizer is None:
+                raise ValueError("the vocab source's prompts need the tokenizer")
+            named["vocab"] = vocab_prompts(tokenizer, n)
+    if not named:
         return ""
-    return hashlib.sha256(json.dumps({p: lists[p] for p in sorted(parts)}).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(dict(sorted(named.items()))).encode()).hexdigest()[:16]
 
 
 def read_sources(spec: str, model, tokenizer, cache_dir: Path, self_max_tokens: int = 160,
@@ -416,6 +504,9 @@ def read_sources(spec: str, model, tokenizer, cache_dir: Path, self_max_tokens: 
         elif part == "chat":
             out.append(("chat", self_records(model, tokenizer, CHAT_PROMPTS, cache_dir / "chat.jsonl",
                                              self_max_tokens, log)))
+        elif (n := _vocab_count(part)) is not None:
+            out.append(("vocab", self_records(model, tokenizer, vocab_prompts(tokenizer, n),
+                                              cache_dir / f"vocab-{n}.jsonl", self_max_tokens, log)))
         elif part == "stdlib":
             out.append(("stdlib", stdlib_texts(STDLIB_TRAIN)))
         elif part == "packages":
@@ -424,6 +515,6 @@ def read_sources(spec: str, model, tokenizer, cache_dir: Path, self_max_tokens: 
             p = Path(part).expanduser()
             if not p.exists():
                 raise FileNotFoundError(
-                    f"--data {part!r}: not 'self', 'chat', 'stdlib', 'packages' or a path")
+                    f"--data {part!r}: not 'self', 'chat', 'vocab[:N]', 'stdlib', 'packages' or a path")
             out.append((p.name, file_texts(p)))
     return out

@@ -235,7 +235,7 @@ def run(args) -> int:
     # self-distillation answers and is the teacher)
     key = {"data": args.data, "seq_len": args.seq_len, "cache_tokens": args.cache_tokens,
            "heldout_tokens": args.heldout_tokens, "topk": args.topk, "lower": lower, "seed": args.seed,
-           "hidden": H, "prompts": D.answer_prompts_digest(args.data)}
+           "hidden": H, "prompts": D.answer_prompts_digest(args.data, tok)}
     meta_path = out / "cache/meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
     if meta is not None and meta["key"] == key:  # a complete cache of the same data: no data stage

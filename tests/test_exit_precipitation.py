@@ -150,3 +150,56 @@ def test_the_feature_cache_key_follows_the_answer_prompt_lists(monkeypatch):
     assert a == D.answer_prompts_digest("chat, self") and a != D.answer_prompts_digest("self")
     monkeypatch.setattr(D, "CHAT_PROMPTS", D.CHAT_PROMPTS + ["What is a new prompt?"])
     assert D.answer_prompts_digest("self,chat,stdlib") != a
+
+
+def test_vocab_prompts_are_seeded_distinct_and_avoid_the_evaluation_words(frontend):
+    import re  # noqa: PLC0415
+
+    from mfs import data as D  # noqa: PLC0415
+    tok = frontend.tokenizer
+    ps = D.vocab_prompts(tok, 300)
+    assert len(ps) == len(set(ps)) == 300 and ps == D.vocab_prompts(tok, 300)
+    assert ps != D.vocab_prompts(tok, 300, seed=1)
+    banned = D._eval_words()
+    assert {"paris", "honey", "france", "capital", "dogs", "mona"} <= banned
+    evals = set(D.EVAL_QUESTIONS) | set(D.EVAL_QUESTIONS_LARGE) | set(D.HELDOUT_PROMPTS)
+    for p in ps:
+        assert p not in evals
+        word = next(g for g in re.search(r'"([a-z]+)"|about ([a-z]+)\.', p).groups() if g)
+        assert word not in banned and all(word[:4] != b[:4] for b in banned if len(b) >= 4), p
+    with pytest.raises(ValueError, match="positive"):
+        D.answer_prompts_digest("vocab:0", tok)
+    with pytest.raises(ValueError, match="eligible words"):
+        D.vocab_prompts(tok, 10**6)
+    # the count is part of the feature cache's key; the vocab source needs the tokenizer
+    assert D.answer_prompts_digest("vocab:100", tok) != D.answer_prompts_digest("vocab:101", tok)
+    with pytest.raises(ValueError, match="tokenizer"):
+        D.answer_prompts_digest("self,vocab")
+
+
+def test_answers_are_saved_batch_by_batch_and_a_stopped_run_resumes(tiny, tmp_path, monkeypatch):  # noqa: F811
+    from mfs import data as D  # noqa: PLC0415
+    base, _ = tiny
+    fam = load_family(str(base), tiers="2,3,4", dtype="float64")  # batch-invariant greedy answers
+    prompts = [f"say {c}" for c in "abcdefg"]
+    full = D.self_records(fam.model, fam.tokenizer, prompts, tmp_path / "full.jsonl", max_tokens=6)
+    assert [r["prompt"] for r in full] == prompts
+    # a run stopped after three answers, killed in the middle of writing the fourth
+    part = tmp_path / "part.jsonl"
+    lines = (tmp_path / "full.jsonl").read_text().splitlines(keepends=True)
+    part.write_text("".join(lines[:3]) + lines[3][:9])
+    asked: list[list[str]] = []
+    real = D.generate_answers
+
+    def spy(model, tokenizer, ps, *a, **kw):
+        asked.append(list(ps))
+        return real(model, tokenizer, ps, *a, **kw)
+
+    monkeypatch.setattr(D, "generate_answers", spy)
+    resumed = D.self_records(fam.model, fam.tokenizer, prompts, part, max_tokens=6)
+    assert asked == [prompts[3:]]  # only what was missing is generated again
+    assert resumed == full and part.read_text() == (tmp_path / "full.jsonl").read_text()
+    # a complete cache is read, not regenerated; another prompt list starts over
+    assert D.self_records(fam.model, fam.tokenizer, prompts, part, max_tokens=6) == full and len(asked) == 1
+    other = D.self_records(fam.model, fam.tokenizer, ["say z"] + prompts[1:], part, max_tokens=6)
+    assert asked[-1] == ["say z"] + prompts[1:] and other[1:] == full[1:]
