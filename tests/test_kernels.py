@@ -283,7 +283,7 @@ COMPILE_FOR_HOPPER = textwrap.dedent("""
     from kernels.quant_matmul_triton import _quant_matmul_kernel
     for x, bits, q in ((P("fp32"), 4, P("u8")), (P("fp32"), 8, P("i8")), (b, 4, P("u8"))):
         compile_(_quant_matmul_kernel, [x, q, P("fp16"), P("fp16"), x] + [I] * 6
-                 + [32, bits, 16, 16, 64, x == P("fp32")])
+                 + [32, bits, 16, 16, 64, x == P("fp32"), False])
 """)
 
 
