@@ -22,13 +22,15 @@ def tiny_llama(path: Path, *, layers: int = 6, tie: bool = False, kv_heads: int 
     return path
 
 
-def tiny_llama_with_tokenizer(path: Path, tokenizer, *, layers: int = 6, seed: int = 0) -> Path:
+def tiny_llama_with_tokenizer(path: Path, tokenizer, *, layers: int = 6, seed: int = 0,
+                              max_positions: int = 512) -> Path:
     """A tiny random Llama over a real tokenizer's vocabulary, saved with that tokenizer: a family the
-    whole service (gateway included) can serve in seconds, texts in and out."""
+    whole service (gateway included) can serve in seconds, texts in and out. ``max_positions`` is its
+    context (longer for tests whose streams must outlast some event)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                       tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                       eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     model = LlamaForCausalLM(cfg)

@@ -32,7 +32,7 @@ PORT = 6379
 STALE = "plan from a former scheduler leader dropped"
 
 
-def start(net, tmp: Path, llama_dir, schedulers=("sa",), scheduler_args=()):
+def start(net, tmp: Path, llama_dir, schedulers=("sa",), scheduler_args=(), num_blocks=256):
     for name in ("rd", *schedulers, "wa", "wb"):
         net.add(name)
     net.spawn("rd", server_argv(PORT, [net["rd"].addr, "127.0.0.1"], tmp / "rd"), tmp / "rd.out")
@@ -44,7 +44,7 @@ def start(net, tmp: Path, llama_dir, schedulers=("sa",), scheduler_args=()):
     for host in schedulers:
         procs[host] = net.spawn(host, [sys.executable, "-m", "scheduler", "--redis-url", url, *scheduler_args],
                                 logs / f"{host}.log")
-    model = ["--model", str(llama_dir), "--tiers", TIERS, "--dtype", "float64", "--num-blocks", "256",
+    model = ["--model", str(llama_dir), "--tiers", TIERS, "--dtype", "float64", "--num-blocks", str(num_blocks),
              "--block-size", "4", "--threads", "1"]
     for host, wid in (("wa", "w0"), ("wb", "w1")):
         procs[host] = net.spawn(host, [sys.executable, "-m", "worker", "--redis-url", url, "--worker-id", wid, *model],
@@ -131,10 +131,12 @@ def _healthy(base: str) -> bool:
 
 
 def _stream(url: str, model: str, i: int, got: list[int], out: dict) -> None:
-    """One streamed chat completion of up to 400 tokens; ``got[i]`` counts its content chunks, ``out[i]``
-    is how it ended: ("done", None) or ("error", code), and when (time.monotonic())."""
+    """One streamed chat completion of up to 2,000 tokens (about 25 s of decoding: far longer than the
+    gateway's 5 s heartbeat TTL, so none can end on its own before the reaping; with 400, two of 16 once
+    did); ``got[i]`` counts its content chunks, ``out[i]`` is how it ended: ("done", None) or
+    ("error", code), and when (time.monotonic())."""
     body = {"model": model, "messages": [{"role": "user", "content": f"Tell me about {i}."}], "stream": True,
-            "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+            "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
     end = ("done", None)
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(5, read=90)) as resp:
         assert resp.status_code == 200, resp.read()
@@ -150,8 +152,9 @@ def _stream(url: str, model: str, i: int, got: list[int], out: dict) -> None:
 
 
 def test_gateway_host_cut_off_its_requests_are_reaped_and_it_fails_them_when_back(net, tmp_path, frontend):
-    family = tiny_llama_with_tokenizer(tmp_path / "family", frontend.tokenizer)
-    r, procs, logs = start(net, tmp_path, family, scheduler_args=["--housekeeping-s", "0.25"])
+    family = tiny_llama_with_tokenizer(tmp_path / "family", frontend.tokenizer, max_positions=4096)
+    # 4,096 blocks of 4: 16k tokens per worker, room for its 8 streams without preemption
+    r, procs, logs = start(net, tmp_path, family, scheduler_args=["--housekeeping-s", "0.25"], num_blocks=4096)
     net.add("gw")
     url = f"redis://{net['rd'].addr}:{PORT}/0"
     procs["gw"] = net.spawn("gw", [sys.executable, "-m", "gateway", "--redis-url", url, "--model", str(family),

@@ -19,10 +19,12 @@ from gateway.backend import LiveWorker, choose_shard, merge_stats
 from mfs.engine import Engine
 from mfs.launch import Service
 from tests.factories import tiny_llama_with_tokenizer
+from tests.redis_group import wait_for
 from worker.family import load_family
 from worker.sampling import SamplingParams
 
 TIERS = "2,4,6"
+N = 160  # tokens per stream in the service test
 
 
 # ---- names and the choice ----------------------------------------------------------------------
@@ -94,14 +96,15 @@ def test_two_shards_serve_together_and_a_shard_leader_loss_moves_only_its_shard(
     fam = load_family(str(family_dir), tiers=TIERS, dtype="float64")
     eos = fam.tokenizer.eos_token_id
     prompts = [fam.tokenizer(f"Say something about {i}.")["input_ids"] for i in range(16)]
-    want = []
-    for ids in prompts:  # the in-process engine's greedy text (top tier), the reference for every stream
-        eng = Engine(fam.model, block_size=4, num_blocks=256)
-        toks = eng.generate([ids], [2], SamplingParams(max_tokens=24))[0]
-        want.append(fam.tokenizer.decode([t for t in toks if t != eos]))
+    # the in-process engine's greedy text (top tier), the reference for every stream (float64: a batch
+    # equals solo runs). N tokens: long enough that a stream outlasts a few stats snapshots (every 0.5 s);
+    # with 24 a whole pass could end between two, and the leader was killed after the work was done.
+    eng = Engine(fam.model, block_size=4, num_blocks=1024)
+    want = [fam.tokenizer.decode([t for t in toks if t != eos])
+            for toks in eng.generate(prompts, [2] * len(prompts), SamplingParams(max_tokens=N))]
     with Service(str(family_dir), tiers=TIERS, workers=2, shards=2, schedulers=2, dtype="float64",
                  scheduler_args=["--lease-s", "1.5"],
-                 worker_args=["--num-blocks", "256", "--block-size", "4", "--threads", "1"]) as svc:
+                 worker_args=["--num-blocks", "1024", "--block-size", "4", "--threads", "1"]) as svc:
         r = redis.Redis.from_url(svc.redis_url)
         client = openai.OpenAI(base_url=svc.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         large = next(m.id for m in client.models.list().data if m.id.endswith("-large"))
@@ -109,7 +112,7 @@ def test_two_shards_serve_together_and_a_shard_leader_loss_moves_only_its_shard(
         assert {m.decode() for m in r.smembers(P.Shard("1").workers_set)} == {"w1"}
 
         def run(ids: list[int]) -> str:
-            stream = client.completions.create(model=large, prompt=ids, max_tokens=24, temperature=0,
+            stream = client.completions.create(model=large, prompt=ids, max_tokens=N, temperature=0,
                                                stream=True)
             return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
 
@@ -119,10 +122,8 @@ def test_two_shards_serve_together_and_a_shard_leader_loss_moves_only_its_shard(
                 futs = [ex.submit(run, p) for p in prompts]
                 killed = None
                 if kill:  # shard 1's leader, once both shards are busy
-                    deadline = time.monotonic() + 60
-                    while time.monotonic() < deadline and not all(
-                            (s := shard_stats(r).get(k)) and sum(s.running.values()) for k in ("0", "1")):
-                        time.sleep(0.05)
+                    wait_for(lambda: all((s := shard_stats(r).get(k)) and sum(s.running.values())
+                                         for k in ("0", "1")), 60, "both shards running requests")
                     # the shard's leader, whichever of its two schedulers won the lease (its consumer
                     # name ends with its pid)
                     leader = shard_stats(r)["1"].leader
@@ -131,6 +132,8 @@ def test_two_shards_serve_together_and_a_shard_leader_loss_moves_only_its_shard(
                     killed.send_signal(signal.SIGKILL)
                     killed.wait(10)
                 got = [f.result(timeout=300) for f in futs]
+            if kill:  # the standby's first snapshot (written every 0.5 s) after its takeover
+                wait_for(lambda: shard_stats(r)["1"].epoch > before["1"].epoch, 30, "shard 1's standby to lead")
             return got, {"before": before, "after": shard_stats(r), "killed": killed}
 
         got, st = pass_(kill=False)
