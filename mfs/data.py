@@ -8,6 +8,8 @@ Sources (``--data``, comma-separated, mixed with equal weight per source):
 * ``vocab`` or ``vocab:N``: the same, for N (default :data:`VOCAB_PROMPTS_DEFAULT`) prompts about whole
   English words of the tokenizer's own vocabulary (:func:`vocab_prompts`): thousands of chat answers
   without writing thousands of prompts by hand.
+* ``names`` or ``names:N``: the same, for N (default :data:`NAMES_PROMPTS_DEFAULT`) prompts about proper
+  names of the tokenizer's vocabulary (:func:`names_prompts`: people, places, works).
 * ``stdlib``: ``pydoc`` plain-text documentation of :data:`STDLIB_TRAIN` modules.
 * ``packages``: README/METADATA/licence text of installed distributions.
 * a ``.txt``/``.md`` file, a ``.jsonl`` file (a ``text`` field, or ``prompt`` + ``answer``), or a
@@ -264,35 +266,77 @@ def _eval_words() -> set[str]:
     return {w for w in re.findall(r"[a-z]+", text) if len(w) >= 3} | set(_EVAL_ANSWER_WORDS)
 
 
-def vocab_prompts(tokenizer, n: int = VOCAB_PROMPTS_DEFAULT, seed: int = 0) -> list[str]:
-    """``n`` prompts about distinct words drawn (seeded) from the tokenizer's whole-word tokens
-    (a leading-space token of 5-12 lowercase ASCII letters), templates taken in turn."""
-    import random  # noqa: PLC0415
+def _whole_words(tokenizer, proper: bool) -> list[str]:
+    """Sorted whole-word tokens of the tokenizer (a leading-space token of 5-12 ASCII letters) that no
+    evaluation question asks about or answers with (nor one sharing its first four letters with such a
+    word). ``proper=False``: lowercase words; ``proper=True``: capitalised words with no lowercase twin
+    in the vocabulary (names of people, places, works: ``Korea``, ``Turing``, ``Everest``)."""
     banned = _eval_words()
     stems = {w[:4] for w in banned if len(w) >= 4}
-    words = sorted({t[1:] for t in tokenizer.get_vocab()
-                    if t.startswith("\u0120") and t[1:].isascii() and t[1:].isalpha()
-                    and t[1:].islower() and 5 <= len(t) - 1 <= 12})
-    words = [w for w in words if w not in banned and w[:4] not in stems]
+    vocab = tokenizer.get_vocab()
+    spaced = {t[1:] for t in vocab if t.startswith("\u0120")}
+    if proper:
+        words = {w for w in spaced if w.isascii() and w.isalpha() and 5 <= len(w) <= 12
+                 and w[0].isupper() and w[1:].islower() and w.lower() not in spaced}
+    else:
+        words = {w for w in spaced if w.isascii() and w.isalpha() and w.islower() and 5 <= len(w) <= 12}
+    return sorted(w for w in words if w.lower() not in banned and w.lower()[:4] not in stems)
+
+
+def _word_prompts(words: list[str], templates: list[str], n: int, seed: int, source: str) -> list[str]:
+    import random  # noqa: PLC0415
     if n > len(words):
-        raise ValueError(f"vocab:{n}: the tokenizer has only {len(words)} eligible words")
+        raise ValueError(f"{source}:{n}: the tokenizer has only {len(words)} eligible words")
     picked = random.Random(seed).sample(words, n)
-    return [_VOCAB_TEMPLATES[i % len(_VOCAB_TEMPLATES)].format(w=w) for i, w in enumerate(picked)]
+    return [templates[i % len(templates)].format(w=w) for i, w in enumerate(picked)]
 
 
-def _vocab_count(part: str) -> int | None:
-    """'vocab' -> the default count, 'vocab:N' -> N, anything else -> None."""
-    if part == "vocab":
-        return VOCAB_PROMPTS_DEFAULT
-    if part.startswith("vocab:"):
-        try:
-            n = int(part[6:])
-        except ValueError:
-            n = 0
-        if n <= 0:
-            raise ValueError(f"--data {part!r}: vocab:N needs a positive number of prompts")
-        return n
-    return None
+def vocab_prompts(tokenizer, n: int = VOCAB_PROMPTS_DEFAULT, seed: int = 0) -> list[str]:
+    """``n`` prompts about distinct lowercase words drawn (seeded) from the tokenizer's whole-word
+    tokens, templates taken in turn."""
+    return _word_prompts(_whole_words(tokenizer, proper=False), _VOCAB_TEMPLATES, n, seed, "vocab")
+
+
+# ``names``: the same for proper names of the vocabulary - chat answers that recall facts about people,
+# places and works, the kind of recall the lower tiers miss most on the fixed questions.
+NAMES_PROMPTS_DEFAULT = 1500
+_NAMES_TEMPLATES = ["Tell me about {w}.", "What is {w} known for?", "Give me one fact about {w}."]
+
+
+def names_prompts(tokenizer, n: int = NAMES_PROMPTS_DEFAULT, seed: int = 0) -> list[str]:
+    """``n`` prompts about distinct capitalised whole words of the tokenizer with no lowercase twin
+    (proper names), drawn seeded, templates taken in turn."""
+    return _word_prompts(_whole_words(tokenizer, proper=True), _NAMES_TEMPLATES, n, seed, "names")
+
+
+# the counted answer sources: name -> (default count, prompt builder)
+COUNTED_SOURCES = {"vocab": (VOCAB_PROMPTS_DEFAULT, vocab_prompts),
+                   "names": (NAMES_PROMPTS_DEFAULT, names_prompts)}
+
+
+def _counted(part: str) -> tuple[str, int] | None:
+    """'vocab' -> ('vocab', its default count), 'names:N' -> ('names', N), anything else -> None."""
+    name, _, num = part.partition(":")
+    if name not in COUNTED_SOURCES:
+        return None
+    if not _:
+        return name, COUNTED_SOURCES[name][0]
+    try:
+        n = int(num)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise ValueError(f"--data {part!r}: {name}:N needs a positive number of prompts")
+    return name, n
+
+
+def counted_prompts(part: str, tokenizer) -> tuple[str, int, list[str]] | None:
+    """The prompts of a counted source ``part`` ('vocab:1200'), or None when it is not one."""
+    if (c := _counted(part)) is None:
+        return None
+    if tokenizer is None:
+        raise ValueError(f"the {c[0]} source's prompts need the tokenizer")
+    return c[0], c[1], COUNTED_SOURCES[c[0]][1](tokenizer, c[1])
 
 # ---- text sources ----------------------------------------------------------------------------
 def pydoc_text(module: str) -> str:
@@ -483,10 +527,8 @@ def answer_prompts_digest(spec: str, tokenizer=None) -> str:
     for part in [p.strip() for p in spec.split(",") if p.strip()]:
         if part in lists:
             named[part] = lists[part]
-        elif (n := _vocab_count(part)) is not None:
-            if tokenizer is None:
-                raise ValueError("the vocab source's prompts need the tokenizer")
-            named["vocab"] = vocab_prompts(tokenizer, n)
+        elif (c := counted_prompts(part, tokenizer)) is not None:
+            named[c[0]] = c[2]
     if not named:
         return ""
     return hashlib.sha256(json.dumps(dict(sorted(named.items()))).encode()).hexdigest()[:16]
@@ -504,9 +546,10 @@ def read_sources(spec: str, model, tokenizer, cache_dir: Path, self_max_tokens: 
         elif part == "chat":
             out.append(("chat", self_records(model, tokenizer, CHAT_PROMPTS, cache_dir / "chat.jsonl",
                                              self_max_tokens, log)))
-        elif (n := _vocab_count(part)) is not None:
-            out.append(("vocab", self_records(model, tokenizer, vocab_prompts(tokenizer, n),
-                                              cache_dir / f"vocab-{n}.jsonl", self_max_tokens, log)))
+        elif (c := counted_prompts(part, tokenizer)) is not None:
+            name, n, prompts = c
+            out.append((name, self_records(model, tokenizer, prompts, cache_dir / f"{name}-{n}.jsonl",
+                                           self_max_tokens, log)))
         elif part == "stdlib":
             out.append(("stdlib", stdlib_texts(STDLIB_TRAIN)))
         elif part == "packages":
@@ -515,6 +558,7 @@ def read_sources(spec: str, model, tokenizer, cache_dir: Path, self_max_tokens: 
             p = Path(part).expanduser()
             if not p.exists():
                 raise FileNotFoundError(
-                    f"--data {part!r}: not 'self', 'chat', 'vocab[:N]', 'stdlib', 'packages' or a path")
+                    f"--data {part!r}: not 'self', 'chat', 'vocab[:N]', 'names[:N]', 'stdlib', 'packages' "
+                    "or a path")
             out.append((p.name, file_texts(p)))
     return out

@@ -97,12 +97,12 @@ def fill_cache(model: NestedModel, windows: torch.Tensor, cache: FeatureCache, b
     return rate
 
 
-ANSWER_SOURCES = ("self", "chat", "vocab")
+ANSWER_SOURCES = ("self", "chat", "vocab", "names")
 
 
 def training_windows(docs: list[tuple[str, list]], tok, eos: int, seq_len: int, max_tokens: int,
                      seed: int) -> tuple[torch.Tensor, dict[str, int]]:
-    """Non-overlapping windows of every source, mixed: all answer ('self', 'chat', 'vocab') windows first in
+    """Non-overlapping windows of every source, mixed: all answer ('self', 'chat', 'vocab', 'names') windows first in
     the budget, the rest filled from the text sources; shuffled by seed."""
     per: dict[str, torch.Tensor] = {}
     for name, dd in docs:

@@ -356,7 +356,8 @@ def add_parser(sub) -> None:
     p.add_argument("--base", default="default", help="HF directory, .gguf file, or 'default'")
     p.add_argument("--tiers", default="10,20,30", help="LAYERS,... or NAME=LAYERS,...")
     p.add_argument("--data", default="self,stdlib",
-                   help="comma list of: self, chat, vocab[:N], stdlib, packages, text/JSONL files or directories")
+                   help="comma list of: self, chat, vocab[:N], names[:N], stdlib, packages, "
+                   "text/JSONL files or directories")
     p.add_argument("--out", required=True, help="output nested checkpoint directory")
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer steps (default: 400 for lora, 20000 for exit-blocks)")

@@ -177,6 +177,36 @@ def test_vocab_prompts_are_seeded_distinct_and_avoid_the_evaluation_words(fronte
         D.answer_prompts_digest("self,vocab")
 
 
+def test_names_prompts_ask_about_proper_names_never_evaluation_words(frontend):
+    import re  # noqa: PLC0415
+
+    from mfs import data as D  # noqa: PLC0415
+    tok = frontend.tokenizer
+    ps = D.names_prompts(tok, 300)
+    assert len(ps) == len(set(ps)) == 300 and ps == D.names_prompts(tok, 300)
+    assert ps != D.names_prompts(tok, 300, seed=1)
+    spaced = {t[1:] for t in tok.get_vocab() if t.startswith("\u0120")}
+    banned = D._eval_words()
+    evals = set(D.EVAL_QUESTIONS) | set(D.EVAL_QUESTIONS_LARGE) | set(D.HELDOUT_PROMPTS)
+    words = []
+    for p in ps:
+        assert p not in evals
+        word = re.fullmatch(r"(?:Tell me about|What is|Give me one fact about) ([A-Za-z]+)(?: known for\?|\.)",
+                            p).group(1)
+        # a capitalised vocabulary word without a lowercase twin, never an evaluation word or its stem
+        assert word[0].isupper() and word[1:].islower() and word in spaced and word.lower() not in spaced, p
+        low = word.lower()
+        assert low not in banned and all(low[:4] != b[:4] for b in banned if len(b) >= 4), p
+        words.append(word)
+    assert len(set(words)) == 300
+    with pytest.raises(ValueError, match="positive"):
+        D.answer_prompts_digest("names:x", tok)
+    with pytest.raises(ValueError, match="eligible words"):
+        D.names_prompts(tok, 10**6)
+    assert D.answer_prompts_digest("names:100", tok) != D.answer_prompts_digest("vocab:100", tok)
+    assert D.answer_prompts_digest("vocab:50,names:50", tok) != D.answer_prompts_digest("vocab:50", tok)
+
+
 def test_answers_are_saved_batch_by_batch_and_a_stopped_run_resumes(tiny, tmp_path, monkeypatch):  # noqa: F811
     from mfs import data as D  # noqa: PLC0415
     base, _ = tiny
