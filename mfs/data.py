@@ -316,10 +316,10 @@ COUNTED_SOURCES = {"vocab": (VOCAB_PROMPTS_DEFAULT, vocab_prompts),
 
 def _counted(part: str) -> tuple[str, int] | None:
     """'vocab' -> ('vocab', its default count), 'names:N' -> ('names', N), anything else -> None."""
-    name, _, num = part.partition(":")
+    name, sep, num = part.partition(":")
     if name not in COUNTED_SOURCES:
         return None
-    if not _:
+    if not sep:
         return name, COUNTED_SOURCES[name][0]
     try:
         n = int(num)

@@ -102,8 +102,8 @@ ANSWER_SOURCES = ("self", "chat", "vocab", "names")
 
 def training_windows(docs: list[tuple[str, list]], tok, eos: int, seq_len: int, max_tokens: int,
                      seed: int) -> tuple[torch.Tensor, dict[str, int]]:
-    """Non-overlapping windows of every source, mixed: all answer ('self', 'chat', 'vocab', 'names') windows first in
-    the budget, the rest filled from the text sources; shuffled by seed."""
+    """Non-overlapping windows of every source, mixed: all windows of the answer sources
+    (:data:`ANSWER_SOURCES`) first in the budget, the rest filled from the text sources; shuffled by seed."""
     per: dict[str, torch.Tensor] = {}
     for name, dd in docs:
         stream = D.encode_docs(tok, dd, eos)
