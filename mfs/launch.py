@@ -136,6 +136,9 @@ class Service:
         self.shards = shards  # control-plane shards "0".."shards-1"; worker i joins shard i mod shards
         # children get SIGTERM if this process dies (`mfs up`; only from the thread that starts them)
         self.die_with_parent = die_with_parent
+        # a folder it made itself goes when a `with` block ends cleanly; one that was given, or any
+        # after an exception (its logs explain it), stays
+        self._own_log_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="mfs-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
@@ -279,8 +282,10 @@ class Service:
     def __enter__(self) -> "Service":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         self.stop()
+        if exc_type is None and self._own_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 def exit_text(returncode: int) -> str:

@@ -6,6 +6,7 @@ float64 model with a real tokenizer, the `openai` client."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import shutil
 import signal
 
 import openai
@@ -76,6 +77,21 @@ def test_service_plans_shards_and_workers():
     assert one.scheduler_plan() == [("scheduler", [])] and one.worker_plan() == [("w0", []), ("w1", [])]
     with pytest.raises(ValueError):
         Service("default", shards=0)
+
+
+def test_a_service_removes_the_log_folder_it_made_after_a_clean_with_block_only(tmp_path):
+    made = Service("default", gateway=False)  # nothing started: stop() has nothing to stop
+    assert made.log_dir.is_dir()
+    made.__exit__(None, None, None)
+    assert not made.log_dir.exists()
+    failed = Service("default", gateway=False)  # an exception: its logs explain it, so they stay
+    failed.__exit__(RuntimeError, RuntimeError("boom"), None)
+    assert failed.log_dir.is_dir()
+    shutil.rmtree(failed.log_dir)
+    given = Service("default", gateway=False, log_dir=str(tmp_path / "logs"))  # the caller's folder stays
+    (given.log_dir / "worker-w0.log").write_text("kept")
+    given.__exit__(None, None, None)
+    assert (given.log_dir / "worker-w0.log").read_text() == "kept"
 
 
 # ---- the real service --------------------------------------------------------------------------
