@@ -136,13 +136,20 @@ class Service:
         self.shards = shards  # control-plane shards "0".."shards-1"; worker i joins shard i mod shards
         # children get SIGTERM if this process dies (`mfs up`; only from the thread that starts them)
         self.die_with_parent = die_with_parent
-        # a folder it made itself goes when a `with` block ends cleanly; one that was given, or any
-        # after an exception (its logs explain it), stays
+        # None: a temporary folder, made when first needed; it goes when a `with` block ends cleanly.
+        # A folder that was given, or any after an exception (its logs explain it), stays.
+        self._log_dir = Path(log_dir) if log_dir else None
         self._own_log_dir = log_dir is None
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="mfs-logs-"))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self._log_dir is not None:
+            self._log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self.commands: dict[str, tuple[str, list[str]]] = {}  # name -> (module, args): how to restart it
+
+    @property
+    def log_dir(self) -> Path:
+        if self._log_dir is None:
+            self._log_dir = Path(tempfile.mkdtemp(prefix="mfs-logs-"))
+        return self._log_dir
 
     @property
     def url(self) -> str:
@@ -284,8 +291,8 @@ class Service:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.stop()
-        if exc_type is None and self._own_log_dir:
-            shutil.rmtree(self.log_dir, ignore_errors=True)
+        if exc_type is None and self._own_log_dir and self._log_dir is not None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
 
 
 def exit_text(returncode: int) -> str:

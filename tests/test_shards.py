@@ -81,9 +81,11 @@ def test_service_plans_shards_and_workers():
 
 def test_a_service_removes_the_log_folder_it_made_after_a_clean_with_block_only(tmp_path):
     made = Service("default", gateway=False)  # nothing started: stop() has nothing to stop
-    assert made.log_dir.is_dir()
+    assert made._log_dir is None  # no folder until one is needed
+    folder = made.log_dir
+    assert folder.is_dir()
     made.__exit__(None, None, None)
-    assert not made.log_dir.exists()
+    assert not folder.exists()
     failed = Service("default", gateway=False)  # an exception: its logs explain it, so they stay
     failed.__exit__(RuntimeError, RuntimeError("boom"), None)
     assert failed.log_dir.is_dir()
