@@ -340,12 +340,12 @@ def time_quant_linears(timer: Timer, bandwidth: float) -> list[dict]:
 def _random_llama(ops):
     """A bf16 NestedModel of the LLAMA_1B shape with random weights, built on the GPU."""
     from worker.config import ModelConfig  # noqa: PLC0415
-    from worker.model import NestedModel, Tier  # noqa: PLC0415
+    from worker.model import NestedModel, Tier, skeleton  # noqa: PLC0415
     s = LLAMA_1B
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, s["head_dim"], 2).float() / s["head_dim"]))
     cfg = ModelConfig(model_type="llama", rms_eps=EPS, max_position=8192, tie_embeddings=False,
                       inv_freq=inv_freq, **s)
-    with torch.device("meta"):
+    with skeleton():
         model = NestedModel(cfg, [Tier(0, "full", s["num_layers"])], ops=ops)
     model = model.to(torch.bfloat16).to_empty(device="cuda")
     with torch.no_grad():

@@ -13,7 +13,7 @@ from family.manifest import Manifest, TierSpec, manifest_for, parse_tiers, resol
 from kernels import KernelOps, select_backend
 from worker.config import ModelConfig
 from worker.loader import BaseWeights, load_base
-from worker.model import NestedModel, Tier
+from worker.model import NestedModel, Tier, skeleton
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}
@@ -23,9 +23,13 @@ MODEL_HELP = "default (the embedded family), default-raw (not precipitated), a c
 @dataclass(slots=True)
 class LoadedFamily:
     model: NestedModel
-    tokenizer: object | None
     manifest: Manifest
     base: BaseWeights
+
+    @property
+    def tokenizer(self):
+        """Read when first asked for (see :class:`worker.loader.BaseWeights`)."""
+        return self.base.tokenizer
 
     def model_id(self, tier: Tier) -> str:
         return f"{self.manifest.family}-{tier.name}"
@@ -39,7 +43,7 @@ def build_model(base: BaseWeights, tiers: list[TierSpec], dtype: torch.dtype = t
                 ops: KernelOps | None = None) -> NestedModel:
     cfg = ModelConfig.from_hf(base.hf_config, set(base.state_dict))
     tlist = [Tier(i, t.name, t.layers, t.block_layers) for i, t in enumerate(tiers)]
-    with torch.device("meta"):
+    with skeleton():
         model = NestedModel(cfg, tlist, max_positions=max_positions, ops=ops or select_backend(None, device))
     model.adopt_base_state({k: v.to(device) for k, v in base.state_dict.items()})
     model = model.to(dtype)
@@ -68,7 +72,7 @@ def load_family(model: str = "default", tiers: str | None = None, dtype: str | N
         from worker.quant import quantize_model  # noqa: PLC0415
         quantize_model(nm, weights, gguf_path=base.source, device=device, fuse=fuse)
     nm.eval()
-    return LoadedFamily(nm, base.tokenizer, manifest, base)
+    return LoadedFamily(nm, manifest, base)
 
 
 @dataclass(slots=True)

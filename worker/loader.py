@@ -10,31 +10,51 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import structlog
 import torch
 
 from family.source import gguf_cache_dir, load_tokenizer, resolve_cached, split_source
+from worker.config import _rope_params
 
 log = structlog.get_logger(__name__)
+
+
+_UNLOADED = object()
 
 
 @dataclass(slots=True)
 class BaseWeights:
     hf_config: object
     state_dict: dict[str, torch.Tensor]
-    tokenizer: object | None
     source: str
+    # where the tokenizer is read from when first asked for (None: none wanted); reading it imports
+    # transformers, seconds that a worker serving no grammar request never needs to spend
+    tokenizer_from: tuple[Path, str | None] | None = None
+    _tokenizer: object = _UNLOADED
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is _UNLOADED:
+            self._tokenizer = load_tokenizer(*self.tokenizer_from) if self.tokenizer_from else None
+        return self._tokenizer
 
 
 def load_base(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
               with_tokenizer: bool = True) -> BaseWeights:
     """Dequantizing a GGUF takes seconds; the result is cached once as a HF directory under
-    $MFS_CACHE (default ~/.cache/mfs) and later loads read that instead."""
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+    $MFS_CACHE (default ~/.cache/mfs) and later loads read that instead, without transformers when
+    they can (:func:`_read_own_cache`). The tokenizer is read when first used (``.tokenizer``)."""
     src_folder, src_gguf = split_source(path)
     original = str(src_folder / (src_gguf or ""))
     folder, gguf = resolve_cached(path)
+    own = _read_own_cache(folder, dtype) if folder != src_folder else None
+    if own is not None:
+        hf_config, sd = own
+        log.info("loading base weights", source=original, arch=hf_config.model_type, cached=True)
+        return BaseWeights(hf_config, sd, original, (folder, None) if with_tokenizer else None)
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
     kw = {"gguf_file": gguf} if gguf else {}
     hf_config = AutoConfig.from_pretrained(folder, **kw)
     log.info("loading base weights", source=original, arch=hf_config.model_type,
@@ -48,8 +68,28 @@ def load_base(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     if gen is not None and gen.eos_token_id is not None and hf_config.eos_token_id is None:
         hf_config.eos_token_id = gen.eos_token_id
     del model
-    tok = load_tokenizer(folder, gguf) if with_tokenizer else None
-    return BaseWeights(hf_config, sd, tok, original)
+    return BaseWeights(hf_config, sd, original, (folder, gguf) if with_tokenizer else None)
+
+
+def _read_own_cache(folder: Path, dtype: torch.dtype) -> tuple[SimpleNamespace, dict[str, torch.Tensor]] | None:
+    """A GGUF's dequantized cache as :func:`_write_cache` wrote it, read without transformers (whose
+    import costs a worker ~3 s of its start): its config.json is transformers' complete ``to_dict()``,
+    so every field is there, and the weights are one safetensors file. None (the transformers path)
+    for anything else, or a rope type whose frequencies only transformers computes."""
+    cfg_path, weights = folder / "config.json", folder / "model.safetensors"
+    if not ((folder / ".complete").exists() and cfg_path.exists() and weights.exists()):
+        return None
+    cfg = json.loads(cfg_path.read_text())
+    if _rope_params(SimpleNamespace(**cfg))["rope_type"] != "default" or cfg.get("model_type") is None:
+        return None
+    gen_path = folder / "generation_config.json"
+    if cfg.get("eos_token_id") is None and gen_path.exists():
+        cfg["eos_token_id"] = json.loads(gen_path.read_text()).get("eos_token_id")
+    from safetensors.torch import load_file  # noqa: PLC0415
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in load_file(str(weights)).items()}
+    if cfg.get("tie_word_embeddings") and "lm_head.weight" not in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # as transformers' state_dict has it
+    return SimpleNamespace(**cfg), sd
 
 
 def _write_cache(model, folder: Path, gguf: str) -> None:

@@ -10,6 +10,7 @@ Two forwards share the weights:
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -399,12 +400,32 @@ class NestedModel(nn.Module):
         logits = self.lm_head(torch.cat(exits))  # exit order: lowest tier first
         return logits.index_select(0, batch.exit_to_row_order)
 
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_",
+          "constant_")
+
+
+@contextlib.contextmanager
+def skeleton():
+    """Modules built inside hold meta tensors (no memory) and skip their random initialisation, which
+    means nothing on meta and would import ``torch._dynamo`` (~1.5 s of a worker's start on 2 cores).
+    The weights come later (``adopt_base_state``, ``to_empty`` + copies)."""
+    saved = {n: getattr(nn.init, n) for n in _INITS}
+    try:
+        for n in _INITS:
+            setattr(nn.init, n, lambda tensor, *a, **k: tensor)
+        with torch.device("meta"):
+            yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
 def standalone_tier(model: NestedModel, tier: int) -> NestedModel:
     """One tier as its own model with its own copy of the weights: the "separate deployments"
     baseline that MFS replaces (benchmarks and ``mfs up --layout independent``)."""
     t = model.tiers[tier]
     dev = model.embed_tokens.weight.device
-    with torch.device("meta"):
+    with skeleton():
         m = NestedModel(model.cfg, [Tier(0, t.name, t.layers, t.block)], model.max_positions, model.ops)
     m = m.to_empty(device=dev).to(model.embed_tokens.weight.dtype)
     m.tie_weights()

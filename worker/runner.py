@@ -27,6 +27,7 @@ first token.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -63,9 +64,13 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: NestedModel, num_blocks: list[int], block_size: int,
-                 tier_map: dict[int, int] | None = None, keep_logits: bool = False, tokenizer=None):
+                 tier_map: dict[int, int] | None = None, keep_logits: bool = False, tokenizer=None,
+                 load_tokenizer: Callable[[], object] | None = None):
         self.model = model
-        self.tokenizer = tokenizer  # for grammars (structured output); None: a grammar request is refused
+        # for grammars (structured output); None: a grammar request is refused. ``load_tokenizer``
+        # instead: called with the first grammar request (a worker starts without reading it)
+        self.tokenizer = tokenizer
+        self._load_tokenizer = load_tokenizer
         self._grammars: Grammars | None = None  # built with the first grammar request
         cfg = model.cfg
         p = next(model.parameters())
@@ -145,6 +150,8 @@ class ModelRunner:
 
     def grammars(self) -> Grammars:
         if self._grammars is None:
+            if self.tokenizer is None and self._load_tokenizer is not None:
+                self.tokenizer = self._load_tokenizer()
             if self.tokenizer is None:
                 raise ValueError("this runner has no tokenizer: it cannot apply a grammar")
             cfg = self.model.cfg

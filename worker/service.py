@@ -47,14 +47,14 @@ class WorkerService(WorkerLoop):
         # A standalone tier is cut from the fp32 family, then quantized like the nested one.
         fam = load_family(cfg.model, tiers=cfg.tiers, dtype=cfg.dtype, device=cfg.device,
                           kernels=cfg.kernels, weights="fp32" if standalone else cfg.weights)
-        model, tokenizer = fam.model, fam.tokenizer  # the tokenizer: for grammars (structured output)
+        model, base = fam.model, fam.base  # base: its tokenizer, read for the first grammar request
         ntiers = len(model.tiers)
         if standalone:
             k = cfg.standalone_tier
             if not 0 <= k < ntiers:
                 raise ValueError(f"--standalone-tier {k}: the family has tiers 0..{ntiers - 1}")
             model, tiers, tier_map, nseg = standalone_tier(model, k), [k], {k: 0}, 1
-            source = fam.base.source
+            source = base.source
             del fam  # the rest of the family is not this worker's: give its memory back
             _release_memory()
             if self.weights != "fp32":
@@ -63,7 +63,8 @@ class WorkerService(WorkerLoop):
         else:
             tiers, tier_map, nseg = list(range(ntiers)), None, ntiers
         num_blocks = [cfg.num_blocks] * nseg
-        runner = ModelRunner(model, num_blocks, cfg.block_size, tier_map=tier_map, tokenizer=tokenizer)
+        runner = ModelRunner(model, num_blocks, cfg.block_size, tier_map=tier_map,
+                             load_tokenizer=lambda: base.tokenizer)
         if cfg.compile:
             _compile(model, runner)
         self.model = model

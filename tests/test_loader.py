@@ -1,0 +1,58 @@
+"""Loading the default family's base weights: the GGUF's dequantized cache is read without
+transformers (a worker's start), and what it reads equals what transformers reads from the same
+folder; the tokenizer is read only when first asked for."""
+import json
+import subprocess
+import sys
+
+import torch
+
+from family.manifest import manifest_for, resolve_base
+from family.source import resolve_cached, split_source
+from worker.config import ModelConfig
+from worker.loader import _read_own_cache, load_base
+
+PROBE = """
+import json, sys
+from worker.loader import load_base
+base = load_base(sys.argv[1])
+before = {m: m in sys.modules for m in ("transformers", "torch._dynamo")}
+tok = base.tokenizer
+print(json.dumps({"before": before, "after": "transformers" in sys.modules,
+                  "paris": tok.decode(tok.encode(" Paris")), "keys": len(base.state_dict)}))
+"""
+
+
+def _default_gguf() -> str:
+    manifest, mdir = manifest_for("default")
+    path = resolve_base(manifest.base, mdir)
+    folder, _ = resolve_cached(path)
+    if folder == split_source(path)[0]:  # no cache yet: the first load writes it
+        load_base(path, with_tokenizer=False)
+    return str(path)
+
+
+def test_the_gguf_cache_loads_without_transformers_and_the_tokenizer_only_when_asked():
+    path = _default_gguf()
+    r = subprocess.run([sys.executable, "-c", PROBE, path], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["before"] == {"transformers": False, "torch._dynamo": False}, out
+    assert out["after"] is True and out["paris"] == " Paris" and out["keys"] > 200, out
+
+
+def test_the_cache_read_without_transformers_equals_transformers_reading_it():
+    from transformers import AutoConfig, AutoModelForCausalLM
+    folder, gguf = resolve_cached(_default_gguf())
+    assert gguf is None
+    own_cfg, own_sd = _read_own_cache(folder, torch.float32)
+    hf_cfg = AutoConfig.from_pretrained(folder)
+    hf_sd = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    assert sorted(own_sd) == sorted(hf_sd)
+    for k, v in hf_sd.items():
+        assert own_sd[k].dtype == v.dtype and torch.equal(own_sd[k], v), k
+    a, b = ModelConfig.from_hf(own_cfg, set(own_sd)), ModelConfig.from_hf(hf_cfg, set(hf_sd))
+    for f in ModelConfig.__dataclass_fields__:
+        x, y = getattr(a, f), getattr(b, f)
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, (f, x, y)
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"
