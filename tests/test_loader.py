@@ -56,3 +56,22 @@ def test_the_cache_read_without_transformers_equals_transformers_reading_it():
         x, y = getattr(a, f), getattr(b, f)
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, (f, x, y)
     assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_the_generic_tokenizer_class_read_directly_equals_autotokenizers_choice():
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from family.source import load_tokenizer
+    folder, _ = resolve_cached(_default_gguf())
+    ours, auto = load_tokenizer(folder, None), AutoTokenizer.from_pretrained(folder)
+    assert type(ours) is type(auto) and isinstance(ours, PreTrainedTokenizerFast)
+    assert ours.get_vocab() == auto.get_vocab() and ours.chat_template == auto.chat_template
+    assert ours.all_special_tokens == auto.all_special_tokens
+    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == (auto.eos_token_id, auto.bos_token_id,
+                                                                        auto.pad_token_id)
+    texts = ["The capital of France is", " héllo\tworld\n\n<|im_start|>x", "def f(x):\n    return x ** 2", "日本語"]
+    for t in texts:
+        assert ours.encode(t) == auto.encode(t) and ours.decode(ours.encode(t)) == auto.decode(auto.encode(t))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    assert (ours.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            == auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
