@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -292,6 +293,7 @@ def run(args) -> int:
         print(f"--modes: unknown {', '.join(bad)} (fp32, int8, int4, each optionally +compile)", file=sys.stderr)
         return 2
     spec = make_spec(args)
+    # each contender's log and result: kept only when one fails (the error says where)
     work = Path(tempfile.mkdtemp(prefix="mfs-peers-"))
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(asdict(spec)))
@@ -309,7 +311,11 @@ def run(args) -> int:
     results = []
     for kind, mode in plan:
         print(f"running {kind} {mode} ...", flush=True)
-        results.append(_child(kind, mode, spec_path, work / f"{kind}-{mode}.json", work))
+        try:
+            results.append(_child(kind, mode, spec_path, work / f"{kind}-{mode}.json", work))
+        except RuntimeError:
+            print(f"logs in {work}", file=sys.stderr, flush=True)
+            raise
     out = {"benchmark": "peers", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "machine": {"platform": platform.platform(), "threads": args.threads, "device": args.device,
                        "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
@@ -318,7 +324,7 @@ def run(args) -> int:
            "concurrency": args.concurrency, "mix": args.mix, "heldout_tokens": len(spec.windows) * args.seq_len,
            "notes": notes, "results": results}
     write_json(args.json, out)
-    print(f"logs in {work}", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
     print_table(out)
     if args.plot:
         plot(out, args.plot)

@@ -10,8 +10,8 @@ import pytest
 MFS = [sys.executable, "-m", "mfs.cli"]
 
 
-def run(*args, timeout=300):
-    env = dict(os.environ, MFS_LOG_LEVEL="WARNING")
+def run(*args, timeout=300, env=None):
+    env = dict(os.environ, MFS_LOG_LEVEL="WARNING", **(env or {}))
     return subprocess.run(MFS + list(args), capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=Path(__file__).resolve().parents[1])
 
@@ -94,8 +94,9 @@ def test_bench_peers_runs_each_contender_side_by_side(tmp_path, frontend):
     mix = ",".join(["1"] * tiers)
     r = run("bench", "peers", "--model", str(family), "--modes", "fp32,int4", "--prompt-len", "4",
             "--new-tokens", "3", "--concurrency", str(tiers), "--mix", mix, "--heldout-tokens", "64",
-            "--seq-len", "32", "--threads", "1", "--json", str(out))
+            "--seq-len", "32", "--threads", "1", "--json", str(out), env={"TMPDIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]
+    assert not list(tmp_path.glob("mfs-peers-*"))  # the contenders' logs go after a clean run
     res = json.loads(out.read_text())
     assert [x["name"] for x in res["results"]] == ["mfs fp32", "mfs int4", "transformers generate fp32"]
     assert res["machine"]["device"] == "cpu"
