@@ -37,10 +37,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("MFS_CACHE", Path.home() / ".cache" / "mfs"))
 
 
+def file_key(path: Path) -> str:
+    """A cache key for a file as it is now: its resolved path, size and modification time."""
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
 def gguf_cache_dir(folder: Path, gguf: str) -> Path:
-    st = (folder / gguf).stat()
-    key = hashlib.sha256(f"{(folder / gguf).resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
-    return cache_root() / "gguf" / key[:16]
+    return cache_root() / "gguf" / file_key(folder / gguf)
 
 
 def resolve_cached(path: str | os.PathLike) -> tuple[Path, str | None]:

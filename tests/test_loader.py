@@ -1,7 +1,8 @@
-"""Loading the default family's base weights: the GGUF's dequantized cache is read without
-transformers (a worker's start), and what it reads equals what transformers reads from the same
-folder; the tokenizer is read only when first asked for."""
+"""Loading base weights: the default GGUF's dequantized cache, and a HF directory after its first load,
+are read without transformers (a worker's start), and what that reads equals what transformers reads
+from the same folder; the tokenizer is read only when first asked for."""
 import json
+import shutil
 import subprocess
 import sys
 
@@ -10,7 +11,8 @@ import torch
 from family.manifest import manifest_for, resolve_base
 from family.source import resolve_cached, split_source
 from worker.config import ModelConfig
-from worker.loader import _read_own_cache, load_base
+from tests.factories import tiny_llama, tiny_qwen2
+from worker.loader import _config_cache, _read_fast, load_base
 
 PROBE = """
 import json, sys
@@ -41,13 +43,11 @@ def test_the_gguf_cache_loads_without_transformers_and_the_tokenizer_only_when_a
     assert out["after"] is True and out["paris"] == " Paris" and out["keys"] > 200, out
 
 
-def test_the_cache_read_without_transformers_equals_transformers_reading_it():
+def _assert_same_as_transformers(folder, own, dtype=torch.float32):
     from transformers import AutoConfig, AutoModelForCausalLM
-    folder, gguf = resolve_cached(_default_gguf())
-    assert gguf is None
-    own_cfg, own_sd = _read_own_cache(folder, torch.float32)
+    own_cfg, own_sd = own
     hf_cfg = AutoConfig.from_pretrained(folder)
-    hf_sd = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    hf_sd = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).state_dict()
     assert sorted(own_sd) == sorted(hf_sd)
     for k, v in hf_sd.items():
         assert own_sd[k].dtype == v.dtype and torch.equal(own_sd[k], v), k
@@ -55,7 +55,36 @@ def test_the_cache_read_without_transformers_equals_transformers_reading_it():
     for f in ModelConfig.__dataclass_fields__:
         x, y = getattr(a, f), getattr(b, f)
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, (f, x, y)
-    assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_the_gguf_cache_read_without_transformers_equals_transformers_reading_it():
+    folder, gguf = resolve_cached(_default_gguf())
+    assert gguf is None
+    own = _read_fast(folder, json.loads((folder / "config.json").read_text()), torch.float32)
+    _assert_same_as_transformers(folder, own)
+
+
+def test_a_hf_folder_is_read_without_transformers_from_its_second_load_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("MFS_CACHE", str(tmp_path / "cache"))
+    makers = {"llama": tiny_llama, "llama-tied": lambda p: tiny_llama(p, tie=True), "qwen2": tiny_qwen2}
+    for name, make in makers.items():
+        folder = make(tmp_path / name)
+        assert not _config_cache(folder).exists()
+        first = load_base(folder, dtype=torch.float64, with_tokenizer=False)  # transformers, then cached
+        assert _config_cache(folder).exists()
+        own = _read_fast(folder, json.loads(_config_cache(folder).read_text())["config"], torch.float64)
+        _assert_same_as_transformers(folder, own, torch.float64)
+        second = load_base(folder, dtype=torch.float64, with_tokenizer=False)
+        assert isinstance(second.hf_config, type(own[0]))  # the fast path: a namespace, not transformers'
+        assert all(torch.equal(second.state_dict[k], v) for k, v in first.state_dict.items())
+        (folder / "config.json").write_text((folder / "config.json").read_text() + "\n")  # a changed config
+        assert not _config_cache(folder).exists()  # is read by transformers again
+    entries = sorted((tmp_path / "cache" / "config").glob("*.json"))
+    assert len(entries) == 3
+    shutil.rmtree(tmp_path / "llama")  # a model that is gone: its entry goes with the next write
+    load_base(tiny_llama(tmp_path / "another"), with_tokenizer=False)
+    sources = {json.loads(e.read_text())["source"] for e in (tmp_path / "cache" / "config").glob("*.json")}
+    assert sources == {str((tmp_path / n).resolve()) for n in ("llama-tied", "qwen2", "another")}
 
 
 def test_the_generic_tokenizer_class_read_directly_equals_autotokenizers_choice():

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import structlog
 import torch
 
-from family.source import gguf_cache_dir, load_tokenizer, resolve_cached, split_source
+from family.source import cache_root, file_key, gguf_cache_dir, load_tokenizer, resolve_cached, split_source
 from worker.config import _rope_params
 
 log = structlog.get_logger(__name__)
@@ -44,15 +44,22 @@ class BaseWeights:
 def load_base(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
               with_tokenizer: bool = True) -> BaseWeights:
     """Dequantizing a GGUF takes seconds; the result is cached once as a HF directory under
-    $MFS_CACHE (default ~/.cache/mfs) and later loads read that instead, without transformers when
-    they can (:func:`_read_own_cache`). The tokenizer is read when first used (``.tokenizer``)."""
+    $MFS_CACHE (default ~/.cache/mfs) and later loads read that instead. Those, and every load of a
+    HF directory after its first, read the weights without transformers (:func:`_read_fast`). The
+    tokenizer is read when first used (``.tokenizer``)."""
     src_folder, src_gguf = split_source(path)
     original = str(src_folder / (src_gguf or ""))
     folder, gguf = resolve_cached(path)
-    own = _read_own_cache(folder, dtype) if folder != src_folder else None
-    if own is not None:
-        hf_config, sd = own
-        log.info("loading base weights", source=original, arch=hf_config.model_type, cached=True)
+    if folder != src_folder:  # the GGUF's cache: its config.json is transformers' complete to_dict()
+        fast = _read_fast(folder, json.loads((folder / "config.json").read_text()), dtype)
+    elif gguf is None and _config_cache(folder).exists():
+        fast = _read_fast(folder, json.loads(_config_cache(folder).read_text())["config"], dtype)
+    else:
+        fast = None
+    if fast is not None:
+        hf_config, sd = fast
+        log.info("loading base weights", source=original, arch=hf_config.model_type,
+                 cached=folder != src_folder)
         return BaseWeights(hf_config, sd, original, (folder, None) if with_tokenizer else None)
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
     kw = {"gguf_file": gguf} if gguf else {}
@@ -68,19 +75,20 @@ def load_base(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     if gen is not None and gen.eos_token_id is not None and hf_config.eos_token_id is None:
         hf_config.eos_token_id = gen.eos_token_id
     del model
+    if gguf is None:
+        _write_config_cache(folder, hf_config)
     return BaseWeights(hf_config, sd, original, (folder, gguf) if with_tokenizer else None)
 
 
-def _read_own_cache(folder: Path, dtype: torch.dtype) -> tuple[SimpleNamespace, dict[str, torch.Tensor]] | None:
-    """A GGUF's dequantized cache as :func:`_write_cache` wrote it, read without transformers (whose
-    import costs a worker ~3 s of its start): its config.json is transformers' complete ``to_dict()``,
-    so every field is there, and the weights are one safetensors file. None (the transformers path)
-    for anything else, or a rope type whose frequencies only transformers computes."""
-    cfg_path, weights = folder / "config.json", folder / "model.safetensors"
-    if not ((folder / ".complete").exists() and cfg_path.exists() and weights.exists()):
+def _read_fast(folder: Path, cfg: dict, dtype: torch.dtype) -> tuple[SimpleNamespace, dict[str, torch.Tensor]] | None:
+    """Config and weights without transformers (whose import costs a worker ~3 s of its start on 2
+    cores): ``cfg`` is a complete config (transformers' ``to_dict()``, every default filled in), the
+    weights one safetensors file with transformers' names. None (the transformers path) for anything
+    else, or a rope type whose frequencies only transformers computes."""
+    weights = folder / "model.safetensors"
+    if not weights.exists() or cfg.get("model_type") is None:
         return None
-    cfg = json.loads(cfg_path.read_text())
-    if _rope_params(SimpleNamespace(**cfg))["rope_type"] != "default" or cfg.get("model_type") is None:
+    if _rope_params(SimpleNamespace(**cfg))["rope_type"] != "default":
         return None
     gen_path = folder / "generation_config.json"
     if cfg.get("eos_token_id") is None and gen_path.exists():
@@ -90,6 +98,35 @@ def _read_own_cache(folder: Path, dtype: torch.dtype) -> tuple[SimpleNamespace, 
     if cfg.get("tie_word_embeddings") and "lm_head.weight" not in sd:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # as transformers' state_dict has it
     return SimpleNamespace(**cfg), sd
+
+
+def _config_cache(folder: Path) -> Path:
+    """Where a HF directory's complete config is kept: keyed by its config.json's path, size and time."""
+    return cache_root() / "config" / f"{file_key(folder / 'config.json')}.json"
+
+
+def _write_config_cache(folder: Path, hf_config) -> None:
+    """Best effort, and only where :func:`_read_fast` can use it (one safetensors file). Entries whose
+    folder is gone (a test's, a deleted model's) are removed on the way."""
+    if not (folder / "model.safetensors").exists():
+        return
+    target = _config_cache(folder)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    try:
+        cfg = hf_config.to_dict()
+        cfg.pop("quantization_config", None)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for old in target.parent.glob("*.json"):
+            try:
+                if not Path(json.loads(old.read_text())["source"]).exists():
+                    old.unlink()
+            except (OSError, ValueError, KeyError, TypeError):
+                old.unlink(missing_ok=True)
+        tmp.write_text(json.dumps({"source": str(folder.resolve()), "config": cfg}, indent=1))
+        tmp.replace(target)
+    except (OSError, TypeError, ValueError) as e:
+        log.warning("could not cache the complete config", error=str(e))
+        tmp.unlink(missing_ok=True)
 
 
 def _write_cache(model, folder: Path, gguf: str) -> None:
