@@ -44,7 +44,22 @@ def file_key(path: Path) -> str:
 
 
 def gguf_cache_dir(folder: Path, gguf: str) -> Path:
-    return cache_root() / "gguf" / file_key(folder / gguf)
+    """Where a GGUF's dequantized copy is kept, named by the file's content (sha256), so every copy of
+    the same GGUF (another virtualenv, another clone) shares one cache; the content hash is computed
+    once per path, size and time and remembered."""
+    path = folder / gguf
+    memo = cache_root() / "gguf" / "by-path" / file_key(path)
+    try:
+        key = memo.read_text().strip()
+    except OSError:
+        with open(path, "rb") as f:
+            key = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            memo.write_text(key)
+        except OSError:  # a read-only cache only costs the next load a hash
+            pass
+    return cache_root() / "gguf" / key
 
 
 def resolve_cached(path: str | os.PathLike) -> tuple[Path, str | None]:

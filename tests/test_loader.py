@@ -104,3 +104,18 @@ def test_the_generic_tokenizer_class_read_directly_equals_autotokenizers_choice(
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
     assert (ours.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
             == auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+
+
+def test_a_ggufs_cache_is_named_by_its_content_so_copies_share_it(tmp_path, monkeypatch):
+    from family.source import gguf_cache_dir
+    monkeypatch.setenv("MFS_CACHE", str(tmp_path / "cache"))
+    a, b, c = (tmp_path / d for d in ("venv-a", "venv-b", "venv-c"))
+    for d in (a, b, c):
+        d.mkdir()
+    (a / "m.gguf").write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    (b / "m.gguf").write_bytes((a / "m.gguf").read_bytes())  # the same file installed elsewhere
+    (c / "m.gguf").write_bytes((a / "m.gguf").read_bytes()[:-1] + b"x")  # the same size, other bytes
+    first = gguf_cache_dir(a, "m.gguf")
+    assert gguf_cache_dir(b, "m.gguf") == first != gguf_cache_dir(c, "m.gguf")
+    assert gguf_cache_dir(a, "m.gguf") == first  # the remembered hash
+    assert len(list((tmp_path / "cache" / "gguf" / "by-path").iterdir())) == 3
