@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import random
 import time
 
@@ -251,8 +252,8 @@ def run_mode(args, mode: str, plan: dict, tok, replay: list | None) -> dict:
         out["_probe_prompts"] = [p["prompt"] for p in probes if p["kind"] == "escalated"]
         return out
     finally:
-        if svc is not None:
-            svc.stop()
+        if svc is not None:  # its logs stay only when this run failed
+            svc.close(clean=sys.exc_info()[0] is None)
 
 
 def run(args) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import platform
 import random
 import statistics
@@ -168,8 +169,8 @@ def run_layout(args, layout: str | None) -> dict:
             out["worker_peak_rss_bytes"] = _worker_peak_rss(redis_url)
         return out
     finally:
-        if svc is not None:
-            svc.stop()
+        if svc is not None:  # its logs stay only when this run failed
+            svc.close(clean=sys.exc_info()[0] is None)
 
 
 def add_parser(sub) -> None:

@@ -289,10 +289,14 @@ class Service:
     def __enter__(self) -> "Service":
         return self.start()
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def close(self, clean: bool = True) -> None:
+        """stop(), and remove the temporary log folder it made itself if the run was ``clean``."""
         self.stop()
-        if exc_type is None and self._own_log_dir and self._log_dir is not None:
+        if clean and self._own_log_dir and self._log_dir is not None:
             shutil.rmtree(self._log_dir, ignore_errors=True)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(clean=exc_type is None)
 
 
 def exit_text(returncode: int) -> str:
