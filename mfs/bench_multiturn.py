@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import random
+import sys
 import time
 
 import aiohttp

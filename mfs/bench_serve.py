@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import platform
 import random
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path

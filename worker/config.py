@@ -66,7 +66,7 @@ class ModelConfig:
             mlp_bias="model.layers.0.mlp.gate_proj.bias" in keys,
             inv_freq=inv_freq,
             rope_attention_scaling=scaling,
-            rope=dict(_rope_params(hf_config)),
+            rope=dict(rope_params(hf_config)),
             eos_token_ids=eos_ids,
             bos_token_id=getattr(hf_config, "bos_token_id", None),
         )
@@ -84,7 +84,9 @@ class ModelConfig:
         return 2 * n_layers * self.num_kv_heads * self.head_dim * elem
 
 
-def _rope_params(hf_config) -> dict:
+def rope_params(hf_config) -> dict:
+    """A config's rope parameters (rope_type, rope_theta, any scaling) from either spelling:
+    ``rope_parameters`` or the older ``rope_scaling`` + ``rope_theta``."""
     rp = getattr(hf_config, "rope_parameters", None)
     if rp is None:  # older configs
         rp = dict(getattr(hf_config, "rope_scaling", None) or {})
@@ -96,7 +98,7 @@ def _rope_params(hf_config) -> dict:
 
 def _rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies exactly as transformers computes them, for every rope type it knows."""
-    rp = _rope_params(hf_config)
+    rp = rope_params(hf_config)
     rope_type = rp["rope_type"]
     if rope_type == "default":
         base = rp["rope_theta"]

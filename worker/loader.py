@@ -16,7 +16,7 @@ import structlog
 import torch
 
 from family.source import cache_root, file_key, gguf_cache_dir, load_tokenizer, resolve_cached, split_source
-from worker.config import _rope_params
+from worker.config import rope_params
 
 log = structlog.get_logger(__name__)
 
@@ -88,7 +88,7 @@ def _read_fast(folder: Path, cfg: dict, dtype: torch.dtype) -> tuple[SimpleNames
     weights = folder / "model.safetensors"
     if not weights.exists() or cfg.get("model_type") is None:
         return None
-    if _rope_params(SimpleNamespace(**cfg))["rope_type"] != "default":
+    if rope_params(SimpleNamespace(**cfg))["rope_type"] != "default":
         return None
     gen_path = folder / "generation_config.json"
     if cfg.get("eos_token_id") is None and gen_path.exists():

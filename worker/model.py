@@ -400,6 +400,7 @@ class NestedModel(nn.Module):
         logits = self.lm_head(torch.cat(exits))  # exit order: lowest tier first
         return logits.index_select(0, batch.exit_to_row_order)
 
+
 _INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_",
           "constant_")
 
