@@ -31,7 +31,7 @@ class WorkerInfo:
     """A worker's registration, the hash ``mfs:worker:{worker}``, written whole with every heartbeat
     (so a Redis restart that lost it gets it back complete). Lists are msgpack in the hash; scalars stay
     plain so ``HGET`` reads one (the gateway reads ``max_model_len``, a new leader ``epoch``)."""
-    LISTS = ("tiers", "num_blocks", "eos")
+    LISTS = ("tiers", "num_blocks", "eos", "exit_blocks")
     tiers: list[int]        # tiers served (one, for a standalone copy)
     num_tiers: int          # tiers of the family
     num_blocks: list[int]   # KV blocks per segment pool
@@ -47,6 +47,7 @@ class WorkerInfo:
     pid: int = 0
     epoch: int = 0          # the newest scheduler epoch it has seen in a plan
     heartbeat: float = 0.0
+    exit_blocks: list[int] = field(default_factory=list)  # segments whose tier has an exit block
 
     def to_hash(self) -> dict[str, bytes | str | int | float]:
         d = asdict(self)

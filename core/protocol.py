@@ -326,6 +326,11 @@ class PlanRow:
     #                           request with penalties: the round's drafts so far (they count)
     logits_all: bool = False  # prompt log-probabilities: logits at every position (the last one
     #                           samples when `sample`), each scoring the prompt token after it
+    exit_kv: list[int] | None = None  # the lower exits whose exit-block KV this row writes as it
+    #                           crosses their boundary (its own tier's exit is always written); None:
+    #                           every exit it crosses. Exits nobody will read are skipped (lazy exits).
+    exit_only: bool = False   # an exit fill: tier `tier`'s exit block only, over cached positions,
+    #                           entering from the trunk's state stored at that boundary (its KV was skipped)
 
 
 @dataclass(slots=True)

@@ -5,7 +5,10 @@ family, starts `batch` requests of 16-token prompts on one tier, runs a few warm
 ever slow a step down). ``--no-fuse`` serves the quantized formats with q/k/v and gate/up as separate
 linears (worker/quant.py: fuse_projections), to measure what fusing buys side by side; ``--profile``
 prints torch's operator table of the timed steps; ``--compile`` times all-decode steps with each layer as
-one compiled graph (worker/compiled_step.py), the warm-up steps paying for the compilation."""
+one compiled graph (worker/compiled_step.py), the warm-up steps paying for the compilation.
+``--exit-kv lazy,all`` times the same loaded model in two engines side by side, steps alternated: rows
+writing only the exit-block KV their request reads (the default, scheduler/core.py: lazy exits) and
+rows writing every lower exit's KV they cross (``--no-lazy-exits``)."""
 from __future__ import annotations
 
 import os
@@ -20,7 +23,8 @@ from mfs.runtime import write_json
 
 
 def measure(model: str, weights: str, batch: int, steps: int, tier: int | None, fuse: bool,
-            profile: bool = False, compile: bool = False) -> dict:
+            profile: bool = False, compile: bool = False, exit_kv: tuple[str, ...] = ("lazy",)) -> list[dict]:
+    """One point per `exit_kv` mode: an engine each over the same loaded model, their steps alternated."""
     from mfs.engine import Engine  # noqa: PLC0415
     from worker.family import load_family  # noqa: PLC0415
     from worker.quant import linear_bytes_per_step  # noqa: PLC0415
@@ -32,15 +36,18 @@ def measure(model: str, weights: str, batch: int, steps: int, tier: int | None, 
     tier = top if tier is None else tier
     if not 0 <= tier <= top:
         raise ValueError(f"--tier {tier}: the family has tiers 0..{top}")
-    eng = Engine(fam.model, block_size=16, num_blocks=max(64, batch * 24))
-    for i in range(batch):
-        eng.add_request(f"r{i}", [100 + (i * 17 + k) % 20000 for k in range(16)], tier,
-                        SamplingParams(max_tokens=steps + 16, ignore_eos=True))
-    t_warm = time.perf_counter()
-    for _ in range(6):  # the prefill and a few decode steps (and any compilation)
-        eng.step()
-    warm_s = time.perf_counter() - t_warm
-    times = []
+    engines, warm_s = {}, {}
+    for mode in exit_kv:
+        eng = engines[mode] = Engine(fam.model, block_size=16, num_blocks=max(64, batch * 24),
+                                     lazy_exits=mode == "lazy")
+        for i in range(batch):
+            eng.add_request(f"r{i}", [100 + (i * 17 + k) % 20000 for k in range(16)], tier,
+                            SamplingParams(max_tokens=steps + 16, ignore_eos=True))
+        t_warm = time.perf_counter()
+        for _ in range(6):  # the prefill and a few decode steps (and any compilation)
+            eng.step()
+        warm_s[mode] = time.perf_counter() - t_warm
+    times = {mode: [] for mode in exit_kv}
     prof = None
     if profile:
         from torch.profiler import ProfilerActivity  # noqa: PLC0415
@@ -49,20 +56,24 @@ def measure(model: str, weights: str, batch: int, steps: int, tier: int | None, 
         prof.__enter__()
     try:
         for _ in range(steps):
-            t0 = time.perf_counter()
-            eng.step()
-            times.append(time.perf_counter() - t0)
+            for mode, eng in engines.items():
+                t0 = time.perf_counter()
+                eng.step()
+                times[mode].append(time.perf_counter() - t0)
     finally:
         if prof is not None:
             prof.__exit__(None, None, None)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    times.sort()
-    med = statistics.median(times)
-    return {"weights": weights, "fused": fuse and weights != "fp32", "compiled": compile,
-            "warmup_s": round(warm_s, 2), "batch": batch, "tier": tier,
-            "steps": steps, "median_ms": round(med * 1e3, 2),
-            "p10_ms": round(times[max(0, len(times) // 10 - 1)] * 1e3, 2),
-            "tokens_per_s": round(batch / med, 1), "linear_mb_per_step": round(linear_bytes_per_step(fam.model) / 1e6, 1)}
+    points = []
+    for mode, ts in times.items():
+        ts.sort()
+        med = statistics.median(ts)
+        points.append({"weights": weights, "fused": fuse and weights != "fp32", "compiled": compile,
+                       "exit_kv": mode, "warmup_s": round(warm_s[mode], 2), "batch": batch, "tier": tier,
+                       "steps": steps, "median_ms": round(med * 1e3, 2),
+                       "p10_ms": round(ts[max(0, len(ts) // 10 - 1)] * 1e3, 2), "tokens_per_s": round(batch / med, 1),
+                       "linear_mb_per_step": round(linear_bytes_per_step(fam.model) / 1e6, 1)})
+    return points
 
 
 def add_parser(sub) -> None:
@@ -77,6 +88,9 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", action="store_true", help="print torch's operator table of the timed steps")
     p.add_argument("--compile", action="store_true",
                    help="all-decode steps with each layer one compiled graph (CPU; worker/compiled_step.py)")
+    p.add_argument("--exit-kv", default="lazy",
+                   help="comma list of lazy (rows write only the exit-block KV their request reads) and all "
+                        "(every lower exit a row crosses); several: one engine each, steps alternated")
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)
 
@@ -91,6 +105,9 @@ def run(args) -> int:
         raise ValueError(f"--batch must be comma-separated integers, got {args.batch!r}") from None
     if not batches or min(batches) < 1 or args.steps < 5:
         raise ValueError("--batch >= 1 each, --steps >= 5")
+    exit_kv = tuple(dict.fromkeys(m.strip() for m in args.exit_kv.split(",") if m.strip()))
+    if not exit_kv or any(m not in ("lazy", "all") for m in exit_kv):
+        raise ValueError(f"--exit-kv: a comma list of lazy, all, got {args.exit_kv!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"mfs bench step: {torch.get_num_threads()} torch thread(s), {os.cpu_count()} CPUs, "
@@ -98,11 +115,13 @@ def run(args) -> int:
     points = []
     for w in weights:
         for b in batches:
-            pt = measure(args.model, w, b, args.steps, args.tier, not args.no_fuse, args.profile, args.compile)
-            points.append(pt)
-            print(f"{w:>5}{' fused' if pt['fused'] else '':6}{' compiled' if pt['compiled'] else ''} batch {b:3d}: median {pt['median_ms']:8.2f} ms "
-                  f"(p10 {pt['p10_ms']:.2f}), {pt['tokens_per_s']:7.1f} tok/s, linears "
-                  f"{pt['linear_mb_per_step']} MB/step", flush=True)
+            for pt in measure(args.model, w, b, args.steps, args.tier, not args.no_fuse, args.profile,
+                              args.compile, exit_kv):
+                points.append(pt)
+                print(f"{w:>5}{' fused' if pt['fused'] else '':6}{' compiled' if pt['compiled'] else ''} "
+                      f"exit KV {pt['exit_kv']:4} batch {b:3d}: median {pt['median_ms']:8.2f} ms "
+                      f"(p10 {pt['p10_ms']:.2f}), {pt['tokens_per_s']:7.1f} tok/s, linears "
+                      f"{pt['linear_mb_per_step']} MB/step", flush=True)
     if args.json:
         write_json(args.json, {"benchmark": "step", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                "model": args.model, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),

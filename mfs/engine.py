@@ -33,7 +33,8 @@ class Engine:
             num_tiers=nseg, num_blocks=blocks, block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             max_model_len=min(max_model_len or model.max_positions, model.max_positions),
-            eos_token_ids=model.cfg.eos_token_ids, vocab_size=model.cfg.vocab_size, **limits), clock=clock)
+            eos_token_ids=model.cfg.eos_token_ids, vocab_size=model.cfg.vocab_size,
+            exit_blocks=model.exit_block_segments, **limits), clock=clock)
         self.runner = ModelRunner(model, blocks, block_size, keep_logits=keep_logits, tokenizer=tokenizer)
         self._ids = itertools.count()
 

@@ -6,7 +6,12 @@ releases it, a cached block is not freed but becomes *evictable*: it stays finda
 pool needs its slot or its TTL passes (delayed reclamation). Never-cached free blocks are handed out
 first; evictable ones go least recently released first, and a request releases its tail blocks first
 so a shared head outlives the tails. Blocks in use (refcount > 0) are never evicted.
-"Can't allocate" is a return value (None); a double free is an assert."""
+"Can't allocate" is a return value (None); a double free is an assert.
+
+A cached block may be *partial*: its trunk KV is there but not its exit block's (requests of higher
+tiers skip the KV of exits they never read; see scheduler/core.py). It is found by the same hash; a
+request that reads that exit fills it first (:meth:`BlockPool.mark_complete` afterwards), and a
+complete block computed under the same hash replaces a partial one."""
 from __future__ import annotations
 
 import hashlib
@@ -37,6 +42,7 @@ class BlockPool:
         self.evictable: OrderedDict[int, float] = OrderedDict()  # refcount 0, cached: block -> release time
         self.hash_of: dict[int, bytes] = {}
         self.cached: dict[bytes, int] = {}
+        self.partial: set[int] = set()  # cached blocks without their exit block's KV
         self.on_evict = on_evict
         self.clock = clock  # release times and the TTL of evictable blocks
         self.num_evictions = 0
@@ -102,15 +108,39 @@ class BlockPool:
                 del self.evictable[b]
             self.ref[b] += 1
 
-    def cache(self, block: int, h: bytes) -> bool:
+    def cache(self, block: int, h: bytes, complete: bool = True) -> bool:
         """Registers a full, computed block under its hash; False if that hash is cached already
-        (the block then stays private and is freed plainly)."""
+        (the block then stays private and is freed plainly) — unless the cached one is partial and
+        this one `complete`: it takes the hash, and the partial one becomes private."""
         assert self.ref[block] > 0, f"block {block} is not in use"
-        if h in self.cached or block in self.hash_of:
+        if block in self.hash_of:
             return False
+        old = self.cached.get(h)
+        if old is not None:
+            if not complete or old not in self.partial:
+                return False
+            del self.hash_of[old]
+            self.partial.discard(old)
+            if self.ref[old] == 0:
+                del self.evictable[old]
+                self.free.append(old)
         self.cached[h] = block
         self.hash_of[block] = h
+        if not complete:
+            self.partial.add(block)
         return True
+
+    def first_partial(self, blocks: list[int]) -> int | None:
+        """Index of the first partial block among `blocks` (cached ones), None if none is."""
+        if self.partial:
+            for i, b in enumerate(blocks):
+                if b in self.partial:
+                    return i
+        return None
+
+    def mark_complete(self, blocks: Iterable[int]) -> None:
+        """Their exit block's KV has been filled."""
+        self.partial.difference_update(blocks)
 
     def reclaim_expired(self, ttl_s: float) -> int:
         """Uncaches evictable blocks released more than `ttl_s` ago (by the pool's clock); returns how many."""
@@ -128,6 +158,7 @@ class BlockPool:
 
     def _uncache(self, b: int) -> None:
         h = self.hash_of.pop(b)
+        self.partial.discard(b)
         del self.cached[h]
         self.num_evictions += 1
         if self.on_evict is not None:

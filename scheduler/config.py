@@ -42,6 +42,9 @@ class SchedulerProcessConfig:
     prefix_caching: bool = _step("prefix_caching", "free a request's KV blocks when it ends (no reuse, no "
                                                    "cache-aware placement)")
     cache_ttl_s: float = _step("cache_ttl_s", "uncache KV blocks unused this long (0: only when a pool needs room)")
+    lazy_exits: bool = _step("lazy_exits", "rows skip the exit-block KV of lower tiers their request never "
+                                           "reads; a lower-tier request reusing such blocks fills it first "
+                                           "(--no-lazy-exits: every row writes every exit it crosses)")
     directory_ttl_s: float = opt(600.0, "lifetime of KV directory entries")
     affinity_abs_threshold: int = opt(4, "cache affinity yields when the preferred worker has more than this "
                                          "many requests above the least loaded one...")

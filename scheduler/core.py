@@ -16,6 +16,13 @@ Prefix caching: every full computed block is registered in its segment's pool un
 the longest prefix of its tokens that is cached in *every* segment it uses (a position's KV must exist
 in all of them before the forward may skip it), always leaving its last token to compute.
 
+Lazy exits: a lower tier's exit block has KV layers in its boundary segment's pool, which a row of a
+higher tier crossing that boundary would have to write too for its blocks to serve that tier later —
+one layer or more of work per token that its own request never reads. Rows skip it (``PlanRow.exit_kv``
+names the exits they do write: their draft tier's), their cached blocks are registered as *partial*
+there, and a request that reads that exit and reuses them first fills the missing KV from the trunk
+state stored at the boundary (an exit-only row over the cached positions, in its first step).
+
 Self-speculative decoding (draft rows of a lower tier, then one verification row of the target tier)
 and the confidence cascade (catch-up rows after an escalation) are scheduled here; their rules and
 state live in scheduler/speculation.py. The runner accepts or rejects drafts and reports escalations;
@@ -62,7 +69,7 @@ class StepScheduler:
         n = cfg.num_tiers
         self.stats = SchedulerStats(peak_kv_blocks=[0] * n, prefill_computed=[0] * n,
                                     prefill_reused=[0] * n, cache_queries=[0] * n, cache_hits=[0] * n,
-                                    evictions=[0] * n)
+                                    evictions=[0] * n, exit_filled=[0] * n)
         self.policy = policy or FCFS()
         self.spec = Speculation(cfg, self.stats)
         self.cascade = Cascade(cfg, self.stats)
@@ -172,6 +179,39 @@ class StepScheduler:
                 req.block_tables[s].extend(self.pools[s].allocate(g))
         return True
 
+    # ---- lazy exits ---------------------------------------------------------------------------
+    @property
+    def lazy_exits(self) -> bool:
+        cfg = self.cfg
+        return cfg.lazy_exits and bool(cfg.exit_blocks) and cfg.served_tiers is None
+
+    def _exits_read(self, req: Request) -> set[int]:
+        """The exit blocks whose KV this request reads: its own tier's and its draft tier's."""
+        return {req.tier, req.params.spec_draft_tier} & set(self.cfg.exit_blocks)
+
+    def _plan_fills(self, req: Request, used: list[list[int]], budget: int, alone: bool) -> list[list[int]]:
+        """Sets ``req.fills`` for the partial blocks among the cached ones it will start from, in the
+        segments whose exit it reads: each from its first partial block to the end of the reuse (an
+        exit block's upper layers depend on every earlier position). Fills that do not fit this step's
+        budget (with any catch-up) are not planned: the request then recomputes from the first
+        partial block instead, unless it runs `alone`."""
+        req.fills = []
+        if not self.lazy_exits:
+            return used
+        bs = self.cfg.block_size
+        for s in sorted(self._exits_read(req)):
+            i = self.pools[s].first_partial(used[s]) if s < len(used) else None
+            if i is not None:
+                req.fills.append((s, i * bs, len(used[s]) * bs))
+        if not req.fills:
+            return used
+        extra = sum(b - a for _, a, b in req.fills) + (req.catchup[2] - req.catchup[1] if req.catchup else 0)
+        if extra < budget or alone:
+            return used
+        k = min(min(a for _, a, _ in req.fills) // bs, min(len(u) for u in used))
+        req.fills, req.catchup = [], None
+        return [u[:k] for u in used]
+
     # ---- the prefix cache --------------------------------------------------------------------
     def _segment_key(self, req: Request, s: int) -> int:
         """What a block hash is salted with: nested segment ``s``, or, for a standalone copy, its tier
@@ -206,6 +246,7 @@ class StepScheduler:
         than the step's token budget is only planned in a step of its own (`alone`): it then runs
         with nothing else waiting on it."""
         req.catchup = None
+        req.fills = []
         if not self.cfg.prefix_caching:
             return None
         if req.params.prompt_logprobs is not None and not req.output_ids:
@@ -220,8 +261,9 @@ class StepScheduler:
                 and all(len(h) == top for h in hits[d + 1:])
                 and ((low[0] - top) * bs < budget or alone)):
             req.catchup = (d + 1, top * bs, low[0] * bs)
-            return [h[:low[0]] if s <= d else h[:top] for s, h in enumerate(hits)]
-        return [h[:top] for h in hits]
+            return self._plan_fills(req, [h[:low[0]] if s <= d else h[:top] for s, h in enumerate(hits)],
+                                    budget, alone)
+        return self._plan_fills(req, [h[:top] for h in hits], budget, alone)
 
     def _count_admission(self, req: Request, hit: list[list[int]] | None) -> None:
         full = (len(req.prompt_ids) - 1) // self.cfg.block_size
@@ -246,9 +288,11 @@ class StepScheduler:
         if not self.cfg.prefix_caching or full <= req.num_cached_blocks:
             return
         chains = self._hashes(req, full)
+        reads = self._exits_read(req) if self.lazy_exits else None
         for s, table in enumerate(req.block_tables):
+            complete = reads is None or s in reads or s not in self.cfg.exit_blocks  # its rows wrote that exit
             for i in range(req.num_cached_blocks, full):
-                if self.pools[s].cache(table[i], chains[s][i]) and self.cache_log is not None:
+                if self.pools[s].cache(table[i], chains[s][i], complete) and self.cache_log is not None:
                     self.cache_log.append((chains[s][i], True))
         req.num_cached_blocks = full
 
@@ -314,6 +358,7 @@ class StepScheduler:
         draft_rows: list[tuple[Request, int, int]] = []
         verify_rows: list[tuple[Request, list[int], int]] = []
         catchups: list[tuple[Request, int, int, int]] = []
+        fills: list[tuple[Request, int, int, int]] = []
         preempted = False
         for req in self.policy.order(self.running):
             if budget == 0:
@@ -351,9 +396,9 @@ class StepScheduler:
             if self._follows_a_prefill(req):
                 skipped.append(req)
                 continue
-            alone = not rows and not draft_rows and not verify_rows and not catchups
+            alone = not rows and not draft_rows and not verify_rows and not catchups and not fills
             hit = self._cached_prefix(req, budget, alone)
-            extra = req.catchup[2] - req.catchup[1] if req.catchup else 0
+            extra = (req.catchup[2] - req.catchup[1] if req.catchup else 0) + sum(b - a for _, a, b in req.fills)
             n = min(req.num_tokens - (len(hit[0]) * self.cfg.block_size if hit else 0),
                     max(1, budget - extra))
             if (allowed is not None and req.tier not in allowed) or not self._within_quota(req, n):
@@ -370,6 +415,8 @@ class StepScheduler:
             if req.catchup is not None:
                 catchups.append((req, *req.catchup))
                 req.catchup = None
+            fills.extend((req, *f) for f in req.fills)
+            req.fills = []
         self.waiting.extendleft(reversed(skipped))
         new = [r for r, _ in rows if not r.announced]
         for r in new:
@@ -383,7 +430,7 @@ class StepScheduler:
         if rows:
             self.stats.steps += 1
             self.stats.forward_tokens += sum(n for _, n in rows)
-        return ScheduledStep(rows, new, drop, catchups, draft_rows, verify_rows)
+        return ScheduledStep(rows, new, drop, catchups, draft_rows, verify_rows, fills, self.lazy_exits)
 
     def update(self, step: ScheduledStep, tokens: dict[str, int],
                verified: dict[str, list[int]] | None = None, accepted: dict[str, int] | None = None,
@@ -396,6 +443,11 @@ class StepScheduler:
         recomputed at the next tier up after its catch-up."""
         drafted = tokens if drafts is None else drafts
         esc = set(escalate or ())
+        bs = self.cfg.block_size
+        for req, s, a, b in step.fills:  # their exit-block KV is there now
+            if req.block_tables:
+                self.pools[s].mark_complete(req.block_tables[s][a // bs:b // bs])
+            self.stats.exit_filled[s] += b - a
         for req, n in step.rows:
             if req.status is Status.RUNNING:
                 start, p = req.num_computed_tokens, len(req.prompt_ids)

@@ -48,6 +48,9 @@ class Request:
     # A running request that escalated (cascade) holds its pending catch-up here too, scheduled in
     # chunks before its next row.
     catchup: tuple[int, int, int] | None = None
+    # Exit fills at admission: (segment, start, end) of cached positions whose exit-block KV of that
+    # segment this request reads but a higher tier skipped; computed from the stored trunk state.
+    fills: list[tuple[int, int, int]] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)  # this speculation round's draft tokens
     spec_proposed: int = 0
     spec_accepted: int = 0
@@ -107,6 +110,11 @@ class SchedulerConfig:
     # other steps decode plainly, so a poor drafter costs a few percent instead of its rounds.
     spec_min_acceptance: float = 0.3
     spec_probe_every: int = 16
+    # Segments whose tier has an exit block (its KV layers sit in that segment's pool). With
+    # lazy_exits a row crossing such a boundary skips the block's KV unless its request reads it
+    # (its own tier, its draft tier); a cached block lacking it is filled when a reader reuses it.
+    exit_blocks: tuple[int, ...] = ()
+    lazy_exits: bool = True
 
 
 @dataclass(slots=True)
@@ -117,6 +125,8 @@ class ScheduledStep:
     catchups: list[tuple[Request, int, int, int]] = field(default_factory=list)  # req, segment, start, end
     drafts: list[tuple[Request, int, int]] = field(default_factory=list)   # req, token, position
     verifies: list[tuple[Request, list[int], int]] = field(default_factory=list)  # req, tokens, start
+    fills: list[tuple[Request, int, int, int]] = field(default_factory=list)  # req, segment, start, end
+    lazy_exits: bool = False  # rows write only the exit-block KV their request reads (PlanRow.exit_kv)
 
 
 @dataclass(slots=True)
@@ -133,6 +143,8 @@ class SchedulerStats:
     cache_queries: list[int] = field(default_factory=list)
     cache_hits: list[int] = field(default_factory=list)
     evictions: list[int] = field(default_factory=list)
+    exit_filled: list[int] = field(default_factory=list)  # per segment: cached positions whose exit-block
+    #                                                       KV was filled for a reader (lazy exits)
     spec_rounds: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0

@@ -53,15 +53,17 @@ def test_generate_rejects_unknown_tier_and_missing_model(llama_dir):
 def test_bench_step_times_each_format_and_batch(llama_dir, tmp_path):
     out = tmp_path / "step.json"
     r = run("bench", "step", "--model", str(llama_dir), "--weights", "fp32,int8", "--batch", "1,3",
-            "--steps", "6", "--threads", "1", "--json", str(out))
+            "--steps", "6", "--threads", "1", "--exit-kv", "lazy,all", "--json", str(out))
     assert r.returncode == 0, r.stderr
     pts = json.loads(out.read_text())["points"]
-    assert [(p["weights"], p["batch"], p["fused"]) for p in pts] == [
-        ("fp32", 1, False), ("fp32", 3, False), ("int8", 1, True), ("int8", 3, True)]
+    assert [(p["weights"], p["batch"], p["fused"], p["exit_kv"]) for p in pts] == [
+        (w, b, w == "int8", m) for w in ("fp32", "int8") for b in (1, 3) for m in ("lazy", "all")]
     assert all(p["median_ms"] > 0 and p["p10_ms"] <= p["median_ms"] for p in pts)
-    assert pts[2]["linear_mb_per_step"] < pts[0]["linear_mb_per_step"]  # int8 streams fewer bytes
+    assert pts[4]["linear_mb_per_step"] < pts[0]["linear_mb_per_step"]  # int8 streams fewer bytes
     bad = run("bench", "step", "--model", str(llama_dir), "--weights", "int3")
     assert bad.returncode != 0 and "--weights" in bad.stderr
+    bad = run("bench", "step", "--model", str(llama_dir), "--exit-kv", "some")
+    assert bad.returncode != 0 and "--exit-kv" in bad.stderr
 
 
 def test_bench_engine_reports_both_regimes(llama_dir, tmp_path):

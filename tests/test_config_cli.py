@@ -174,15 +174,17 @@ def test_every_scheduler_knob_reaches_the_workers_step_scheduler_or_is_the_proce
         assert getattr(SchedulerProcessConfig(), name) == getattr(SchedulerConfig(1, [1]), name), name
     cfg = _scheduler(["--max-num-batched-tokens", "96", "--max-num-seqs", "5", "--max-tiers-per-step", "2",
                       "--path-switches-per-s", "3", "--kv-quota", "0=0.5", "--no-prefix-caching",
-                      "--cache-ttl-s", "7", "--spec-min-acceptance", "0.4", "--spec-probe-every", "9"])
+                      "--cache-ttl-s", "7", "--spec-min-acceptance", "0.4", "--spec-probe-every", "9",
+                      "--no-lazy-exits"])
     reg = WorkerRegistry(redis.Redis.from_url(redis_url), cfg)
     info = WorkerInfo(tiers=[0, 1, 2], num_tiers=3, num_blocks=[32, 32, 32], block_size=4, max_model_len=256,
-                      vocab_size=100, eos=[2], started="t0")
+                      vocab_size=100, eos=[2], started="t0", exit_blocks=[0, 1])
     step = reg._new_worker("w-knobs", info).core.cfg
+    assert step.exit_blocks == (0, 1)  # what the worker's model has, not a knob
     assert {n: getattr(step, n) for n in STEP_LIMITS} == {
         "max_num_batched_tokens": 96, "max_num_seqs": 5, "max_tiers_per_step": 2, "path_switches_per_s": 3.0,
         "kv_quota": {0: 0.5}, "prefix_caching": False, "cache_ttl_s": 7.0, "spec_min_acceptance": 0.4,
-        "spec_probe_every": 9}
+        "spec_probe_every": 9, "lazy_exits": False}
     assert (step.num_blocks, step.block_size, step.max_model_len, step.eos_token_ids) == ([32] * 3, 4, 256, (2,))
 
 

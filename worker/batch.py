@@ -3,6 +3,10 @@
 Rows are ordered by tier, highest first, so the rows still running in segment ``s`` (tier >= s) are a
 prefix of the batch and the rows leaving at exit ``s`` are its tail. A row is the plan's own record
 (core.protocol.PlanRow), whether it came over Redis or from the in-process engine.
+
+An exit block runs over the tokens whose request reads it (:class:`ExitTensors`): the rows leaving
+there, the crossing rows that write its KV (``PlanRow.exit_kv``), and exit fills (``exit_only`` rows,
+which enter it from the trunk state stored at its boundary and run no trunk layer).
 """
 from __future__ import annotations
 
@@ -30,6 +34,19 @@ class SegmentTensors:
 
 
 @dataclass(slots=True)
+class ExitTensors:
+    """The tokens of segment ``s``'s exit block when they are not simply all of the segment's."""
+    seg: SegmentTensors | None        # their KV metadata in segment s's pool; None: no token runs it
+    positions: torch.Tensor | None
+    take: torch.Tensor | None         # indices, among the segment's active tokens, of those that run it
+    take_to: torch.Tensor | None      # where they go among the exit's tokens (None: take is all of them)
+    tail_from: int | None             # the exit's tokens are the segment's from here on (take unused)
+    enter_slots: torch.Tensor | None  # exit fills: their slots in segment s's pool (stored trunk state)
+    enter_to: torch.Tensor | None     # where they go among the exit's tokens
+    rows: torch.Tensor | None         # the sampled tokens among the exit's tokens
+
+
+@dataclass(slots=True)
 class StepTensors:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -38,6 +55,7 @@ class StepTensors:
     exit_to_row_order: torch.Tensor
     sampled_rows: list[int]  # indices (into the sorted rows) of the rows whose logits come back
     general: bool = False    # some row enters past segment 0: index the batch per segment
+    exits: list[ExitTensors | None] = field(default_factory=list)  # per segment; None: every active token
 
 
 def order_rows(rows: list[PlanRow]) -> list[int]:
@@ -46,8 +64,9 @@ def order_rows(rows: list[PlanRow]) -> list[int]:
 
 
 def build_step(rows: list[PlanRow], num_segments: int, block_size: int,
-               device: torch.device | str = "cpu") -> StepTensors:
-    """rows must already be sorted by tier, highest first (see :func:`order_rows`)."""
+               device: torch.device | str = "cpu", exit_blocks: tuple[int, ...] | None = None) -> StepTensors:
+    """rows must already be sorted by tier, highest first (see :func:`order_rows`). `exit_blocks`: the
+    segments whose exit has a block (None: any may), the only ones whose exit tokens are selected."""
     assert all(rows[i].tier >= rows[i + 1].tier for i in range(len(rows) - 1)), "rows not tier-sorted"
     ids: list[int] = []
     pos: list[int] = []
@@ -68,12 +87,14 @@ def build_step(rows: list[PlanRow], num_segments: int, block_size: int,
     def ltensor(xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=device)
 
-    general = any(r.enter for r in rows)  # otherwise the active rows of a segment are a prefix
+    # Otherwise the active rows of a segment are a prefix (an exit fill runs no trunk layer).
+    general = any(r.enter or r.exit_only for r in rows)
     segments = []
+    exits: list[ExitTensors | None] = []
     exit_idx: list[torch.Tensor | None] = []
     exit_items: list[tuple[int, int]] = []  # (row, position within the row) per logit, exit order
     for s in range(num_segments):
-        active = [i for i, r in enumerate(rows) if r.enter <= s <= r.tier]
+        active = [i for i, r in enumerate(rows) if r.enter <= s <= r.tier and not r.exit_only]
         slots: list[int] = []
         max_b = max((len(rows[i].block_tables[s]) for i in active), default=1) or 1
         bt = torch.zeros((len(active), max_b), dtype=torch.long)
@@ -108,10 +129,63 @@ def build_step(rows: list[PlanRow], num_segments: int, block_size: int,
             exit_items.extend((i, j) for j in js)
             idx.extend(base[i] + j for j in js)
         exit_idx.append(ltensor(idx) if leaving else None)
+        exits.append(_exit_tensors(rows, s, active, q_lens, ctx, leaving, block_size, slots_of, ltensor, device)
+                     if exit_blocks is None or s in exit_blocks else None)
     sampled_items = sorted(exit_items)  # row order, then position
     where = {item: k for k, item in enumerate(exit_items)}
     return StepTensors(
         input_ids=ltensor(ids), positions=ltensor(pos), segments=segments, exit_token_index=exit_idx,
         exit_to_row_order=ltensor([where[it] for it in sampled_items]),
         sampled_rows=[i for i, _ in sampled_items],
-        general=general)
+        general=general, exits=exits)
+
+
+def _exit_tensors(rows: list[PlanRow], s: int, active: list[int], q_lens: list[int], ctx: list[int],
+                  leaving: list[int], block_size: int, slots_of, ltensor, device) -> ExitTensors | None:
+    """Exit ``s``'s tokens: the active rows of tier s, the crossing rows whose ``exit_kv`` names s
+    (every crossing row when it is None), and the exit fills of tier s. None when that is every active
+    token (nothing to select: the common case without lazy exits)."""
+    runs = [i for i in active if rows[i].tier == s or rows[i].exit_kv is None or s in rows[i].exit_kv]
+    fills = [i for i, r in enumerate(rows) if r.exit_only and r.tier == s]
+    if not fills and len(runs) == len(active):
+        return None
+    if not runs and not fills:
+        return ExitTensors(None, None, None, None, None, None, None, None)
+    local = {}  # active row -> its first token among the segment's active tokens
+    n = 0
+    for i in active:
+        local[i] = n
+        n += q_lens[i]
+    order = sorted(runs + fills)
+    start, n_exit = {}, 0
+    for i in order:
+        start[i] = n_exit
+        n_exit += q_lens[i]
+    slots: list[int] = []
+    pos: list[int] = []
+    bt = torch.zeros((len(order), max(len(rows[i].block_tables[s]) for i in order) or 1), dtype=torch.long)
+    for k, i in enumerate(order):
+        r = rows[i]
+        if r.block_tables[s]:
+            bt[k, :len(r.block_tables[s])] = torch.tensor(r.block_tables[s], dtype=torch.long)
+        slots.extend(slots_of(r, s))
+        pos.extend(range(r.start_pos, r.start_pos + q_lens[i]))
+    qs = [start[i] for i in order] + [n_exit]
+    slot_t = ltensor(slots)
+    seg = SegmentTensors(
+        num_rows=len(order), num_tokens=n_exit, token_index=None, enter_index=None, enter_slots=None,
+        slot_mapping=slot_t, block_tables=bt.to(device), q_start_loc=ltensor(qs),
+        ctx_lens=ltensor([ctx[i] for i in order]), q_lens_host=[q_lens[i] for i in order],
+        ctx_lens_host=[ctx[i] for i in order])
+    take_idx = [local[i] + j for i in runs for j in range(q_lens[i])]
+    tail_from = None
+    if not fills and take_idx == list(range(n - len(take_idx), n)):
+        tail_from = n - len(take_idx)  # the usual case: the tier's own rows, the segment's tail
+    take = ltensor(take_idx) if runs and tail_from is None else None
+    take_to = ltensor([start[i] + j for i in runs for j in range(q_lens[i])]) if take is not None and fills else None
+    enter_slots = ltensor([x for i in fills for x in slots_of(rows[i], s)]) if fills else None
+    enter_to = ltensor([start[i] + j for i in fills for j in range(q_lens[i])]) if fills else None
+    sampled = [start[i] + j for i in leaving
+               for j in (range(q_lens[i]) if rows[i].sample_all or rows[i].logits_all else [q_lens[i] - 1])]
+    return ExitTensors(seg, ltensor(pos), take, take_to, tail_from, enter_slots, enter_to,
+                       ltensor(sampled) if sampled else None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import redis
@@ -48,6 +48,7 @@ class WorkerSpec:
     kernels: str = ""
     weights: str = "fp32"
     shard: str = P.DEFAULT_SHARD  # the control-plane shard it joins
+    exit_blocks: list[int] = field(default_factory=list)  # segments whose tier has an exit block
 
 
 class Runner(Protocol):
@@ -76,7 +77,8 @@ class WorkerLoop:
         s = self.spec
         return WorkerInfo(s.tiers, s.num_tiers, s.num_blocks, s.block_size, s.max_model_len, s.vocab_size,
                             list(s.eos), self.started, device=s.device, kernels=s.kernels, weights=s.weights,
-                            shard=s.shard, pid=os.getpid(), epoch=self.epoch, heartbeat=time.time())
+                            shard=s.shard, pid=os.getpid(), epoch=self.epoch, heartbeat=time.time(),
+                            exit_blocks=list(s.exit_blocks))
 
     def register(self) -> None:
         stream = P.plan_stream(self.id)

@@ -144,6 +144,11 @@ class NestedModel(nn.Module):
     def exit_block(self, s: int) -> nn.ModuleList | None:
         return self.exit_blocks[str(s)] if str(s) in self.exit_blocks else None
 
+    @property
+    def exit_block_segments(self) -> tuple[int, ...]:
+        """The segments whose tier leaves through an exit block (its KV layers are in their pools)."""
+        return tuple(t.index for t in self.tiers if t.block and t.index < self.num_segments - 1)
+
     def segment_kv_layers(self, s: int) -> int:
         """KV layers of segment s's pool: its trunk layers, then tier s's exit-block layers. Every
         token that crosses boundary s writes the block's KV (see :meth:`_exit`), so a cached
@@ -285,7 +290,7 @@ class NestedModel(nn.Module):
                 h, residual = h[:seg.num_tokens], residual[:seg.num_tokens]
             pos = batch.positions[:seg.num_tokens]
             h, residual = self._segment(s, h, residual, pos, seg, kv)
-            self._exit(s, h, residual, pos, seg, kv, batch.exit_token_index[s], exits)
+            self._exit(s, h, residual, pos, seg, kv, batch.exit_token_index[s], exits, batch.exits[s])
         return self._logits(exits, batch)
 
     def _forward_indexed(self, batch: "StepTensors", kv: "SegmentedKVCache") -> torch.Tensor:
@@ -295,8 +300,10 @@ class NestedModel(nn.Module):
         R = torch.zeros_like(H)
         exits: list[torch.Tensor] = []
         for s in range(self.num_segments):
-            seg = batch.segments[s]
+            seg, ex = batch.segments[s], batch.exits[s]
             if seg.num_tokens == 0:
+                if ex is not None and ex.seg is not None:  # exit fills alone
+                    self._exit(s, H[:0], R[:0], batch.positions[:0], seg, kv, None, exits, ex)
                 continue
             if seg.enter_index is not None:  # these tokens start here, from the stored hidden state
                 prev = kv.hid[s - 1]
@@ -309,11 +316,11 @@ class NestedModel(nn.Module):
             H.index_copy_(0, idx, h)
             R.index_copy_(0, idx, residual)
             rows = batch.exit_token_index[s]
-            if rows is not None:  # batch positions -> positions among this segment's tokens
+            if rows is not None and ex is None:  # batch positions -> positions among this segment's tokens
                 local = torch.empty(H.shape[0], dtype=torch.long, device=H.device)
                 local[idx] = torch.arange(idx.numel(), device=H.device)
                 rows = local.index_select(0, rows)
-            self._exit(s, h, residual, pos, seg, kv, rows, exits)
+            self._exit(s, h, residual, pos, seg, kv, rows, exits, ex)
         return self._logits(exits, batch)
 
     def _layer(self, layer: DecoderLayer, h: torch.Tensor, residual: torch.Tensor | None,
@@ -372,12 +379,18 @@ class NestedModel(nn.Module):
         return h, residual
 
     def _exit(self, s: int, h: torch.Tensor, residual: torch.Tensor, pos: torch.Tensor, seg, kv,
-              rows: torch.Tensor | None, exits: list[torch.Tensor]) -> None:
+              rows: torch.Tensor | None, exits: list[torch.Tensor], ex=None) -> None:
         """Rows of tier s that sample leave here: their tokens through exit s (its block, its norm).
-        An exit block writes its KV for *every* token of the segment, whatever its tier, so the
-        segment's cached blocks serve tier s too; its attention output and MLP are only computed
-        where needed (all block layers but the last, and the sampled rows of the last)."""
+        An exit block writes its KV for every token of the segment whose request reads it — all of
+        them, or those ``ex`` (worker/batch.py: ExitTensors) selects, with exit fills entering from
+        the stored trunk state; its attention output and MLP are only computed where needed (all
+        block layers but the last, and the sampled rows of the last)."""
         blk = self.exit_block(s)
+        if blk is not None and ex is not None:
+            if ex.seg is None:
+                return  # no token of this step reads exit s
+            h, residual = self._exit_inputs(s, h, residual, kv, ex)
+            pos, seg, rows = ex.positions, ex.seg, ex.rows
         if blk is not None:
             nl = len(self.segment_layers(s))
             k_cache, v_cache = kv.k[s], kv.v[s]
@@ -393,6 +406,23 @@ class NestedModel(nn.Module):
             e, _ = self.ops.fused_add_rms_norm(h.index_select(0, rows), residual.index_select(0, rows),
                                                self.exit_norms[s], self.cfg.rms_eps)
             exits.append(e)
+
+    @staticmethod
+    def _exit_inputs(s: int, h: torch.Tensor, residual: torch.Tensor, kv, ex) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exit's tokens' (h, residual): taken from the segment's, and for exit fills the stored
+        trunk state with a zero residual (the block's first norm adds the two)."""
+        if ex.tail_from is not None:
+            return h[ex.tail_from:], residual[ex.tail_from:]
+        if ex.enter_slots is None:
+            return h.index_select(0, ex.take), residual.index_select(0, ex.take)
+        H = h.new_zeros((ex.seg.num_tokens, h.shape[-1]))
+        R = torch.zeros_like(H)
+        if ex.take is not None:
+            H.index_copy_(0, ex.take_to, h.index_select(0, ex.take))
+            R.index_copy_(0, ex.take_to, residual.index_select(0, ex.take))
+        hid = kv.hid[s]
+        H.index_copy_(0, ex.enter_to, hid.view(-1, hid.shape[-1]).index_select(0, ex.enter_slots).to(H.dtype))
+        return H, R
 
     def _logits(self, exits: list[torch.Tensor], batch: "StepTensors") -> torch.Tensor:
         if not exits:

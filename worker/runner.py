@@ -173,7 +173,8 @@ class ModelRunner:
         if self.tier_map is not None:  # copies: the caller keeps the global tiers (it streams them)
             rows = [replace(r, tier=self.tier_map[r.tier]) for r in rows]
         rows = [rows[i] for i in order_rows(rows)]
-        batch = build_step(rows, self.model.num_segments, self.block_size, self.device)
+        batch = build_step(rows, self.model.num_segments, self.block_size, self.device,
+                           self.model.exit_block_segments)
         logits = self.model.forward_step(batch, self.kv)
         out = StepOutput({}, None, int(batch.input_ids.shape[0]))
         # The logits of each sampled row (several, in position order, for a verification row).

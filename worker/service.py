@@ -71,7 +71,8 @@ class WorkerService(WorkerLoop):
         mcfg = model.cfg
         spec = WorkerSpec(tiers, ntiers, num_blocks, cfg.block_size, min(cfg.max_model_len, model.max_positions),
                           mcfg.vocab_size, list(mcfg.eos_token_ids), device=str(runner.device),
-                          kernels=model.ops.name, weights=self.weights, shard=cfg.shard)
+                          kernels=model.ops.name, weights=self.weights, shard=cfg.shard,
+                          exit_blocks=[] if standalone else list(model.exit_block_segments))
         super().__init__(cfg.worker_id, connect(redis_target), runner, spec)
 
 
