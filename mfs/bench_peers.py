@@ -4,7 +4,10 @@ run. Per contender: a single request and ``--concurrency`` concurrent ones (MFS 
 tokens/s, TPOT, resident memory and the top tier's held-out perplexity.
 
 Each contender runs in its own child process, one after another: resident memory is its own, and no
-two ever compete for the cores.
+two ever compete for the cores. This machine's speed drifts by ±10–20 % from one minute to the next, so
+``--repeats N`` runs every contender N times in rounds (each round all of them, in order) and reports
+each figure's median over the rounds, every round's figures, and the ratios against llama.cpp taken
+within each round (neighbours in time) with their median.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -271,6 +275,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of every contender, one after another; figures are medians over rounds")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] for MFS and transformers "
                    "(llama-cpp-python as pip builds it is a CPU build: it stays on the CPU)")
     p.add_argument("--json", required=True)
@@ -292,6 +298,9 @@ def run(args) -> int:
     if bad:
         print(f"--modes: unknown {', '.join(bad)} (fp32, int8, int4, each optionally +compile)", file=sys.stderr)
         return 2
+    if args.repeats < 1:
+        print(f"--repeats {args.repeats}: at least 1", file=sys.stderr)
+        return 2
     spec = make_spec(args)
     # each contender's log and result: kept only when one fails (the error says where)
     work = Path(tempfile.mkdtemp(prefix="mfs-peers-"))
@@ -308,27 +317,76 @@ def run(args) -> int:
         notes.append("llama.cpp skipped: the model is not a GGUF")
     else:
         plan.append(("llama.cpp", "gguf"))
-    results = []
-    for kind, mode in plan:
-        print(f"running {kind} {mode} ...", flush=True)
-        try:
-            results.append(_child(kind, mode, spec_path, work / f"{kind}-{mode}.json", work))
-        except RuntimeError:
-            print(f"logs in {work}", file=sys.stderr, flush=True)
-            raise
+    rounds: list[list[dict]] = []
+    for k in range(args.repeats):
+        rounds.append([])
+        for kind, mode in plan:
+            print(f"running {kind} {mode}{f' (round {k + 1} of {args.repeats})' if args.repeats > 1 else ''} ...",
+                  flush=True)
+            try:
+                rounds[-1].append(_child(kind, mode, spec_path, work / f"{kind}-{mode}.json", work))
+            except RuntimeError:
+                print(f"logs in {work}", file=sys.stderr, flush=True)
+                raise
+    results = [merge_rounds([r[i] for r in rounds]) for i in range(len(plan))]
     out = {"benchmark": "peers", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "machine": {"platform": platform.platform(), "threads": args.threads, "device": args.device,
                        "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
                        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__},
            "model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
            "concurrency": args.concurrency, "mix": args.mix, "heldout_tokens": len(spec.windows) * args.seq_len,
-           "notes": notes, "results": results}
+           "repeats": args.repeats, "notes": notes, "results": results,
+           "vs_llama_cpp": ratios_vs_llama_cpp(rounds)}
     write_json(args.json, out)
     shutil.rmtree(work, ignore_errors=True)
     print_table(out)
     if args.plot:
         plot(out, args.plot)
     return 0
+
+
+RUN_SECTIONS = ("single", "concurrent", "family_mix")
+RUN_FIGURES = ("tokens_per_s", "tpot_ms", "ttft_ms", "wall_s")
+
+
+def merge_rounds(runs: list[dict]) -> dict:
+    """One contender's rounds -> its record: each timed figure the median over rounds, memory the
+    largest, and every round's tokens/s and TPOT under ``rounds``."""
+    out = json.loads(json.dumps(runs[0]))
+    if len(runs) == 1:
+        return out
+    for sec in RUN_SECTIONS:
+        if sec in out:
+            for f in RUN_FIGURES:
+                out[sec][f] = statistics.median(r[sec][f] for r in runs)
+    for k in ("rss_bytes", "peak_rss_bytes"):
+        if k in out:
+            out[k] = max(r[k] for r in runs)
+    out["rounds"] = [{sec: {f: r[sec][f] for f in ("tokens_per_s", "tpot_ms")} for sec in RUN_SECTIONS if sec in r}
+                     for r in runs]
+    return out
+
+
+def ratios_vs_llama_cpp(rounds: list[list[dict]]) -> dict:
+    """Per MFS contender: its single-request (and family-mix) tokens/s over llama.cpp's single request
+    in the same round, every round's and the median. Empty without llama.cpp."""
+    out = {}
+    for i, res in enumerate(rounds[0]):
+        if not res["name"].startswith("mfs"):
+            continue
+        single, mix = [], []
+        for rnd in rounds:
+            ref = next((r for r in rnd if r["name"].startswith("llama.cpp")), None)
+            if ref is None:
+                return {}
+            base = ref["single"]["tokens_per_s"]
+            single.append(rnd[i]["single"]["tokens_per_s"] / base)
+            if "family_mix" in rnd[i]:
+                mix.append(rnd[i]["family_mix"]["tokens_per_s"] / base)
+        out[res["name"]] = {"single": [round(x, 3) for x in single], "single_median": round(statistics.median(single), 3),
+                            "family_mix": [round(x, 3) for x in mix],
+                            "family_mix_median": round(statistics.median(mix), 3) if mix else None}
+    return out
 
 
 def print_table(out: dict) -> None:
@@ -341,6 +399,12 @@ def print_table(out: dict) -> None:
               f"{r['concurrent']['tokens_per_s']:>13.1f}{r['concurrent']['tpot_ms']:>9.1f}"
               f"{(f'{mix:.1f}' if mix else '-'):>11}{r['rss_bytes'] / 2**20:>8.0f}"
               f"{r['weights_bytes'] / 1e6:>11.0f}{r['ppl_top']:>9.3f}")
+    if out.get("repeats", 1) > 1:
+        print(f"(medians over {out['repeats']} rounds)")
+    for name, r in out.get("vs_llama_cpp", {}).items():
+        print(f"{name} / llama.cpp, 1 request: {r['single_median']:.2f}x (rounds "
+              f"{', '.join(f'{x:.2f}' for x in r['single'])})"
+              + (f"; family mix / llama.cpp 1 request: {r['family_mix_median']:.2f}x" if r["family_mix"] else ""))
     for n in out["notes"]:
         print(n)
 

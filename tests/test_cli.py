@@ -111,6 +111,31 @@ def test_bench_peers_runs_each_contender_side_by_side(tmp_path, frontend):
     assert int4["weights_bytes"] < fp32["weights_bytes"]
 
 
+def test_bench_peers_rounds_give_medians_and_ratios_within_each_round(tmp_path):
+    """--repeats: each figure is the median over rounds, and a ratio to llama.cpp pairs the runs of one
+    round (neighbours in time), then takes the median."""
+    from mfs.bench_peers import merge_rounds, ratios_vs_llama_cpp
+
+    def rec(name, tps, mix=None, rss=100):
+        run_ = {"tokens_per_s": tps, "tpot_ms": 1e3 / tps, "ttft_ms": 5.0, "wall_s": 64 / tps}
+        r = {"name": name, "single": dict(run_), "concurrent": dict(run_), "rss_bytes": rss, "ppl_top": 9.5}
+        if mix:
+            r["family_mix"] = dict(run_, tokens_per_s=mix)
+        return r
+    llama = "llama.cpp (GGUF as shipped)"
+    rounds = [[rec("mfs int4", 100, 300, rss=120), rec(llama, 80)], [rec("mfs int4", 90, 280), rec(llama, 100)],
+              [rec("mfs int4", 110, 290), rec(llama, 90)]]
+    m = merge_rounds([r[0] for r in rounds])
+    assert m["single"]["tokens_per_s"] == 100 and m["family_mix"]["tokens_per_s"] == 290
+    assert m["rss_bytes"] == 120 and [x["single"]["tokens_per_s"] for x in m["rounds"]] == [100, 90, 110]
+    ratio = ratios_vs_llama_cpp(rounds)["mfs int4"]
+    assert ratio["single"] == [1.25, 0.9, 1.222] and ratio["single_median"] == 1.222
+    assert ratio["family_mix_median"] == 3.222  # 290 / 90 in the third round
+    assert ratios_vs_llama_cpp([[rec("mfs int4", 100)]]) == {}  # no llama.cpp, no ratio
+    r = run("bench", "peers", "--repeats", "0", "--json", str(tmp_path / "p.json"))
+    assert r.returncode == 2 and "--repeats" in r.stderr
+
+
 def test_up_refuses_compile_off_the_cpu_before_starting_anything():
     r = run("up", "--compile", "--device", "cuda", "--port", "0")
     assert r.returncode == 2 and "--compile is for the torch ops on CPU" in r.stderr

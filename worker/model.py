@@ -150,9 +150,9 @@ class NestedModel(nn.Module):
         return tuple(t.index for t in self.tiers if t.block and t.index < self.num_segments - 1)
 
     def segment_kv_layers(self, s: int) -> int:
-        """KV layers of segment s's pool: its trunk layers, then tier s's exit-block layers. Every
-        token that crosses boundary s writes the block's KV (see :meth:`_exit`), so a cached
-        segment-s block serves every tier, whichever tier computed it."""
+        """KV layers of segment s's pool: its trunk layers, then tier s's exit-block layers (written
+        by the tokens whose request reads exit s, see :meth:`_exit`; a cached block missing them is
+        filled before a reader reuses it: scheduler/core.py, lazy exits)."""
         return len(self.segment_layers(s)) + self.tiers[s].block
 
     def init_exit_blocks(self, init: str = "copy:last") -> None:
