@@ -427,7 +427,8 @@ def plot(out: dict, path: str) -> None:
         for x, v in enumerate(vals):
             ax.text(x, v, f"{v:.1f}" if v < 1000 else f"{v:.0f}", ha="center", va="bottom", fontsize=8)
     fig.suptitle(f"mfs bench peers — {out['model']}, prompt {out['prompt_len']}, {out['new_tokens']} new "
-                 f"tokens, {out['machine']['threads']} threads")
+                 f"tokens, {out['machine']['threads']} threads"
+                 + (f" (medians of {out['repeats']} rounds)" if out.get("repeats", 1) > 1 else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
