@@ -102,6 +102,7 @@ class StatsSnapshot:
     cache_queries: dict[int, int] = field(default_factory=dict)
     cache_hits: dict[int, int] = field(default_factory=dict)
     evictions: dict[int, int] = field(default_factory=dict)
+    exit_filled: dict[int, int] = field(default_factory=dict)  # cached positions whose exit-block KV was filled
     directory_blocks: dict[str, int] = field(default_factory=dict)  # worker -> blocks listed
     affinity_preferred: int = 0
     affinity_yielded: int = 0

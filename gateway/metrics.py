@@ -55,6 +55,9 @@ class Metrics:
                                     "prefix cache, per segment (cumulative)", seg, registry=r)
         self.cache_queries = Gauge("mfs_prefix_cache_queries", "Full prompt blocks looked up in the "
                                    "prefix cache at admission, per segment (cumulative)", seg, registry=r)
+        self.exit_filled = Gauge("mfs_exit_fill_tokens", "Cached positions whose exit-block KV a lower-tier "
+                                 "request filled before reusing them (lazy exits), per segment (cumulative)",
+                                 seg, registry=r)
         self.cache_hits = Gauge("mfs_prefix_cache_hits", "Prompt blocks found in the prefix cache at "
                                 "admission, per segment (cumulative)", seg, registry=r)
         self.cache_hit_rate = Gauge("mfs_prefix_cache_hit_rate", "Prefix-cache hits / queries per "
@@ -131,7 +134,7 @@ class Metrics:
         per_seg = {}
         for gauge, key in ((self.prefill_computed, "prefill_computed"), (self.prefill_reused, "prefill_reused"),
                            (self.cache_queries, "cache_queries"), (self.cache_hits, "cache_hits"),
-                           (self.evictions, "evictions")):
+                           (self.evictions, "evictions"), (self.exit_filled, "exit_filled")):
             gauge.clear()
             per_seg[key] = {str(s): _num(v) for s, v in _seq_items(stats.get(key))}
             for s, v in per_seg[key].items():

@@ -18,7 +18,7 @@ def snapshot(registry: WorkerRegistry, **service) -> StatsSnapshot:
     used, total = {}, {}
     sw = pre = gated = 0
     cache = {k: {} for k in ("prefill_computed", "prefill_reused", "cache_queries", "cache_hits",
-                             "evictions")}
+                             "evictions", "exit_filled")}
     held = {}
     spec: dict[str, dict[str, int]] = {}
     escal: dict[str, int] = {}

@@ -575,7 +575,7 @@ def test_metrics_and_heartbeat(gw, rds):
 def test_reuse_metrics_from_scheduler_stats(gw, rds):
     stats = {"prefill_computed": {0: 1200, 1: 900, 2: 300}, "prefill_reused": {0: 3000, 1: 2000, 2: 0},
              "cache_queries": {0: 200, 1: 150, 2: 0}, "cache_hits": {0: 150, 1: 75},  # no segment-2 hits
-             "evictions": {0: 4, 1: 2, 2: 1}, "directory_blocks": {"w0": 42, "w1": 0},
+             "evictions": {0: 4, 1: 2, 2: 1}, "exit_filled": {0: 48, 1: 0}, "directory_blocks": {"w0": 42, "w1": 0},
              "affinity_preferred": 9}  # no affinity_yielded key
     rds.hset(P.STATS_KEY, "scheduler", msgpack.packb(stats))
     try:
@@ -587,6 +587,7 @@ def test_reuse_metrics_from_scheduler_stats(gw, rds):
                  'mfs_prefix_cache_queries{segment="0"} 200.0', 'mfs_prefix_cache_hits{segment="1"} 75.0',
                  'mfs_prefix_cache_hit_rate{segment="0"} 0.75', 'mfs_prefix_cache_hit_rate{segment="1"} 0.5',
                  'mfs_kv_evictions{segment="0"} 4.0', 'mfs_kv_evictions{segment="2"} 1.0',
+                 'mfs_exit_fill_tokens{segment="0"} 48.0', 'mfs_exit_fill_tokens{segment="1"} 0.0',
                  'mfs_kv_directory_blocks{worker="w0"} 42.0', 'mfs_kv_directory_blocks{worker="w1"} 0.0',
                  "mfs_scheduler_affinity_preferred 9.0", "mfs_scheduler_affinity_yielded 0.0"):
         assert line in text, line

@@ -129,6 +129,40 @@ def test_32_concurrent_streams_equal_the_offline_engine(service, default_family)
     assert got == want
 
 
+def test_a_small_request_after_a_large_one_fills_the_exit_kv_it_skipped_and_answers_as_offline(
+        service, client, default_family):
+    """Lazy exits through the pipeline: the worker registers which segments have exit blocks, a large
+    request writes none of their KV, and a small request of the same prompt reuses the large one's
+    cached blocks after filling its exit block's KV (/metrics counts it), answering as a cold engine."""
+    import redis
+
+    from core import protocol as P
+    from core.keyrecords import WorkerInfo
+    r = redis.Redis.from_url(service.redis_url)
+    assert WorkerInfo.from_hash(r.hgetall(P.worker_key("w0"))).exit_blocks == [0, 1]
+
+    def filled() -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics(service).splitlines()
+                   if line.startswith('mfs_exit_fill_tokens{segment="0"}'))
+    # a plain completion (no chat template, whose first blocks other tests' small requests completed)
+    prompt = ("Bees visit flowers, carry the nectar home in their honey stomachs, pass it from bee to bee "
+              "and fan it with their wings until the water is gone; the result is")
+    ask = dict(prompt=prompt, max_tokens=6, temperature=0)
+    client.completions.create(model=TIERS[2], **ask)
+    before = filled()
+    small = client.completions.create(model=TIERS[0], **ask).choices[0].text
+    deadline = time.monotonic() + 5  # the stats hash is written every half second
+    while filled() == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    tok = default_family.tokenizer
+    ids = encode_prompt(tok, prompt, chat=False)
+    assert len(ids) > 32
+    assert filled() - before == (len(ids) - 1) // 16 * 16  # every full prompt block the large request cached
+    out = Engine(default_family.model, num_blocks=64).generate([ids], [0], SamplingParams(max_tokens=6))[0]
+    assert small == tok.decode([t for t in out if t not in default_family.model.cfg.eos_token_ids],
+                               skip_special_tokens=True)
+
+
 def test_disconnect_mid_stream_stops_generation_and_frees_kv(service):
     async def go():
         body = {"model": TIERS[2], "prompt": "Count slowly: one, two, three,", "max_tokens": 400,
