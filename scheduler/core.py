@@ -222,6 +222,7 @@ class StepScheduler:
         """Chained hashes of the request's first `num_blocks` full blocks, per segment (memoized:
         a request's tokens only ever grow)."""
         bs = self.cfg.block_size
+        num_blocks = min(num_blocks, req.num_tokens // bs)  # never a block whose tokens are not all known
         while len(req.block_hashes) < self._segments(req):  # (a cascade adds segments)
             req.block_hashes.append([])
         for s, chain in enumerate(req.block_hashes):
@@ -283,8 +284,10 @@ class StepScheduler:
                 self.cache_log.extend((self.pools[s].hash_of[b], True) for b in blocks)
 
     def _register_full_blocks(self, req: Request) -> None:
-        """After a step: the request's newly completed blocks become findable by hash."""
-        full = req.num_computed_tokens // self.cfg.block_size
+        """After a step: the request's newly completed blocks become findable by hash. (A verification
+        has computed positions whose tokens the request gets only when they are emitted: those blocks
+        are registered at a later step, once their tokens are known.)"""
+        full = min(req.num_computed_tokens, req.num_tokens) // self.cfg.block_size
         if not self.cfg.prefix_caching or full <= req.num_cached_blocks:
             return
         chains = self._hashes(req, full)

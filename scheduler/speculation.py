@@ -58,7 +58,9 @@ class Speculation:
             return None
         if len(req.drafts) < g:
             return ("draft", g) if budget >= 1 else None
-        return ("verify", g) if budget >= g else None
+        # A verification that does not fit the budget verifies the drafts that do (never a plain row:
+        # the round's drafts would go stale, and their stored hidden states with them).
+        return ("verify", min(g, budget)) if budget >= 1 else None
 
     def accept(self, req: Request, committed: list[int], g: int, k: int | None = None) -> list[int]:
         """Takes a verification's outcome from the runner: `committed` (the accepted drafts, then the

@@ -79,6 +79,8 @@ def test_self_speculation_and_cascade_through_the_api(service, client):
     spec = client.chat.completions.create(model=TIERS[2], messages=msg, max_tokens=24, temperature=0,
                                           extra_body={"mfs": {"speculative": {"draft": TIERS[0], "gamma": 3}}})
     assert spec.choices[0].message.content == plain.choices[0].message.content
+    # it reused the plain request's blocks, filling the small exit's KV first: served by large alone
+    assert spec.model == TIERS[2] and spec.model_extra["mfs"]["tiers"] == [TIERS[2]]
     d = spec.usage.completion_tokens_details
     assert d.accepted_prediction_tokens + d.rejected_prediction_tokens > 0
     assert spec.usage.model_extra["mfs_draft"]["draft_model"] == TIERS[0]

@@ -253,3 +253,61 @@ def test_sampled_speculation_is_reproducible_from_its_seed_in_any_batch(llama_fa
         [prompt] + others, [2, 0, 1, 2],
         [sp] + [SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=i) for i in range(3)])
     assert mixed[0] == alone
+
+
+
+def _play(s, n_steps=None):
+    """Drives a StepScheduler as its worker would, every draft accepted (drafts 41, 42, ...; plain
+    tokens 10): what the scheduler decides is under test here, not the model. Yields each step before
+    its update."""
+    t, k = 40, 0
+    while s.has_unfinished() and (n_steps is None or k < n_steps):
+        st = s.schedule()
+        yield st
+        tokens = {r.request_id: 10 for r, n in st.rows if r.num_computed_tokens + n == r.num_tokens}
+        drafts = {}
+        for r, _, _ in st.drafts:
+            t += 1
+            drafts[r.request_id] = t
+        ver = {r.request_id: list(r.drafts[:len(toks)]) for r, toks, _ in st.verifies}
+        s.update(st, tokens, ver, {rid: len(v) for rid, v in ver.items()}, None, drafts)
+        k += 1
+
+
+def test_blocks_a_verification_completes_are_hashed_from_their_real_tokens():
+    """A verification computes positions whose tokens the request only gets when they are emitted:
+    their blocks are registered once the tokens are known (hashing them at once memoized the hash of
+    a truncated block for good, and cached the KV under it)."""
+    from scheduler.blocks import block_hash
+    from scheduler.core import SchedulerConfig, StepScheduler
+    s = StepScheduler(SchedulerConfig(num_tiers=2, num_blocks=[32, 32], block_size=2, max_model_len=64,
+                                      vocab_size=100, max_num_batched_tokens=16))
+    s.add_request("a", [1, 2, 3, 4, 5], 1, SamplingParams(max_tokens=12, ignore_eos=True, spec_draft_tier=0,
+                                                          spec_gamma=3))
+    req = s.requests["a"]
+    for _ in _play(s, 6):
+        pass
+    assert s.stats.spec_accepted >= 3
+    for seg, memo in enumerate(req.block_hashes):
+        chain, parent = [], None
+        for i in range(len(memo)):
+            parent = block_hash(parent, seg, req.token_slice(2 * i, 2 * i + 2))
+            chain.append(parent)
+        assert memo == chain, seg
+        # every registered block is found by the real tokens (the newest may wait for the next update)
+        assert len(s.pools[seg].lookup(chain)) == req.num_cached_blocks >= 3
+
+
+def test_a_round_longer_than_the_step_budget_is_verified_in_part_never_left_pending():
+    """Four drafts against a 3-token budget: the verification takes the three that fit; the request
+    never gets a plain row while drafts wait (their stored hidden states would go stale)."""
+    from scheduler.core import SchedulerConfig, StepScheduler
+    s = StepScheduler(SchedulerConfig(num_tiers=3, num_blocks=[64] * 3, block_size=4, max_model_len=128,
+                                      vocab_size=1000, max_num_batched_tokens=3))
+    s.add_request("s", [5, 6, 7, 8, 9], 2, SamplingParams(max_tokens=16, ignore_eos=True, spec_draft_tier=0,
+                                                          spec_gamma=4))
+    verified = []
+    for st in _play(s):
+        assert not [r for r, _ in st.rows if r.output_ids and r.drafts], "a plain row beside pending drafts"
+        verified += [len(toks) for _, toks, _ in st.verifies]
+    assert verified and max(verified) == 3

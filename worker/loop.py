@@ -196,8 +196,9 @@ class WorkerLoop:
         emitted = {rid: [tok] for rid, tok in out.tokens.items()}
         emitted.update(out.verified)
         # the row each emitting request sampled from: its plain row or its verification row (not a
-        # draft row, not a catch-up row)
-        row_of = {r.request_id: r for r in rows if r.sample_all or (r.enter == 0 and not r.draft)}
+        # draft row, not a catch-up row, not an exit fill)
+        row_of = {r.request_id: r for r in rows
+                  if r.sample_all or (r.enter == 0 and not r.draft and not r.exit_only)}
         pipe = self.r.pipeline(transaction=False)
         by_gateway: dict[str, list[P.TokenEvent]] = {}
         for rid, toks in emitted.items():

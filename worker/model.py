@@ -316,7 +316,8 @@ class NestedModel(nn.Module):
             H.index_copy_(0, idx, h)
             R.index_copy_(0, idx, residual)
             rows = batch.exit_token_index[s]
-            if rows is not None and ex is None:  # batch positions -> positions among this segment's tokens
+            if rows is not None and (ex is None or self.exit_block(s) is None):  # batch positions ->
+                # positions among this segment's tokens (an exit block's own come with `ex`)
                 local = torch.empty(H.shape[0], dtype=torch.long, device=H.device)
                 local[idx] = torch.arange(idx.numel(), device=H.device)
                 rows = local.index_select(0, rows)
