@@ -62,10 +62,14 @@ def stats(r) -> StatsSnapshot | None:
 
 
 def wait_kv_idle(r, timeout=10):
+    """The first stats snapshot written after this call that shows every KV block free and nothing
+    running. (The scheduler writes one every half second: an older one may predate the work just done
+    — a fast test's requests can all finish within one interval — and look idle with none of it.)"""
+    since = time.time()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         s = stats(r)
-        if s and all(sum(v) == 0 for v in s.kv_blocks_used.values()) and not s.running:
+        if s and s.updated >= since and all(sum(v) == 0 for v in s.kv_blocks_used.values()) and not s.running:
             return s
         time.sleep(0.2)
     raise AssertionError(f"KV blocks still in use: {stats(r)}")
