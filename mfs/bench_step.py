@@ -30,6 +30,8 @@ def measure(model: str, weights: str, batch: int, steps: int, tier: int | None, 
     from worker.quant import linear_bytes_per_step  # noqa: PLC0415
     from worker.sampling import SamplingParams  # noqa: PLC0415
     fam = load_family(model, weights=weights, fuse=fuse)
+    if len(exit_kv) > 1 and not fam.model.exit_block_segments:
+        print(f"note: {model} has no lower exit blocks, so --exit-kv {','.join(exit_kv)} runs alike", flush=True)
     if compile:
         fam.model.compile_decode()
     top = fam.model.num_segments - 1

@@ -60,6 +60,7 @@ def test_bench_step_times_each_format_and_batch(llama_dir, tmp_path):
         (w, b, w == "int8", m) for w in ("fp32", "int8") for b in (1, 3) for m in ("lazy", "all")]
     assert all(p["median_ms"] > 0 and p["p10_ms"] <= p["median_ms"] for p in pts)
     assert pts[4]["linear_mb_per_step"] < pts[0]["linear_mb_per_step"]  # int8 streams fewer bytes
+    assert "no lower exit blocks" in r.stdout  # the tiny model has none: lazy and all run alike
     bad = run("bench", "step", "--model", str(llama_dir), "--weights", "int3")
     assert bad.returncode != 0 and "--weights" in bad.stderr
     bad = run("bench", "step", "--model", str(llama_dir), "--exit-kv", "some")

@@ -87,6 +87,26 @@ def build_step(rows: list[PlanRow], num_segments: int, block_size: int,
     def ltensor(xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=device)
 
+    def paged(s: int, which: list[int], **index) -> SegmentTensors:
+        """The paged-KV metadata in segment s's pool of rows `which`, their tokens in that order."""
+        slots: list[int] = []
+        max_b = max((len(rows[i].block_tables[s]) for i in which), default=1) or 1
+        bt = torch.zeros((len(which), max_b), dtype=torch.long)
+        qs = [0]
+        for k, i in enumerate(which):
+            r, table = rows[i], rows[i].block_tables[s]
+            assert len(table) >= -(-ctx[i] // block_size), f"row {i} segment {s}: too few blocks"
+            if table:
+                bt[k, :len(table)] = torch.tensor(table, dtype=torch.long)
+            slots.extend(slots_of(r, s))
+            qs.append(qs[-1] + q_lens[i])
+        return SegmentTensors(
+            num_rows=len(which), num_tokens=qs[-1], token_index=index.get("token_index"),
+            enter_index=index.get("enter_index"), enter_slots=index.get("enter_slots"),
+            slot_mapping=ltensor(slots), block_tables=bt.to(device), q_start_loc=ltensor(qs),
+            ctx_lens=ltensor([ctx[i] for i in which]), q_lens_host=[q_lens[i] for i in which],
+            ctx_lens_host=[ctx[i] for i in which])
+
     # Otherwise the active rows of a segment are a prefix (an exit fill runs no trunk layer).
     general = any(r.enter or r.exit_only for r in rows)
     segments = []
@@ -95,17 +115,6 @@ def build_step(rows: list[PlanRow], num_segments: int, block_size: int,
     exit_items: list[tuple[int, int]] = []  # (row, position within the row) per logit, exit order
     for s in range(num_segments):
         active = [i for i, r in enumerate(rows) if r.enter <= s <= r.tier and not r.exit_only]
-        slots: list[int] = []
-        max_b = max((len(rows[i].block_tables[s]) for i in active), default=1) or 1
-        bt = torch.zeros((len(active), max_b), dtype=torch.long)
-        qs = [0]
-        for k, i in enumerate(active):
-            r, table = rows[i], rows[i].block_tables[s]
-            assert len(table) >= -(-ctx[i] // block_size), f"row {i} segment {s}: too few blocks"
-            if table:
-                bt[k, :len(table)] = torch.tensor(table, dtype=torch.long)
-            slots.extend(slots_of(r, s))
-            qs.append(qs[-1] + q_lens[i])
         token_index = enter_index = enter_slots = None
         if general:
             token_index = ltensor([t for i in active for t in range(starts[i], starts[i + 1])])
@@ -113,23 +122,20 @@ def build_step(rows: list[PlanRow], num_segments: int, block_size: int,
             if entering:
                 enter_index = ltensor([t for i in entering for t in range(starts[i], starts[i + 1])])
                 enter_slots = ltensor([x for i in entering for x in slots_of(rows[i], s - 1)])
-        segments.append(SegmentTensors(
-            num_rows=len(active), num_tokens=qs[-1], token_index=token_index, enter_index=enter_index,
-            enter_slots=enter_slots, slot_mapping=ltensor(slots), block_tables=bt.to(device),
-            q_start_loc=ltensor(qs), ctx_lens=ltensor([ctx[i] for i in active]),
-            q_lens_host=[q_lens[i] for i in active], ctx_lens_host=[ctx[i] for i in active]))
+        segments.append(paged(s, active, token_index=token_index, enter_index=enter_index,
+                              enter_slots=enter_slots))
         leaving = [i for i in active if rows[i].tier == s
                    and (rows[i].sample or rows[i].sample_all or rows[i].logits_all)]
         # The exit reads the row's last token (every token for sample_all / logits_all): its index
         # among the segment's active tokens, or (in the general layout) in the whole batch.
-        base = {i: (starts[i] if general else qs[k]) for k, i in enumerate(active)}
+        base = {i: starts[i] for i in active} if general else first_tokens(active, q_lens)
         idx: list[int] = []
         for i in leaving:
-            js = range(q_lens[i]) if rows[i].sample_all or rows[i].logits_all else [q_lens[i] - 1]
+            js = sampled_positions(rows[i])
             exit_items.extend((i, j) for j in js)
             idx.extend(base[i] + j for j in js)
         exit_idx.append(ltensor(idx) if leaving else None)
-        exits.append(_exit_tensors(rows, s, active, q_lens, ctx, leaving, block_size, slots_of, ltensor, device)
+        exits.append(_exit_tensors(rows, s, active, q_lens, leaving, paged, slots_of, ltensor)
                      if exit_blocks is None or s in exit_blocks else None)
     sampled_items = sorted(exit_items)  # row order, then position
     where = {item: k for k, item in enumerate(exit_items)}
@@ -140,8 +146,24 @@ def build_step(rows: list[PlanRow], num_segments: int, block_size: int,
         general=general, exits=exits)
 
 
-def _exit_tensors(rows: list[PlanRow], s: int, active: list[int], q_lens: list[int], ctx: list[int],
-                  leaving: list[int], block_size: int, slots_of, ltensor, device) -> ExitTensors | None:
+def first_tokens(which: list[int], q_lens: list[int]) -> dict[int, int]:
+    """Row -> the index of its first token when the tokens of rows `which` are laid out in that order."""
+    out, n = {}, 0
+    for i in which:
+        out[i] = n
+        n += q_lens[i]
+    return out
+
+
+def sampled_positions(r: PlanRow) -> range:
+    """The positions within a leaving row whose logits come back: its last, or all of them for a
+    verification or prompt log-probabilities."""
+    n = len(r.token_ids)
+    return range(n) if r.sample_all or r.logits_all else range(n - 1, n)
+
+
+def _exit_tensors(rows: list[PlanRow], s: int, active: list[int], q_lens: list[int], leaving: list[int],
+                  paged, slots_of, ltensor) -> ExitTensors | None:
     """Exit ``s``'s tokens: the active rows of tier s, the crossing rows whose ``exit_kv`` names s
     (every crossing row when it is None), and the exit fills of tier s. None when that is every active
     token (nothing to select: the common case without lazy exits)."""
@@ -151,32 +173,12 @@ def _exit_tensors(rows: list[PlanRow], s: int, active: list[int], q_lens: list[i
         return None
     if not runs and not fills:
         return ExitTensors(None, None, None, None, None, None, None, None)
-    local = {}  # active row -> its first token among the segment's active tokens
-    n = 0
-    for i in active:
-        local[i] = n
-        n += q_lens[i]
+    local = first_tokens(active, q_lens)  # among the segment's active tokens
+    n = sum(q_lens[i] for i in active)
     order = sorted(runs + fills)
-    start, n_exit = {}, 0
-    for i in order:
-        start[i] = n_exit
-        n_exit += q_lens[i]
-    slots: list[int] = []
-    pos: list[int] = []
-    bt = torch.zeros((len(order), max(len(rows[i].block_tables[s]) for i in order) or 1), dtype=torch.long)
-    for k, i in enumerate(order):
-        r = rows[i]
-        if r.block_tables[s]:
-            bt[k, :len(r.block_tables[s])] = torch.tensor(r.block_tables[s], dtype=torch.long)
-        slots.extend(slots_of(r, s))
-        pos.extend(range(r.start_pos, r.start_pos + q_lens[i]))
-    qs = [start[i] for i in order] + [n_exit]
-    slot_t = ltensor(slots)
-    seg = SegmentTensors(
-        num_rows=len(order), num_tokens=n_exit, token_index=None, enter_index=None, enter_slots=None,
-        slot_mapping=slot_t, block_tables=bt.to(device), q_start_loc=ltensor(qs),
-        ctx_lens=ltensor([ctx[i] for i in order]), q_lens_host=[q_lens[i] for i in order],
-        ctx_lens_host=[ctx[i] for i in order])
+    start = first_tokens(order, q_lens)  # among the exit's tokens
+    seg = paged(s, order)
+    pos = [p for i in order for p in range(rows[i].start_pos, rows[i].start_pos + q_lens[i])]
     take_idx = [local[i] + j for i in runs for j in range(q_lens[i])]
     tail_from = None
     if not fills and take_idx == list(range(n - len(take_idx), n)):
@@ -185,7 +187,6 @@ def _exit_tensors(rows: list[PlanRow], s: int, active: list[int], q_lens: list[i
     take_to = ltensor([start[i] + j for i in runs for j in range(q_lens[i])]) if take is not None and fills else None
     enter_slots = ltensor([x for i in fills for x in slots_of(rows[i], s)]) if fills else None
     enter_to = ltensor([start[i] + j for i in fills for j in range(q_lens[i])]) if fills else None
-    sampled = [start[i] + j for i in leaving
-               for j in (range(q_lens[i]) if rows[i].sample_all or rows[i].logits_all else [q_lens[i] - 1])]
+    sampled = [start[i] + j for i in leaving for j in sampled_positions(rows[i])]
     return ExitTensors(seg, ltensor(pos), take, take_to, tail_from, enter_slots, enter_to,
                        ltensor(sampled) if sampled else None)
