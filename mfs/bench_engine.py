@@ -267,7 +267,8 @@ def run(args) -> int:
     if weights != "fp32":  # both layouts quantized alike
         from worker.quant import quantize_model  # noqa: PLC0415
         for m in [model, *copies]:
-            quantize_model(m, weights, gguf_path=fam.base.source, device=args.device)
+            quantize_model(m, weights, gguf_path=fam.base.source, device=args.device,
+                           tokenizer=fam.tokenizer if weights == "w8a8" else None)
     args.weights = weights
     result = {
         "benchmark": "engine", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

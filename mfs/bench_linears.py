@@ -1,5 +1,5 @@
 """`mfs bench linears`: one decode step's matmuls per weight format — fp32 ``F.linear`` against the
-int8 / int4 kernels of :mod:`worker.quant` — on a model's linear shapes (default: SmolLM2-135M's),
+int8 / int4 / w8a8 kernels of :mod:`worker.quant` — on a model's linear shapes (default: SmolLM2-135M's),
 at batch 1 and 16. Random weights: only shapes and bytes matter for speed."""
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.quant import Int4Linear, Int8Linear
+from worker.quant_w8a8 import Int8DynamicLinear
 from mfs.runtime import write_json
 
 # (name, in, out, per-step count in the 30-layer model)
@@ -22,7 +23,7 @@ SMOLLM2_SHAPES = [("q/o 576->576", 576, 576, 60), ("k/v 576->192", 576, 192, 60)
 
 def _formats(group: int) -> dict:
     return {"fp32": lambda w: (lambda x, w=w: F.linear(x, w)), "int8": Int8Linear.from_float,
-            f"int4-g{group}": lambda w: Int4Linear.from_float(w, group)}
+            f"int4-g{group}": lambda w: Int4Linear.from_float(w, group), "w8a8": Int8DynamicLinear.from_float}
 
 
 def measure(shapes=SMOLLM2_SHAPES, batches=(1, 16), reps: int = 7, group: int = 32) -> list[dict]:
@@ -59,7 +60,7 @@ def measure(shapes=SMOLLM2_SHAPES, batches=(1, 16), reps: int = 7, group: int = 
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("linears", help="fp32 vs int8 vs int4 matmuls on the model's shapes, batch 1 and 16")
+    p = sub.add_parser("linears", help="fp32 vs int8 vs int4 vs w8a8 matmuls on the model's shapes, batch 1 and 16")
     p.add_argument("--json", default=None)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--reps", type=int, default=7)

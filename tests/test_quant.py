@@ -1,4 +1,4 @@
-"""Weight-only quantized serving (worker/quant.py): the GGUF's own blocks repacked bit-exactly, the
+"""Quantized serving (worker/quant.py, worker/quant_w8a8.py): the GGUF's own blocks repacked bit-exactly, the
 kernels' outputs against their dequantized weights, and quantized families served by the engine."""
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from worker.quant import (GGUFSource, GroupQuantLinear, Int4Linear, Int8Embedding, Int8Linear, q4_1_to_int4,
-                          quantize_model, resolve_mode)
+from worker.quant import (GGUFSource, GroupQuantLinear, Int4Linear, Int8Embedding, Int8Linear, concat_linears,
+                          q4_1_to_int4, quantize_model, resolve_mode)
+from worker.quant_w8a8 import Int8DynamicLinear
 
 
 # ---- the default model's GGUF against transformers' GGUF loader ----------------------------------
@@ -117,6 +118,33 @@ def test_auto_mode_picks_a_supported_format():
     assert resolve_mode("int4", "cuda") == "int4"  # the Triton kernel's layout (test_quant_matmul.py)
     with pytest.raises(ValueError, match="CPU and CUDA"):
         resolve_mode("int4", "mps")
+    assert resolve_mode("w8a8", "cpu") == "w8a8"
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_mode("w8a8", "cuda")
+
+
+def test_w8a8_linear_is_close_and_a_rows_output_does_not_depend_on_its_batch():
+    """int8 weights per channel times int8 activations per row (fbgemm): close to the fp32 product, and
+    each row's output the same bit for bit alone or beside rows of any scale (the pinned range)."""
+    torch.manual_seed(2)
+    w, b = torch.randn(96, 128) * 0.05, torch.randn(96)
+    lin = Int8DynamicLinear.from_float(w, b)
+    assert (lin.dequantize() - w).abs().max().item() <= w.abs().max().item() / 254 + 1e-7
+    x = torch.randn(6, 128)
+    x[1] *= 1000  # an outlier row would set a whole batch's activation scale in plain fbgemm
+    x[4] = 0  # a zero row must not divide by zero
+    y = lin(x)
+    ref = x @ w.t() + b
+    rel = (y - ref).norm(dim=1) / ref.norm(dim=1)
+    assert rel.max() < 0.03, rel
+    assert torch.isfinite(y).all() and torch.allclose(y[4], b)
+    for i in range(6):
+        assert torch.equal(lin(x[i:i + 1]), y[i:i + 1])
+        assert torch.equal(lin(torch.cat([x[i:i + 1], x[:3]]))[0], y[i])
+    assert lin(x.view(2, 3, 128)).shape == (2, 3, 96)
+    other = Int8DynamicLinear.from_float(torch.randn(32, 128), torch.randn(32))
+    both = concat_linears([lin, other])
+    assert isinstance(both, Int8DynamicLinear) and torch.equal(both(x), torch.cat([y, other(x)], -1))
 
 
 # ---- quantized families served by the engine -------------------------------------------------
@@ -168,7 +196,30 @@ def test_int4_family_runs_in_the_engine(tied_llama):
     assert [len(o) for o in outs] == [12, 12] and all(0 <= t < 160 for o in outs for t in o)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_w8a8_family_serves_mixed_batches_as_solo_runs(tied_llama):
+    """Every linear and the head run int8 x int8; a request's tokens are the same alone and in a mixed
+    batch of tiers (per-row activation scales), and the logits track fp32."""
+    from worker.model import weight_bytes
+    ref, w8 = _family(tied_llama, "fp32").model, _family(tied_llama, "w8a8").model
+    lins = [m for n, m in w8.named_modules() if isinstance(m, Int8DynamicLinear)]
+    assert isinstance(w8.lm_head, Int8DynamicLinear) and len(lins) == 1 + 4 * len(w8.layers) + sum(
+        4 * len(b) for b in w8.exit_blocks.values())
+    assert not any(isinstance(m, nn.Linear) for m in w8.modules())
+    # the packed int8 weights are counted though they are not parameters
+    assert weight_bytes(w8) >= sum(m.in_features * m.out_features for m in lins)
+    ids = torch.randint(3, 160, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for a, b in zip(ref.exit_hidden(ids), w8.exit_hidden(ids)):
+            la, lb = ref.logits(a), w8.logits(b)
+            assert (la.argmax(-1) == lb.argmax(-1)).float().mean() > 0.9
+    prompts, tiers = [[5, 9, 33], [7, 8], [4, 4, 4, 4], [11, 3]], [2, 0, 1, 2]
+    mixed = _greedy(w8, prompts, tiers, n=10)
+    assert mixed == [_greedy(w8, [p], [t], n=10)[0] for p, t in zip(prompts, tiers)]
+    with pytest.raises(ValueError, match="w8a8"):
+        w8.compile_decode()
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "w8a8"])
 def test_fused_projections_compute_what_the_separate_ones_did(llama_dir, mode):
     """q/k/v and gate/up joined into one quantized linear each: the same logits bit for bit, in the
     dense forward and in served steps (the engine's greedy tokens and every step's logits)."""
@@ -181,8 +232,8 @@ def test_fused_projections_compute_what_the_separate_ones_did(llama_dir, mode):
     assert not hasattr(fused.layers[0], "gate_proj")
     # int8 fuses every group; int4 packs rows in blocks of 64, and this model's q/k/v (64, 32, 32 rows)
     # would split one, so they stay separate (SmolLM2's 576/192/192 fuse)
-    assert n_fused == (12 if mode == "int8" else 6)
-    assert (fused.layers[0].qkv_proj is not None) == (mode == "int8")
+    assert n_fused == (6 if mode == "int4" else 12)
+    assert (fused.layers[0].qkv_proj is not None) == (mode != "int4")
     ids = torch.randint(3, 160, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         for a, b in zip(fused.exit_hidden(ids), sep.exit_hidden(ids)):

@@ -54,7 +54,7 @@ def build_model(base: BaseWeights, tiers: list[TierSpec], dtype: torch.dtype = t
 def load_family(model: str = "default", tiers: str | None = None, dtype: str | None = None,
                 device: str = "cpu", max_positions: int | None = 4096,
                 kernels: str | None = None, weights: str = "fp32", fuse: bool = True) -> LoadedFamily:
-    """``weights``: fp32 (as loaded), int8, int4 or auto: see :func:`worker.quant.quantize_model`
+    """``weights``: fp32 (as loaded), int8, int4, w8a8 or auto: see :func:`worker.quant.quantize_model`
     (``fuse``: its q/k/v and gate/up fusion; off only to measure it)."""
     manifest, mdir = manifest_for(model, tiers)
     if tiers and mdir is not None:
@@ -70,7 +70,8 @@ def load_family(model: str = "default", tiers: str | None = None, dtype: str | N
         apply_weights(nm, mdir / manifest.weights["file"], manifest.weights["kind"])
     if weights != "fp32":  # after any delta: quantize the weights that will be served
         from worker.quant import quantize_model  # noqa: PLC0415
-        quantize_model(nm, weights, gguf_path=base.source, device=device, fuse=fuse)
+        quantize_model(nm, weights, gguf_path=base.source, device=device, fuse=fuse,
+                       tokenizer=base.tokenizer if weights == "w8a8" else None)
     nm.eval()
     return LoadedFamily(nm, manifest, base)
 
@@ -83,9 +84,10 @@ class ModelArgs:
     dtype: Literal["float32", "bfloat16", "float16", "float64"] | None = None
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     kernels: Literal["auto", "torch", "triton"] | None = None
-    weights: Literal["auto", "fp32", "int8", "int4"] = opt(
+    weights: Literal["auto", "fp32", "int8", "int4", "w8a8"] = opt(
         "fp32", "serve weights quantized (CPU): int8 per channel, int4 in groups of 32 (a GGUF's own Q4_1 "
-                "blocks where they match); auto picks by the CPU")
+                "blocks where they match), w8a8 = int8 weights times int8 activations (fbgemm: cheap "
+                "extra rows, for batches); auto picks by the CPU")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

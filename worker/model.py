@@ -116,6 +116,10 @@ class NestedModel(nn.Module):
         if self.ops.name != "torch" or self.embed_tokens.weight.device.type != "cpu":
             raise ValueError(f"--compile is for the torch ops on CPU (ops {self.ops.name}, "
                              f"device {self.embed_tokens.weight.device})")
+        if any(hasattr(m, "packed_bytes") for m in self.modules()):
+            # measured: dynamo breaks the graph at every fbgemm call and the step runs ~2x slower
+            raise ValueError("--compile does not serve --weights w8a8 (fbgemm's packed linears break the "
+                             "compiled graph; w8a8 runs eager)")
         self._compiled_decode = compiled_decode_segment(self.cfg, list(self.layers))
         if hasattr(self.lm_head, "rows_kernel"):  # an int8 head (worker/quant.py: Int8Linear)
             self.lm_head.rows_kernel = compiled_int8_rows()
@@ -475,11 +479,12 @@ def standalone_tier(model: NestedModel, tier: int) -> NestedModel:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of distinct parameter storage (tied tensors counted once)."""
+    """Bytes of distinct parameter storage (tied tensors counted once), plus weights a module keeps
+    packed outside its parameters (``packed_bytes()``: worker/quant_w8a8.py)."""
     seen, total = set(), 0
     for p in model.parameters():
         key = p.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
             total += p.untyped_storage().nbytes()
-    return total
+    return total + sum(m.packed_bytes() for m in model.modules() if hasattr(m, "packed_bytes"))

@@ -13,6 +13,9 @@ of the batch, 10-60x slower than fp32 ``F.linear`` (``mfs bench linears``). So s
 activations to bf16 at each quantized linear and the result back to fp32, and the scales are bf16.
 Int4Linear also keeps its scales and zeros in fp32: the exact form, which the fp32 kernel
 dequantizes bit for bit (``exact=True``: tests and the perplexity reference, not for speed).
+* :class:`worker.quant_w8a8.Int8DynamicLinear` (``w8a8``) — the same int8 weights times int8 activations
+  quantized per row (fbgemm): a batch's rows cost a quarter of the arithmetic, so a step is nearly flat
+  in its rows; slower than int4 at one row (twice the bytes).
 * :class:`Int8Embedding` — int8 rows with one scale per 32 values (GGUF's Q8_0 layout); a lookup
   dequantizes only the rows it reads.
 * On CUDA (``layout="groups"``): :class:`worker.quant_groups.GroupQuantLinear`, GGUF-style codes with an
@@ -37,10 +40,11 @@ import torch
 from torch import nn
 
 from worker.quant_groups import GroupQuantLinear
+from worker.quant_w8a8 import Int8DynamicLinear
 
 log = structlog.get_logger(__name__)
 
-MODES = ("auto", "fp32", "int8", "int4")
+MODES = ("auto", "fp32", "int8", "int4", "w8a8")
 _GGUF_LAYER_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                      "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 _Q4_1_BYTES, _Q8_0_BYTES, _GGUF_BLOCK = 20, 34, 32
@@ -192,6 +196,8 @@ def concat_linears(mods: list[nn.Module]) -> nn.Module | None:
         out.scales_zeros = nn.Parameter(torch.cat([m.scales_zeros for m in mods], dim=1), requires_grad=False)
     elif isinstance(first, Int8Linear):
         out.scales = nn.Parameter(torch.cat([m.scales for m in mods]), requires_grad=False)
+    elif isinstance(first, Int8DynamicLinear):
+        return Int8DynamicLinear.concat(mods)
     elif isinstance(first, GroupQuantLinear):  # rows are independent: every tensor concatenates by row
         if any(m.group != first.group or m.bits != first.bits for m in mods):
             return None
@@ -222,7 +228,7 @@ def fuse_projections(model: nn.Module) -> int:
             f = concat_linears(mods)
             if f is None:
                 continue
-            x = torch.randn(3, f.in_features, generator=g).to(mods[0].qweight.device)
+            x = torch.randn(3, f.in_features, generator=g).to(next(mods[0].parameters()).device)
             with torch.no_grad():
                 if not torch.equal(f(x), torch.cat([m(x) for m in mods], dim=-1)):
                     log.warning("fusion changed the output: kept separate", linears=names)
@@ -337,6 +343,8 @@ def resolve_mode(mode: str, device: str = "cpu") -> str:
     if mode not in MODES:
         raise ValueError(f"--weights {mode!r}: expected one of {', '.join(MODES)}")
     if mode != "auto":
+        if mode == "w8a8" and not str(device).startswith("cpu"):
+            raise ValueError(f"--weights w8a8: fbgemm's int8 kernels are CPU only, not {device}")
         if mode != "fp32" and not str(device).startswith(("cpu", "cuda")):
             raise ValueError(f"--weights {mode}: quantized kernels exist for CPU and CUDA, not {device}")
         return mode
@@ -354,6 +362,7 @@ class QuantReport:
     from_gguf: list[str] = field(default_factory=list)
     from_float: list[str] = field(default_factory=list)
     fused: int = 0  # q/k/v and gate/up groups fused (fuse_projections)
+    smoothed: int = 0  # linears whose input range was folded into their weights (w8a8: worker/smoothing.py)
 
 
 def _gguf_name(module_name: str) -> str | None:
@@ -378,17 +387,20 @@ LAYOUTS = ("cpu", "groups")
 
 
 def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, group: int = _GGUF_BLOCK,
-                   device: str = "cpu", fuse: bool = True, layout: str | None = None) -> QuantReport:
+                   device: str = "cpu", fuse: bool = True, layout: str | None = None,
+                   tokenizer=None) -> QuantReport:
     """Swaps every nn.Linear / nn.Embedding of ``model`` for its quantized form, in place.
 
-    int8: linears int8 per channel. int4: linears 4-bit groups of ``group`` (the GGUF's Q4_1 blocks when
+    int8: linears int8 per channel. w8a8: the same int8 weights run by fbgemm on int8 activations
+    (:class:`worker.quant_w8a8.Int8DynamicLinear`, the head too; CPU only). int4: linears 4-bit groups of ``group`` (the GGUF's Q4_1 blocks when
     they still match; group 32 then), falling back to int8 for shapes the int4 kernel can't take (N % 16).
     Both: the LM head int8 per channel; embeddings int8 per 32 values (the GGUF's Q8_0 blocks when
     they match). A tied head/embedding pair becomes two modules (the head needs per-channel scales).
     ``fuse``: then join q/k/v and gate/up (:func:`fuse_projections`; False only to measure it).
     ``layout``: "cpu" (torch's CPU packs) or "groups" (:class:`GroupQuantLinear`, the Triton kernel's);
     None picks "groups" on CUDA, "cpu" elsewhere. In "groups" int4 and int8 are both group-wise (32),
-    and the head is 8-bit groups."""
+    and the head is 8-bit groups. ``tokenizer``: w8a8 only, which first smooths the activations
+    (:mod:`worker.smoothing`) calibrated on its text tokenized by it (None: random ids, with a warning)."""
     mode = resolve_mode(mode, device)
     layout = layout or ("groups" if str(device).startswith("cuda") else "cpu")
     if layout not in LAYOUTS:
@@ -399,6 +411,10 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, gr
     floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if floats - {torch.float32}:
         raise ValueError(f"quantized weights serve an fp32 model, this one holds {sorted(map(str, floats))}")
+    if mode == "w8a8":
+        from worker.smoothing import calibration_windows, input_amax, smooth  # noqa: PLC0415
+        windows = calibration_windows(tokenizer, model.cfg.vocab_size)
+        report.smoothed = smooth(model, input_amax(model, windows))
     src = GGUFSource(gguf_path) if gguf_path and str(gguf_path).endswith(".gguf") else None
     make = _quantized_groups if layout == "groups" else _quantized
     for name, mod, parent, child in _targets(model):
@@ -411,7 +427,7 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, gr
     _detach_from_shared_storage(model)
     report.fused = fuse_projections(model) if fuse else 0
     log.info("quantized weights", mode=mode, from_gguf=len(report.from_gguf),
-             from_float=len(report.from_float), fused=report.fused, source=gguf_path)
+             from_float=len(report.from_float), fused=report.fused, smoothed=report.smoothed, source=gguf_path)
     return report
 
 
@@ -432,6 +448,8 @@ def _quantized(mod: nn.Module, mode: str, group: int, found, is_head: bool) -> t
             _, perm, (q, d) = found
             return Int8Embedding(q[perm], d[perm]), True
         return Int8Embedding.from_float(mod.weight), False
+    if mode == "w8a8":
+        return Int8DynamicLinear.from_float(mod.weight, mod.bias), False
     if mode == "int4" and not is_head and Int4Linear.supports(mod.out_features, mod.in_features, group):
         if found and found[0] == "Q4_1":
             _, perm, (q, d, m) = found
@@ -465,9 +483,11 @@ def linear_bytes_per_step(model: nn.Module) -> int:
             total += m.weight.numel() * m.weight.element_size()
         elif isinstance(m, (Int8Linear, Int4Linear, GroupQuantLinear)):
             total += sum(p.numel() * p.element_size() for p in m.parameters())
+        elif isinstance(m, Int8DynamicLinear):
+            total += m.packed_bytes() + sum(p.numel() * p.element_size() for p in m.parameters())
     return total
 
 
-__all__ = ["MODES", "LAYOUTS", "GroupQuantLinear", "Int8Linear", "Int4Linear", "Int8Embedding", "GGUFSource", "QuantReport",
+__all__ = ["MODES", "LAYOUTS", "GroupQuantLinear", "Int8DynamicLinear", "Int8Linear", "Int4Linear", "Int8Embedding", "GGUFSource", "QuantReport",
            "quantize_model", "resolve_mode", "concat_linears", "fuse_projections", "q4_1_blocks", "q8_0_blocks", "q4_1_to_int4",
            "dequant_q4_1", "dequant_q8_0", "match_rows", "linear_bytes_per_step"]

@@ -59,7 +59,8 @@ class WorkerService(WorkerLoop):
             _release_memory()
             if self.weights != "fp32":
                 from worker.quant import quantize_model  # noqa: PLC0415
-                quantize_model(model, self.weights, gguf_path=source, device=cfg.device)
+                quantize_model(model, self.weights, gguf_path=source, device=cfg.device,
+                               tokenizer=base.tokenizer if self.weights == "w8a8" else None)
         else:
             tiers, tier_map, nseg = list(range(ntiers)), None, ntiers
         num_blocks = [cfg.num_blocks] * nseg
