@@ -99,7 +99,8 @@ class Int8DynamicLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()
-        amax = torch.linalg.vector_norm(x2, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30)
+        # abs().amax(), not vector_norm(inf): that one does not vectorize over rows (31 vs 4 us at 16 x 576)
+        amax = x2.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
         xn = torch.cat([x2 / amax, self.pin])
         y = torch.ops.quantized.linear_dynamic(xn, self.packed, self.reduce_range)[:-1].mul_(amax)
         if self.bias is not None:
