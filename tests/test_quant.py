@@ -222,6 +222,14 @@ def test_w8a8_family_serves_mixed_batches_as_solo_runs(tied_llama):
     prompts, tiers = [[5, 9, 33], [7, 8], [4, 4, 4, 4], [11, 3]], [2, 0, 1, 2]
     mixed = _greedy(w8, prompts, tiers, n=10)
     assert mixed == [_greedy(w8, [p], [t], n=10)[0] for p, t in zip(prompts, tiers)]
+    # and so self-speculation stays exact: drafts by tier 0, verified by tier 2, equal plain greedy
+    from mfs.engine import Engine
+    from worker.sampling import SamplingParams
+    eng = Engine(w8, max_model_len=64, spec_min_acceptance=0.0)
+    spec = eng.generate(prompts[:2], [2, 2], SamplingParams(max_tokens=12, ignore_eos=True, spec_draft_tier=0,
+                                                            spec_gamma=3))
+    assert eng.stats.spec_rounds > 0
+    assert spec == [_greedy(w8, [p], [2], n=12)[0] for p in prompts[:2]]
     with pytest.raises(ValueError, match="w8a8"):
         w8.compile_decode()
 
