@@ -268,7 +268,7 @@ def run(args) -> int:
         from worker.quant import quantize_model  # noqa: PLC0415
         for m in [model, *copies]:
             quantize_model(m, weights, gguf_path=fam.base.source, device=args.device,
-                           tokenizer=fam.tokenizer if weights == "w8a8" else None)
+                           load_tokenizer=lambda: fam.tokenizer)
     args.weights = weights
     result = {
         "benchmark": "engine", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

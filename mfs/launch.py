@@ -381,6 +381,8 @@ def up(args) -> int:
     if getattr(args, "compile", False):
         if str(getattr(args, "device", "cpu")).startswith("cuda") or getattr(args, "kernels", None) == "triton":
             raise ValueError("--compile is for the torch ops on CPU (add --device cpu, or drop --compile)")
+        if getattr(args, "weights", "fp32") == "w8a8":
+            raise ValueError("--compile does not serve --weights w8a8 (it runs eager): drop one of them")
         worker_args += ["--compile"]
     for flag in ("device", "kernels"):
         if getattr(args, flag, None):

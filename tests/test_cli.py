@@ -141,6 +141,9 @@ def test_up_refuses_compile_off_the_cpu_before_starting_anything():
     r = run("up", "--compile", "--device", "cuda", "--port", "0")
     assert r.returncode == 2 and "--compile is for the torch ops on CPU" in r.stderr
     assert "starting" not in r.stdout
+    r = run("up", "--compile", "--weights", "w8a8", "--device", "cpu", "--port", "0")
+    assert r.returncode == 2 and "--compile does not serve --weights w8a8" in r.stderr
+    assert "starting" not in r.stdout
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message without CUDA")
@@ -150,3 +153,5 @@ def test_bench_peers_on_cuda_without_one_fails_fast(tmp_path):
     assert not (tmp_path / "p.json").exists()
     r = run("bench", "peers", "--modes", "int4,int3+compile", "--json", str(tmp_path / "p.json"))
     assert r.returncode == 2 and "unknown int3+compile" in r.stderr
+    r = run("bench", "peers", "--modes", "w8a8+compile", "--json", str(tmp_path / "p.json"))
+    assert r.returncode == 2 and "unknown w8a8+compile" in r.stderr

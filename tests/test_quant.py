@@ -271,6 +271,8 @@ def test_linears_in_any_submodule_are_quantized(llama_dir):
     report = quantize_model(fam.model, "int4")
     assert isinstance(fam.model.extra[0][0], Int4Linear)
     assert "extra.0.0" in report.from_float and not report.from_gguf
+    with pytest.raises(ValueError, match="w8a8 smooths a nested model"):
+        quantize_model(nn.Sequential(nn.Linear(64, 64)), "w8a8")
 
 
 def test_quantized_weights_need_an_fp32_model(llama_dir):

@@ -71,7 +71,7 @@ def load_family(model: str = "default", tiers: str | None = None, dtype: str | N
     if weights != "fp32":  # after any delta: quantize the weights that will be served
         from worker.quant import quantize_model  # noqa: PLC0415
         quantize_model(nm, weights, gguf_path=base.source, device=device, fuse=fuse,
-                       tokenizer=base.tokenizer if weights == "w8a8" else None)
+                       load_tokenizer=lambda: base.tokenizer)
     nm.eval()
     return LoadedFamily(nm, manifest, base)
 

@@ -33,7 +33,7 @@ dequantizes bit for bit (``exact=True``: tests and the perplexity reference, not
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import structlog
 import torch
@@ -388,7 +388,7 @@ LAYOUTS = ("cpu", "groups")
 
 def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, group: int = _GGUF_BLOCK,
                    device: str = "cpu", fuse: bool = True, layout: str | None = None,
-                   tokenizer=None) -> QuantReport:
+                   load_tokenizer: Callable[[], object] | None = None) -> QuantReport:
     """Swaps every nn.Linear / nn.Embedding of ``model`` for its quantized form, in place.
 
     int8: linears int8 per channel. w8a8: the same int8 weights run by fbgemm on int8 activations
@@ -399,8 +399,9 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, gr
     ``fuse``: then join q/k/v and gate/up (:func:`fuse_projections`; False only to measure it).
     ``layout``: "cpu" (torch's CPU packs) or "groups" (:class:`GroupQuantLinear`, the Triton kernel's);
     None picks "groups" on CUDA, "cpu" elsewhere. In "groups" int4 and int8 are both group-wise (32),
-    and the head is 8-bit groups. ``tokenizer``: w8a8 only, which first smooths the activations
-    (:mod:`worker.smoothing`) calibrated on its text tokenized by it (None: random ids, with a warning)."""
+    and the head is 8-bit groups. ``load_tokenizer``: called by w8a8 only, which first smooths the
+    activations (:mod:`worker.smoothing`) calibrated on its text in that tokenizer (None, or a model
+    without one: random ids, with a warning); w8a8 needs a nested model (it runs its tiers to calibrate)."""
     mode = resolve_mode(mode, device)
     layout = layout or ("groups" if str(device).startswith("cuda") else "cpu")
     if layout not in LAYOUTS:
@@ -413,7 +414,9 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, gr
         raise ValueError(f"quantized weights serve an fp32 model, this one holds {sorted(map(str, floats))}")
     if mode == "w8a8":
         from worker.smoothing import calibration_windows, input_amax, smooth  # noqa: PLC0415
-        windows = calibration_windows(tokenizer, model.cfg.vocab_size)
+        if not hasattr(model, "exit_hidden"):
+            raise ValueError(f"--weights w8a8 smooths a nested model's activations; got {type(model).__name__}")
+        windows = calibration_windows(load_tokenizer() if load_tokenizer else None, model.cfg.vocab_size)
         report.smoothed = smooth(model, input_amax(model, windows))
     src = GGUFSource(gguf_path) if gguf_path and str(gguf_path).endswith(".gguf") else None
     make = _quantized_groups if layout == "groups" else _quantized

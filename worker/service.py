@@ -60,7 +60,7 @@ class WorkerService(WorkerLoop):
             if self.weights != "fp32":
                 from worker.quant import quantize_model  # noqa: PLC0415
                 quantize_model(model, self.weights, gguf_path=source, device=cfg.device,
-                               tokenizer=base.tokenizer if self.weights == "w8a8" else None)
+                               load_tokenizer=lambda: base.tokenizer)
         else:
             tiers, tier_map, nseg = list(range(ntiers)), None, ntiers
         num_blocks = [cfg.num_blocks] * nseg
