@@ -114,7 +114,9 @@ class Int8DynamicLinear(nn.Module):
     def concat(cls, mods: list["Int8DynamicLinear"]) -> "Int8DynamicLinear":
         """One linear computing ``cat([m(x) for m in mods], -1)`` (rows are independent)."""
         bias = None if mods[0].bias is None else torch.cat([m.bias for m in mods])
-        return cls(torch.cat([m.int8_weight() for m in mods]), torch.cat([m.scales for m in mods]), bias)
+        out = cls(torch.cat([m.int8_weight() for m in mods]), torch.cat([m.scales for m in mods]), bias)
+        out.reduce_range = mods[0].reduce_range
+        return out
 
 
 __all__ = ["Int8DynamicLinear", "reduce_range"]
