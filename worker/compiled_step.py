@@ -15,7 +15,12 @@ runs compiled (:func:`int8_rows`): inductor's loop reads each weight row once an
 activation row in fp32, where torch's ``_weight_int8pack_mm`` rounds the activations to bf16. Measured
 on SmolLM2's head (one thread): 2.1 vs 4.6 ms at one row, 3.6 vs 6.1 at two, about equal from 4 rows
 up (16, 64 and 256 rows: 26.5/26.3, 102/113, 425/430 ms, neither tiles rows); errors ~1e-6 instead
-of ~2e-2, and a row's logits are the same bit for bit at any batch size.
+of ~2e-2, and a row's logits are the same bit for bit at any batch size. That is on AVX-512: with
+AVX2 inductor's loop loads the int8 weights eight at a time through ``Vectorized<int8_t>``'s partial
+load (a copy through a buffer), and the compiled head runs 4x-18x *slower* than the bf16 kernel (two
+threads, SmolLM2's head: 22.3 vs 5.2 ms at one row, 346 vs 19.3 ms at sixteen). So the compiled head
+is taken only where torch reports AVX-512 (:func:`compiled_head_kernel`); elsewhere the int8 head
+stays on ``_weight_int8pack_mm`` under ``--compile`` too.
 
 Why opt-in: the graph fuses elementwise work, so its fp32 results may round differently from the
 eager ops'. A decode row's logits could then differ in their last bits between an all-decode step and
@@ -27,11 +32,14 @@ import itertools
 import types
 from typing import Callable
 
+import structlog
 import torch
 import torch.nn.functional as F
 
 from kernels.rmsnorm import fused_add_rms_norm_torch
 from kernels.rotary import rotary_torch
+
+log = structlog.get_logger(__name__)
 
 
 def make_decode_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float):
@@ -146,5 +154,22 @@ def compiled_int8_rows() -> Callable:
     return _int8_rows_compiled
 
 
+_head_choice_logged = False
+
+
+def compiled_head_kernel() -> Callable | None:
+    """The int8 head's kernel under ``--compile``: :func:`compiled_int8_rows` where the CPU has AVX-512,
+    else None (the bf16 ``_weight_int8pack_mm``; see the module's docstring for the AVX2 figures).
+    Logged once per process."""
+    global _head_choice_logged
+    cap = torch.backends.cpu.get_cpu_capability()
+    kernel = compiled_int8_rows() if cap == "AVX512" else None
+    if not _head_choice_logged:
+        log.info("compiled int8 head", kernel="inductor fp32 rows" if kernel else "_weight_int8pack_mm (bf16)",
+                 cpu_capability=cap)
+        _head_choice_logged = True
+    return kernel
+
+
 __all__ = ["make_decode_layer", "make_decode_segment", "compiled_decode_segment", "layer_signature",
-           "write_segment_kv", "int8_rows", "compiled_int8_rows"]
+           "write_segment_kv", "int8_rows", "compiled_int8_rows", "compiled_head_kernel"]

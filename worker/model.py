@@ -21,7 +21,7 @@ from torch import nn
 from kernels import TORCH_OPS, KernelOps
 from kernels.paged_attention import decode_gather
 from kernels.rotary import build_cos_sin_cache
-from worker.compiled_step import compiled_decode_segment, compiled_int8_rows, write_segment_kv
+from worker.compiled_step import compiled_decode_segment, compiled_head_kernel, write_segment_kv
 from worker.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -106,8 +106,9 @@ class NestedModel(nn.Module):
         self._compiled_decode = None  # compile_decode(): all-decode segments as one compiled graph
 
     def compile_decode(self, enable: bool = True) -> None:
-        """All-decode steps run each segment's trunk layers as one compiled graph, and an int8 LM head
-        runs compiled in fp32 (:mod:`worker.compiled_step`: CPU, the torch ops; opt-in, see there why)."""
+        """All-decode steps run each segment's trunk layers as one compiled graph, and on an AVX-512 CPU
+        an int8 LM head runs compiled in fp32 (:mod:`worker.compiled_step`: CPU, the torch ops; opt-in,
+        see there why)."""
         if not enable:
             self._compiled_decode = None
             if hasattr(self.lm_head, "rows_kernel"):
@@ -121,8 +122,8 @@ class NestedModel(nn.Module):
             raise ValueError("--compile does not serve --weights w8a8 (fbgemm's packed linears break the "
                              "compiled graph; w8a8 runs eager)")
         self._compiled_decode = compiled_decode_segment(self.cfg, list(self.layers))
-        if hasattr(self.lm_head, "rows_kernel"):  # an int8 head (worker/quant.py: Int8Linear)
-            self.lm_head.rows_kernel = compiled_int8_rows()
+        if hasattr(self.lm_head, "rows_kernel"):  # an int8 head (worker/quant.py: Int8Linear); AVX-512 only
+            self.lm_head.rows_kernel = compiled_head_kernel()
 
     # ---- construction ------------------------------------------------------------------------
     def tie_weights(self) -> None:
