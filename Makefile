@@ -23,8 +23,14 @@ $(STAMP): requirements.lock pyproject.toml
 up: setup
 	$(BIN)/mfs up --model default
 
+# The suite's files run in TEST_WORKERS processes (pytest-xdist; a file stays in one process, so its
+# module fixtures start once): one per core, at most 4 (each may hold the default family and its
+# services). Most of the suite waits on services it spawned; on 2 cores it takes half the serial time.
+# TEST_WORKERS=0 runs it serially, in this process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: setup test-tools
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 # chromium (the status page's browser test) and promtool (the Prometheus config's check), installed
 # with apt-get when missing and we are root; never fails: without them those tests skip
