@@ -77,7 +77,7 @@ def test_layers_of_different_structure_are_refused(llama_dir):
 def test_the_compiled_int8_head_is_fp32_exact_and_batch_invariant(llama_dir):
     """The compiled int8 head kernel computes in fp32 (torch's int8 kernel rounds activations to bf16):
     close to the dequantized weights' fp32 product, and each row's logits the same bit for bit whatever
-    the batch; compile_decode(False) puts the bf16 kernel back. Checked on every CPU, whichever kernel
+    the batch; compile_decode(False) puts the default kernel back. Checked on every CPU, whichever kernel
     compile_decode would pick on this one."""
     from worker.compiled_step import compiled_int8_rows
     model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32", weights="int8").model
@@ -85,7 +85,8 @@ def test_the_compiled_int8_head_is_fp32_exact_and_batch_invariant(llama_dir):
     x = torch.randn(7, head.in_features, generator=torch.Generator().manual_seed(3))
     want = x.double() @ head.dequantize().double().t()
     with torch.inference_mode():
-        bf16 = head(x)
+        bf16 = torch._weight_int8pack_mm(x.to(torch.bfloat16), head.qweight, head.scales).float()
+        default = head(x)
         model.compile_decode()
         head.rows_kernel = compiled_int8_rows()
         got = head(x)
@@ -95,13 +96,14 @@ def test_the_compiled_int8_head_is_fp32_exact_and_batch_invariant(llama_dir):
         back = head(x)
     assert (got.double() - want).abs().max() < 1e-5 < (bf16.double() - want).abs().max()
     assert torch.equal(singles, got) and torch.equal(pairs, got[:6])
-    assert head.rows_kernel is None and torch.equal(back, bf16)
+    assert head.rows_kernel is None and torch.equal(back, default)
 
 
 @pytest.mark.parametrize("capability", ["AVX512", "AVX2", "DEFAULT"])
 def test_compile_takes_the_fp32_head_only_on_avx512(llama_dir, monkeypatch, capability):
     """With AVX2, inductor's int8 loop runs 4x-18x slower than the bf16 kernel (compiled_step's
-    docstring), so compile_decode keeps _weight_int8pack_mm there and on plain CPUs."""
+    docstring), so compile_decode leaves the head on the int8 linears' default kernel there and on
+    plain CPUs (mfs::int8_gemv on AVX2, kernels/cpu_gemv.py; else _weight_int8pack_mm)."""
     from worker.compiled_step import compiled_int8_rows
     model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32", weights="int8").model
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)

@@ -165,7 +165,7 @@ def compiled_head_kernel() -> Callable | None:
     cap = torch.backends.cpu.get_cpu_capability()
     kernel = compiled_int8_rows() if cap == "AVX512" else None
     if not _head_choice_logged:
-        log.info("compiled int8 head", kernel="inductor fp32 rows" if kernel else "_weight_int8pack_mm (bf16)",
+        log.info("compiled int8 head", kernel="inductor fp32 rows" if kernel else "the int8 linears' own kernel",
                  cpu_capability=cap)
         _head_choice_logged = True
     return kernel

@@ -2,8 +2,10 @@
 model after its weights (and any precipitation delta) are final.
 
 Owns:
-* :class:`Int8Linear` — int8 per output channel, ``torch._weight_int8pack_mm`` (or, for the LM head
-  under ``compile_decode``, a compiled fp32-activation kernel: ``rows_kernel``).
+* :class:`Int8Linear` — int8 per output channel: on an AVX2 CPU our operator ``mfs::int8_gemv``
+  (``kernels/cpu_gemv.cpp``: fp32 activations, ~2x torch's kernel's bytes per second there), else
+  ``torch._weight_int8pack_mm`` (or, for the LM head under ``compile_decode`` on AVX-512, a compiled
+  fp32-activation kernel: ``rows_kernel``).
 * :class:`Int4Linear` — 4-bit, group-wise scale and zero along K, ``torch._weight_int4pack_mm_for_cpu``.
   The kernel dequantizes ``w = fma(q - 8, scale, zero)`` (checked in tests against its own output).
 
@@ -39,6 +41,7 @@ import structlog
 import torch
 from torch import nn
 
+from kernels.cpu_gemv import int8_gemv_kernel
 from worker.quant_groups import GroupQuantLinear
 from worker.quant_w8a8 import Int8DynamicLinear
 
@@ -72,14 +75,17 @@ class Int8Linear(nn.Module):
         q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls(q, scales, bias)
 
-    # a callable (x [M, K] fp32, qweight, scales) -> [M, N] that replaces the bf16 kernel: the compiled
-    # head of ``NestedModel.compile_decode`` (worker/compiled_step.py: int8_rows); None: the kernel above
+    # a callable (x [M, K] fp32, qweight, scales) -> [M, N] that replaces the default kernel for this
+    # module: the compiled head of ``NestedModel.compile_decode`` on AVX-512 (worker/compiled_step.py:
+    # int8_rows); None: the default, :func:`kernels.cpu_gemv.int8_gemv_kernel` where it serves (AVX2),
+    # else torch's bf16 kernel
     rows_kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        if self.rows_kernel is not None:
-            y = self.rows_kernel(x.reshape(-1, shape[-1]).float().contiguous(), self.qweight, self.scales)
+        kernel = self.rows_kernel or int8_gemv_kernel()
+        if kernel is not None:
+            y = kernel(x.reshape(-1, shape[-1]).float().contiguous(), self.qweight, self.scales)
         else:
             y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight,
                                           self.scales).float()
@@ -429,6 +435,8 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, gr
         setattr(parent, child, new)
     _detach_from_shared_storage(model)
     report.fused = fuse_projections(model) if fuse else 0
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        int8_gemv_kernel()  # decided (and on AVX2 built) at load, not in the first request
     log.info("quantized weights", mode=mode, from_gguf=len(report.from_gguf),
              from_float=len(report.from_float), fused=report.fused, smoothed=report.smoothed, source=gguf_path)
     return report

@@ -1,0 +1,135 @@
+"""Weight-only int8 matmul for AVX2 CPUs: the operator ``mfs::int8_gemv`` (``kernels/cpu_gemv.cpp``),
+built with the machine's C++ compiler against the installed torch on first use and loaded with
+``torch.ops.load_library``.
+
+Why: on an AVX2 CPU torch's ``_weight_int8pack_mm`` streams int8 weights at ~8 GB/s (two threads; its
+loop is bound by arithmetic while the memory reads ~20 GB/s) and rounds the activations to bf16. This
+kernel widens each weight to fp32 once per block of up to four activation rows and keeps the
+activations fp32; a row's output is the same bit for bit at any batch size (the C++ file says why).
+Being a real torch operator (not a Python custom op), a compiled decode graph calls it from C++ like
+any aten op: no Python per call.
+
+:func:`int8_gemv_kernel` is what ``worker.quant.Int8Linear`` takes: this kernel where torch reports
+the CPU capability ``AVX2`` and the build succeeds, else None (torch's kernel). An AVX-512 CPU keeps
+torch's kernel, measured there at 1.02-1.06x llama.cpp. ``MFS_CPU_GEMV=0`` turns it off. The choice is
+logged once per process.
+
+The build: ``g++ -O3 -mavx2 -mfma -fopenmp -shared`` with torch's headers, into
+``$MFS_CACHE/kernels/<hash of source, compiler, flags, torch version>/`` (``~/.cache/mfs`` by
+default), under a file lock, once per machine. The library links ``libgomp.so.1`` by soname, which is
+the OpenMP runtime torch has already loaded, so the two share one thread pool.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w"]
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MFS_CACHE", Path.home() / ".cache" / "mfs")) / "kernels"
+
+
+def _command(cxx: str, source: Path, out: str) -> list[str]:
+    from torch.utils import cpp_extension  # noqa: PLC0415 (only for a build)
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    incs = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = [f"-L{p}" for p in cpp_extension.library_paths()]
+    return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *incs, str(source), "-o", out, *libs,
+            "-lc10", "-ltorch_cpu"]
+
+
+def build(source: Path = SOURCE, cxx: str | None = None) -> Path:
+    """The operator library for ``source``, compiled once into the cache. Raises RuntimeError with the
+    compiler's message if it fails."""
+    cxx = cxx or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
+    key = hashlib.sha256(source.read_bytes() + " ".join([cxx, *FLAGS, torch.__version__]).encode()).hexdigest()[:16]
+    folder = _cache_dir() / key
+    lib = folder / "libmfs_cpu_gemv.so"
+    if lib.exists():
+        return lib
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists():  # another process built it while this one waited
+            return lib
+        with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as tmp:
+            pass
+        log.info("building the AVX2 int8 kernel (once per machine, ~1 min)", source=source.name, into=str(folder))
+        res = subprocess.run(_command(cxx, source, tmp.name), capture_output=True, text=True)
+        if res.returncode != 0:
+            os.unlink(tmp.name)
+            raise RuntimeError(f"{cxx} failed on {source.name}: {res.stderr.strip()[-2000:]}")
+        os.replace(tmp.name, lib)  # atomic: a reader never loads a half-written library
+    return lib
+
+
+_loaded: list[bool] = []
+
+
+def load() -> None:
+    """Builds (if needed) and loads the library once per process; registers the operator's shape
+    function for torch.compile."""
+    if _loaded:
+        return
+    torch.ops.load_library(str(build()))
+
+    @torch.library.register_fake("mfs::int8_gemv")
+    def _(x, q, scales):
+        return x.new_empty(x.shape[0], q.shape[0])
+
+    _loaded.append(True)
+
+
+def int8_gemv(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (q * scales[:, None]).T`` for x fp32 [M, K], q int8 [N, K], scales bf16 or fp32 [N]."""
+    load()
+    return torch.ops.mfs.int8_gemv(x, q, scales)
+
+
+def int8_gemv_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The same product in float64 (tests)."""
+    return (x.double() @ q.double().t() * scales.double()).float()
+
+
+_choice: list = []
+
+
+def int8_gemv_kernel() -> Callable | None:
+    """The operator ``torch.ops.mfs.int8_gemv`` on an AVX2 CPU whose compiler builds it, else None;
+    decided and logged once per process."""
+    if not _choice:
+        cap = torch.backends.cpu.get_cpu_capability()
+        kernel, why = None, None
+        if os.environ.get("MFS_CPU_GEMV", "1") == "0":
+            why = "MFS_CPU_GEMV=0"
+        elif cap != "AVX2":
+            why = f"cpu capability {cap} (the kernel is for AVX2)"
+        else:
+            try:
+                load()
+                kernel = torch.ops.mfs.int8_gemv
+            except (RuntimeError, OSError) as e:
+                why = f"build failed: {e}"
+        log.info("int8 linear kernel", kernel="mfs::int8_gemv (AVX2, fp32)" if kernel
+                 else "_weight_int8pack_mm (bf16)", cpu_capability=cap, **({"why": why} if why else {}))
+        _choice.append(kernel)
+    return _choice[0]
+
+
+__all__ = ["build", "load", "int8_gemv", "int8_gemv_reference", "int8_gemv_kernel"]

@@ -1,0 +1,122 @@
+"""The AVX2 int8 operator ``mfs::int8_gemv`` (kernels/cpu_gemv.cpp): built with the machine's compiler,
+checked against a float64 product, batch invariance bit for bit, its errors, and that an int8 model
+takes it where torch reports AVX2. Runs on any x86 CPU with AVX2 and FMA (AVX-512 machines too: the
+operator is built and checked there, though serving keeps torch's kernel)."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu_gemv
+
+_flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+if not {"avx2", "fma"} <= set(_flags):
+    pytest.skip("the operator needs AVX2 and FMA", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def op():
+    cpu_gemv.load()
+    return torch.ops.mfs.int8_gemv
+
+
+def _case(M, N, K, seed=0, scale_dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    s = (torch.rand(N, generator=g) * 0.02 + 1e-3).to(scale_dtype)
+    return x, q, s
+
+
+# K: multiples of 32 (the model's), of 8 but not 32, and with a scalar tail; N: the model's and tiny
+@pytest.mark.parametrize("M,N,K", [(1, 960, 576), (2, 576, 1536), (3, 7, 600), (5, 13, 20), (16, 64, 44),
+                                   (1, 1, 8), (4, 33, 100)])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+def test_matches_a_float64_product(op, M, N, K, scale_dtype):
+    x, q, s = _case(M, N, K, scale_dtype=scale_dtype)
+    got = op(x, q, s)
+    want = x.double() @ q.double().t() * s.double()
+    bound = 1e-6 * (x.abs().double() @ q.abs().double().t() * s.double()).max()  # fp32 rounding of |terms|
+    assert got.shape == (M, N) and got.dtype == torch.float32
+    assert (got.double() - want).abs().max() <= bound
+
+
+def test_a_rows_output_is_the_same_bit_for_bit_at_any_batch_size(op):
+    x, q, s = _case(9, 300, 576, seed=1)
+    full = op(x, q, s)
+    for m in range(1, 9):
+        parts = torch.cat([op(x[i:i + m], q, s) for i in range(0, 9, m)])
+        assert torch.equal(parts, full), m
+
+
+def test_threads_do_not_change_the_result(op):
+    x, q, s = _case(3, 1000, 576, seed=2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(x, q, s)
+        torch.set_num_threads(2)
+        two = op(x, q, s)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_empty_batch_and_non_contiguous_input(op):
+    x, q, s = _case(4, 16, 64, seed=3)
+    assert op(x[:0], q, s).shape == (0, 16)
+    wide = torch.randn(4, 128)
+    wide[:, ::2] = x
+    assert torch.equal(op(wide[:, ::2], q, s), op(x, q, s))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda x, q, s: (x.double(), q, s), "x must be fp32"),
+    (lambda x, q, s: (x, q.float(), s), "q must be contiguous int8"),
+    (lambda x, q, s: (x, q.t(), s), "q must be contiguous int8|columns"),
+    (lambda x, q, s: (x[:, :32], q, s), "columns"),
+    (lambda x, q, s: (x, q, s[:3]), "scales must be"),
+    (lambda x, q, s: (x, q, s.half()), "scales must be"),
+])
+def test_bad_inputs_are_refused_with_a_message(op, bad, match):
+    with pytest.raises(RuntimeError, match=match):
+        op(*bad(*_case(2, 16, 64)))
+
+
+def test_it_traces_into_a_compiled_graph(op):
+    x, q, s = _case(2, 40, 64, seed=4)
+    f = torch.compile(lambda x: torch.relu(op(x, q, s)) + 1, dynamic=True)
+    assert torch.equal(f(x), torch.relu(op(x, q, s)) + 1)
+
+
+@pytest.mark.parametrize("capability,env,takes", [("AVX2", None, True), ("AVX512", None, False),
+                                                  ("AVX2", "0", False)])
+def test_the_kernel_is_chosen_by_capability(monkeypatch, capability, env, takes):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(cpu_gemv, "_choice", [])
+    if env is not None:
+        monkeypatch.setenv("MFS_CPU_GEMV", env)
+    assert (cpu_gemv.int8_gemv_kernel() is torch.ops.mfs.int8_gemv) is takes
+
+
+def test_a_failed_build_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("MFS_CACHE", str(tmp_path))
+    src = tmp_path / "broken.cpp"
+    src.write_text("this is not C++\n")
+    with pytest.raises(RuntimeError, match="failed on broken.cpp"):
+        cpu_gemv.build(src)
+
+
+def test_an_int8_linear_on_avx2_runs_it(monkeypatch):
+    from worker.quant import Int8Linear
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(cpu_gemv, "_choice", [])
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(5))
+    lin = Int8Linear.from_float(w, torch.randn(48))
+    x = torch.randn(3, 2, 64)
+    want = x.double() @ lin.dequantize().double().t() + lin.bias.double()
+    got = lin(x)
+    assert got.shape == (3, 2, 48)
+    assert (got.double() - want).abs().max() < 1e-4
+    assert torch.equal(got.reshape(6, 48), torch.ops.mfs.int8_gemv(x.reshape(6, 64), lin.qweight, lin.scales)
+                       + lin.bias)
