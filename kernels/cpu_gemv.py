@@ -36,7 +36,7 @@ import torch
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w"]
 
 
 def _cache_dir() -> Path:
@@ -93,6 +93,10 @@ def load() -> None:
     def _(x, q, scales):
         return x.new_empty(x.shape[0], q.shape[0])
 
+    @torch.library.register_fake("mfs::w4a8_gemv")
+    def _(x, q, dm):
+        return x.new_empty(x.shape[0], q.shape[0])
+
     _loaded.append(True)
 
 
@@ -100,6 +104,45 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.T
     """``x @ (q * scales[:, None]).T`` for x fp32 [M, K], q int8 [N, K], scales bf16 or fp32 [N]."""
     load()
     return torch.ops.mfs.int8_gemv(x, q, scales)
+
+
+def pack_q4_rows(u: torch.Tensor) -> torch.Tensor:
+    """u [N, K] integers in 0..15 (K % 32 == 0) -> uint8 [N, K / 2] in ``w4a8_gemv``'s layout (Q4_1's):
+    per 32 inputs 16 bytes, byte j holding input j (low nibble) and input j + 16 (high nibble)."""
+    N, K = u.shape
+    if K % 32:
+        raise ValueError(f"4-bit rows need K % 32 == 0, got K = {K}")
+    b = u.to(torch.uint8).view(N, K // 32, 2, 16)
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
+
+
+def unpack_q4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_q4_rows`: uint8 [N, K / 2] -> uint8 [N, K] in 0..15."""
+    N, H = packed.shape
+    b = packed.view(N, H // 16, 16)
+    return torch.stack([b & 15, b >> 4], dim=2).reshape(N, 2 * H)
+
+
+def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (xq int8 [M, K], dx fp32 [M, K / 32]) as ``w4a8_gemv`` quantizes them: per 32
+    values dx = amax / 127 and xq = round-half-even(x / dx)."""
+    M, K = x.shape
+    xb = x.float().view(M, K // 32, 32)
+    d = xb.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return torch.round(xb * inv[..., None]).to(torch.int8).view(M, K), d
+
+
+def w4a8_gemv_reference(x: torch.Tensor, q: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """``mfs::w4a8_gemv`` in float64 from the same quantized activations (tests)."""
+    xq, dx = quantize_activations_q8(x)
+    M, K = x.shape
+    u = unpack_q4_rows(q).double().view(q.shape[0], K // 32, 32)
+    xqb = xq.double().view(M, K // 32, 32)
+    dot = torch.einsum("mbj,nbj->mnb", xqb, u)                      # exact integer sums
+    xs = dx.double() * xqb.sum(-1)                                  # [M, B]
+    d, mn = dm[..., 0].double(), dm[..., 1].double()                # [N, B]
+    return (dot * dx.double()[:, None, :] * d[None] + xs[:, None, :] * mn[None]).sum(-1).float()
 
 
 def int8_gemv_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -132,4 +175,5 @@ def int8_gemv_kernel() -> Callable | None:
     return _choice[0]
 
 
-__all__ = ["build", "load", "int8_gemv", "int8_gemv_reference", "int8_gemv_kernel"]
+__all__ = ["build", "load", "int8_gemv", "int8_gemv_reference", "int8_gemv_kernel", "pack_q4_rows",
+           "unpack_q4_rows", "quantize_activations_q8", "w4a8_gemv_reference"]

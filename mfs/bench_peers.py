@@ -294,9 +294,9 @@ def run(args) -> int:
         print(f"--device {args.device}: expected cpu or cuda[:N]", file=sys.stderr)
         return 2
     modes = args.modes.split(",")
-    bad = [m for m in modes if m.removesuffix("+compile") not in ("fp32", "int8", "int4", "w8a8") or m == "w8a8+compile"]
+    bad = [m for m in modes if m.removesuffix("+compile") not in ("fp32", "int8", "int4", "w8a8", "w4a8") or m == "w8a8+compile"]
     if bad:
-        print(f"--modes: unknown {', '.join(bad)} (fp32, int8, int4, w8a8; all but w8a8 optionally +compile)",
+        print(f"--modes: unknown {', '.join(bad)} (fp32, int8, int4, w8a8, w4a8; all but w8a8 optionally +compile)",
               file=sys.stderr)
         return 2
     if args.repeats < 1:

@@ -99,8 +99,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     weights = [w.strip() for w in args.weights.split(",") if w.strip()]
-    if not weights or any(w not in ("fp32", "int8", "int4", "w8a8") for w in weights):
-        raise ValueError(f"--weights: a comma list of fp32, int8, int4, w8a8, got {args.weights!r}")
+    if not weights or any(w not in ("fp32", "int8", "int4", "w8a8", "w4a8") for w in weights):
+        raise ValueError(f"--weights: a comma list of fp32, int8, int4, w8a8, w4a8, got {args.weights!r}")
     try:
         batches = [int(b) for b in args.batch.split(",")]
     except ValueError:

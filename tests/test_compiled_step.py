@@ -25,7 +25,7 @@ def _run(model, n=6):
     return steps, eng
 
 
-@pytest.mark.parametrize("weights", ["fp32", "int8"])
+@pytest.mark.parametrize("weights", ["fp32", "int8", "w4a8"])
 def test_compiled_decode_matches_eager(llama_dir, weights):
     eager = load_family(str(llama_dir), tiers="2+2,4+1,6", dtype="float32", weights=weights).model
     comp = load_family(str(llama_dir), tiers="2+2,4+1,6", dtype="float32", weights=weights).model

@@ -120,3 +120,67 @@ def test_an_int8_linear_on_avx2_runs_it(monkeypatch):
     assert (got.double() - want).abs().max() < 1e-4
     assert torch.equal(got.reshape(6, 48), torch.ops.mfs.int8_gemv(x.reshape(6, 64), lin.qweight, lin.scales)
                        + lin.bias)
+
+
+# ---- mfs::w4a8_gemv: Q4_1 weight blocks times activations quantized per 32 ----------------------
+def _w4a8_case(M, N, K, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    u = torch.randint(0, 16, (N, K), generator=g)
+    dm = torch.stack([torch.rand(N, K // 32, generator=g) * 0.02,
+                      -torch.rand(N, K // 32, generator=g) * 0.1], -1).half()
+    return x, u, cpu_gemv.pack_q4_rows(u), dm
+
+
+def test_q4_rows_pack_in_q4_1_order():
+    u = torch.arange(32).remainder(16).repeat(2, 2)  # [2, 64]
+    p = cpu_gemv.pack_q4_rows(u)
+    assert p.shape == (2, 32) and p.dtype == torch.uint8
+    assert p[0, 0].item() == (0 | (0 << 4)) and p[0, 1].item() == (1 | (1 << 4))  # inputs j and j + 16
+    assert torch.equal(cpu_gemv.unpack_q4_rows(p), u.to(torch.uint8))
+    with pytest.raises(ValueError, match="K % 32"):
+        cpu_gemv.pack_q4_rows(torch.zeros(2, 48, dtype=torch.long))
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 960, 576), (2, 576, 1536), (3, 7, 64), (5, 13, 32), (16, 40, 96)])
+def test_w4a8_matches_its_float64_reference_and_tracks_the_fp32_product(op, M, N, K):
+    x, u, p, dm = _w4a8_case(M, N, K)
+    got = torch.ops.mfs.w4a8_gemv(x, p, dm)
+    want = cpu_gemv.w4a8_gemv_reference(x, p, dm)
+    scale = want.abs().max()
+    assert got.shape == (M, N) and (got - want).abs().max() <= 1e-6 * scale + 1e-7
+    d, m = dm.double().unbind(-1)
+    w = (u.double().view(N, K // 32, 32) * d[..., None] + m[..., None]).view(N, K)
+    exact = x.double() @ w.t()  # the activations' 8-bit rounding is the only approximation:
+    _, dx = cpu_gemv.quantize_activations_q8(x)  # each x moves by at most dx / 2 of its block
+    half_step = (dx.double() / 2).repeat_interleave(32, dim=1)
+    bound = half_step @ w.abs().t() * 1.001 + 1e-6
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_w4a8_activation_quantization_is_per_row_and_the_batch_changes_nothing(op):
+    x, _, p, dm = _w4a8_case(7, 200, 576, seed=1)
+    x[3] *= 1000  # one loud row must not coarsen the others' quantization
+    full = torch.ops.mfs.w4a8_gemv(x, p, dm)
+    for m in (1, 2, 3):
+        parts = torch.cat([torch.ops.mfs.w4a8_gemv(x[i:i + m], p, dm) for i in range(0, 7, m)])
+        assert torch.equal(parts, full), m
+
+
+def test_w4a8_quantizes_activations_as_llama_cpp_q8_1(op):
+    x = torch.tensor([[0.5, -1.0, 0.25] + [0.0] * 29, [0.0] * 32])
+    xq, dx = cpu_gemv.quantize_activations_q8(x)
+    assert dx[0, 0].item() == pytest.approx(1 / 127) and dx[1, 0].item() == 0
+    assert xq[0, :3].tolist() == [64, -127, 32] and xq[1].abs().sum() == 0  # 63.5 rounds half to even
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda x, p, dm: (x[:, :48], p, dm), "multiple of 32"),
+    (lambda x, p, dm: (x, p.to(torch.int8), dm), "q must be contiguous uint8"),
+    (lambda x, p, dm: (x, p, dm.float()), "dm must be contiguous fp16"),
+    (lambda x, p, dm: (x, p[:, :16], dm), r"q must be contiguous uint8 \[N, K / 2\]"),
+])
+def test_w4a8_bad_inputs_are_refused_with_a_message(op, bad, match):
+    x, _, p, dm = _w4a8_case(2, 16, 64)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.mfs.w4a8_gemv(*bad(x, p, dm))

@@ -351,3 +351,50 @@ def test_generate_with_int4_weights_answers_paris():
             "What is the capital of France? Answer briefly.")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
+
+
+# ---- w4a8: the GGUF's Q4_1 blocks times 8-bit activations (kernels/cpu_gemv.cpp) ---------------------
+@pytest.mark.slow
+def test_w4a8_takes_the_q4_1_blocks_bit_exactly(gguf_and_hf):
+    from worker.quant import Q4A8Linear
+    src, sd = gguf_and_hf
+    w = sd["model.layers.7.mlp.down_proj.weight"]
+    kind, perm, (q, d, m) = src.blocks("blk.7.ffn_down.weight", w)
+    lin = Q4A8Linear.from_q4_1(q[perm], d[perm], m[perm])
+    assert torch.equal(lin.dequantize(), w)  # the weights transformers' GGUF loader produces
+    x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got = lin(x)
+    want = x.double() @ w.double().t()
+    assert (got.double() - want).abs().max() < 0.02 * want.abs().max()
+
+
+def test_w4a8_from_float_is_q4_1s_recipe():
+    from worker.quant import Q4A8Linear
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
+    lin = Q4A8Linear.from_float(w, torch.zeros(48))
+    deq = lin.dequantize()
+    step = (w.view(48, 2, 32).amax(-1) - w.view(48, 2, 32).amin(-1)) / 15
+    assert ((deq - w).abs().view(48, 2, 32) <= step[..., None] * 0.51 + 1e-3).all()
+    assert lin.dm.dtype == torch.float16 and lin.qweight.shape == (48, 32)
+
+
+def test_w4a8_family_serves_in_the_engine_and_fuses(tied_llama):
+    from worker.quant import Q4A8Linear
+    ref, q = _family(tied_llama, "fp32").model, _family(tied_llama, "w4a8").model
+    layers = [m for n, m in q.named_modules() if n.startswith("layers.") and n.count(".") == 2]
+    assert layers and all(isinstance(m, Q4A8Linear) for m in layers)
+    assert all(layer.qkv_proj is not None for layer in q.layers)  # fused like the other modes
+    assert isinstance(q.lm_head, Int8Linear) and isinstance(q.embed_tokens, Int8Embedding)
+    ids = torch.randint(3, 160, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        la, lb = ref.logits(ref.exit_hidden(ids)[-1]), q.logits(q.exit_hidden(ids)[-1])
+    assert (la - lb).abs().max() < 0.25 * la.abs().max()
+    outs = _greedy(q, [[5, 9, 33], [7, 8]], [2, 0], n=12)
+    solo = _greedy(q, [[5, 9, 33]], [2], n=12) + _greedy(q, [[7, 8]], [0], n=12)
+    assert outs == solo  # a row's activations are quantized alone: batching changes nothing
+
+
+def test_w4a8_is_refused_off_the_cpu():
+    with pytest.raises(ValueError, match="AVX2 CPUs"):
+        resolve_mode("w4a8", "cuda")

@@ -54,7 +54,7 @@ def build_model(base: BaseWeights, tiers: list[TierSpec], dtype: torch.dtype = t
 def load_family(model: str = "default", tiers: str | None = None, dtype: str | None = None,
                 device: str = "cpu", max_positions: int | None = 4096,
                 kernels: str | None = None, weights: str = "fp32", fuse: bool = True) -> LoadedFamily:
-    """``weights``: fp32 (as loaded), int8, int4, w8a8 or auto: see :func:`worker.quant.quantize_model`
+    """``weights``: fp32 (as loaded), int8, int4, w8a8, w4a8 or auto: see :func:`worker.quant.quantize_model`
     (``fuse``: its q/k/v and gate/up fusion; off only to measure it)."""
     manifest, mdir = manifest_for(model, tiers)
     if tiers and mdir is not None:
@@ -84,10 +84,11 @@ class ModelArgs:
     dtype: Literal["float32", "bfloat16", "float16", "float64"] | None = None
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     kernels: Literal["auto", "torch", "triton"] | None = None
-    weights: Literal["auto", "fp32", "int8", "int4", "w8a8"] = opt(
+    weights: Literal["auto", "fp32", "int8", "int4", "w8a8", "w4a8"] = opt(
         "fp32", "serve weights quantized (CPU): int8 per channel, int4 in groups of 32 (a GGUF's own Q4_1 "
                 "blocks where they match), w8a8 = int8 weights times int8 activations (fbgemm: cheap "
-                "extra rows, for batches); auto picks by the CPU")
+                "extra rows, for batches), w4a8 = Q4_1 blocks times activations quantized per 32 as "
+                "llama.cpp does (AVX2 kernel: the fastest single request there); auto picks by the CPU")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

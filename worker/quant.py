@@ -20,6 +20,10 @@ dequantizes bit for bit (``exact=True``: tests and the perplexity reference, not
   in its rows; slower than int4 at one row (twice the bytes).
 * :class:`Int8Embedding` — int8 rows with one scale per 32 values (GGUF's Q8_0 layout); a lookup
   dequantizes only the rows it reads.
+* :class:`Q4A8Linear` (``w4a8``, CPU with AVX2) — the GGUF's own Q4_1 blocks (or fp32 weights quantized
+  the same way) times activations quantized to 8 bits per 32 values, as llama.cpp runs such a model:
+  our operator ``mfs::w4a8_gemv`` sums each block's products exactly in integers. Fewest bytes and the
+  least arithmetic per weight of the CPU modes: on the AVX2 machine the fastest single request.
 * On CUDA (``layout="groups"``): :class:`worker.quant_groups.GroupQuantLinear`, GGUF-style codes with an
   fp16 (scale, min) per group of 32, served by a Triton dequantize-matmul; Q4_1 blocks load as they ship.
 * :func:`fuse_projections` — each decoder layer's q/k/v and gate/up linears of one quantized kind
@@ -41,13 +45,13 @@ import structlog
 import torch
 from torch import nn
 
-from kernels.cpu_gemv import int8_gemv_kernel
+from kernels.cpu_gemv import int8_gemv_kernel, load as load_cpu_gemv, pack_q4_rows, unpack_q4_rows
 from worker.quant_groups import GroupQuantLinear
 from worker.quant_w8a8 import Int8DynamicLinear
 
 log = structlog.get_logger(__name__)
 
-MODES = ("auto", "fp32", "int8", "int4", "w8a8")
+MODES = ("auto", "fp32", "int8", "int4", "w8a8", "w4a8")
 _GGUF_LAYER_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                      "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 _Q4_1_BYTES, _Q8_0_BYTES, _GGUF_BLOCK = 20, 34, 32
@@ -95,6 +99,59 @@ class Int8Linear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         return self.qweight.float() * self.scales.float()[:, None]
+
+
+class Q4A8Linear(nn.Module):
+    """``w4a8``: 4-bit weight blocks as GGUF's Q4_1 ships them (per 32 inputs 16 bytes of codes u and
+    an fp16 (d, m), the weight d * u + m) times activations quantized to 8 bits per 32 values, as
+    llama.cpp runs a Q4_1 model on a CPU. Served by ``mfs::w4a8_gemv`` (``kernels/cpu_gemv.cpp``, AVX2):
+    the 32 products of a block summed exactly in integers. The weights are the GGUF's own (bit for bit
+    what transformers' loader dequantizes) or quantized from fp32 the same way."""
+
+    def __init__(self, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        N, K = u.shape
+        assert K % _GGUF_BLOCK == 0 and d.shape == m.shape == (N, K // _GGUF_BLOCK)
+        self.in_features, self.out_features = K, N
+        self.qweight = nn.Parameter(pack_q4_rows(u), requires_grad=False)
+        self.dm = nn.Parameter(torch.stack([d, m], dim=-1).half().contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @staticmethod
+    def supports(in_features: int) -> bool:
+        return in_features % _GGUF_BLOCK == 0
+
+    @classmethod
+    def from_q4_1(cls, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> "Q4A8Linear":
+        """The GGUF's Q4_1 blocks as they ship (d and m were read from fp16)."""
+        assert torch.equal(d.half().float(), d.float()) and torch.equal(m.half().float(), m.float())
+        return cls(u, d, m, bias)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Q4A8Linear":
+        """Q4_1's recipe per 32 inputs: m = min, d = (max - min) / 15, both rounded to fp16 first,
+        u = round((w - m) / d) in 0..15."""
+        w = w.detach().float()
+        N, K = w.shape
+        g = w.view(N, K // _GGUF_BLOCK, _GGUF_BLOCK)
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        m = lo.half().float()
+        d = ((hi - m) / 15).clamp_min(1e-7).half().float()
+        u = torch.round((g - m[..., None]) / d[..., None]).clamp_(0, 15).view(N, K)
+        return cls(u, d, m, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.mfs.w4a8_gemv(x.reshape(-1, shape[-1]).float().contiguous(), self.qweight, self.dm)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        u = unpack_q4_rows(self.qweight).float().view(self.out_features, -1, _GGUF_BLOCK)
+        d, m = self.dm.float().unbind(-1)
+        return (d[..., None] * u + m[..., None]).view(self.out_features, self.in_features)
 
 
 class Int4Linear(nn.Module):
@@ -202,6 +259,8 @@ def concat_linears(mods: list[nn.Module]) -> nn.Module | None:
         out.scales_zeros = nn.Parameter(torch.cat([m.scales_zeros for m in mods], dim=1), requires_grad=False)
     elif isinstance(first, Int8Linear):
         out.scales = nn.Parameter(torch.cat([m.scales for m in mods]), requires_grad=False)
+    elif isinstance(first, Q4A8Linear):  # rows are independent
+        out.dm = nn.Parameter(torch.cat([m.dm for m in mods]), requires_grad=False)
     elif isinstance(first, Int8DynamicLinear):
         return Int8DynamicLinear.concat(mods)
     elif isinstance(first, GroupQuantLinear):  # rows are independent: every tensor concatenates by row
@@ -351,6 +410,14 @@ def resolve_mode(mode: str, device: str = "cpu") -> str:
     if mode != "auto":
         if mode == "w8a8" and not str(device).startswith("cpu"):
             raise ValueError(f"--weights w8a8: fbgemm's int8 kernels are CPU only, not {device}")
+        if mode == "w4a8":
+            if not str(device).startswith("cpu"):
+                raise ValueError(f"--weights w4a8: its kernel is for AVX2 CPUs, not {device}")
+            try:
+                load_cpu_gemv()
+            except (RuntimeError, OSError) as e:
+                raise ValueError(f"--weights w4a8 needs the AVX2 kernel (kernels/cpu_gemv.py), which did not "
+                                 f"build here: {e}") from e
         if mode != "fp32" and not str(device).startswith(("cpu", "cuda")):
             raise ValueError(f"--weights {mode}: quantized kernels exist for CPU and CUDA, not {device}")
         return mode
@@ -397,7 +464,8 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, gr
                    load_tokenizer: Callable[[], object] | None = None) -> QuantReport:
     """Swaps every nn.Linear / nn.Embedding of ``model`` for its quantized form, in place.
 
-    int8: linears int8 per channel. w8a8: the same int8 weights run by fbgemm on int8 activations
+    int8: linears int8 per channel. w4a8: linears as Q4_1 blocks (the GGUF's own where they still
+    match) times 8-bit activations (:class:`Q4A8Linear`; K % 32 != 0 falls back to int8). w8a8: the same int8 weights run by fbgemm on int8 activations
     (:class:`worker.quant_w8a8.Int8DynamicLinear`, the head too; CPU only). int4: linears 4-bit groups of ``group`` (the GGUF's Q4_1 blocks when
     they still match; group 32 then), falling back to int8 for shapes the int4 kernel can't take (N % 16).
     Both: the LM head int8 per channel; embeddings int8 per 32 values (the GGUF's Q8_0 blocks when
@@ -427,7 +495,7 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, gr
     src = GGUFSource(gguf_path) if gguf_path and str(gguf_path).endswith(".gguf") else None
     make = _quantized_groups if layout == "groups" else _quantized
     for name, mod, parent, child in _targets(model):
-        gname = _gguf_name(name) if isinstance(mod, nn.Embedding) or mode == "int4" else None
+        gname = _gguf_name(name) if isinstance(mod, nn.Embedding) or mode in ("int4", "w4a8") else None
         found = src.blocks(gname, mod.weight) if src is not None and gname else None
         new, exact = make(mod, mode, group, found, is_head=child == "lm_head")
         new = new.to(mod.weight.device)
@@ -461,6 +529,11 @@ def _quantized(mod: nn.Module, mode: str, group: int, found, is_head: bool) -> t
         return Int8Embedding.from_float(mod.weight), False
     if mode == "w8a8":
         return Int8DynamicLinear.from_float(mod.weight, mod.bias), False
+    if mode == "w4a8" and not is_head and Q4A8Linear.supports(mod.in_features):
+        if found and found[0] == "Q4_1":
+            _, perm, (q, d, m) = found
+            return Q4A8Linear.from_q4_1(q[perm], d[perm], m[perm], mod.bias), True
+        return Q4A8Linear.from_float(mod.weight, mod.bias), False
     if mode == "int4" and not is_head and Int4Linear.supports(mod.out_features, mod.in_features, group):
         if found and found[0] == "Q4_1":
             _, perm, (q, d, m) = found
@@ -500,5 +573,5 @@ def linear_bytes_per_step(model: nn.Module) -> int:
 
 
 __all__ = ["MODES", "LAYOUTS", "GroupQuantLinear", "Int8DynamicLinear", "Int8Linear", "Int4Linear", "Int8Embedding", "GGUFSource", "QuantReport",
-           "quantize_model", "resolve_mode", "concat_linears", "fuse_projections", "q4_1_blocks", "q8_0_blocks", "q4_1_to_int4",
+           "quantize_model", "resolve_mode", "Q4A8Linear", "concat_linears", "fuse_projections", "q4_1_blocks", "q8_0_blocks", "q4_1_to_int4",
            "dequant_q4_1", "dequant_q8_0", "match_rows", "linear_bytes_per_step"]
