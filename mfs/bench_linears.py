@@ -1,5 +1,6 @@
 """`mfs bench linears`: one decode step's matmuls per weight format — fp32 ``F.linear`` against the
-int8 / int4 / w8a8 kernels of :mod:`worker.quant` — on a model's linear shapes (default: SmolLM2-135M's),
+int8 / int4 / w8a8 kernels of :mod:`worker.quant` (and, on an AVX2 CPU, torch's int8 kernel beside ours,
+and w4a8) — on a model's linear shapes (default: SmolLM2-135M's),
 at batch 1 and 16. Random weights: only shapes and bytes matter for speed."""
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from datetime import datetime, timezone
 import torch
 import torch.nn.functional as F
 
-from worker.quant import Int4Linear, Int8Linear
+from kernels.cpu_gemv import int8_gemv_kernel
+from worker.quant import Int4Linear, Int8Linear, Q4A8Linear
 from worker.quant_w8a8 import Int8DynamicLinear
 from mfs.runtime import write_json
 
@@ -21,9 +23,26 @@ SMOLLM2_SHAPES = [("q/o 576->576", 576, 576, 60), ("k/v 576->192", 576, 192, 60)
                   ("head 576->49152", 576, 49152, 1)]
 
 
+def _torch_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch._weight_int8pack_mm(x.to(torch.bfloat16), q, scales).float()
+
+
+def _int8_torch(w: torch.Tensor) -> Int8Linear:
+    """An Int8Linear held on torch's bf16 kernel (where the default is our AVX2 operator)."""
+    lin = Int8Linear.from_float(w)
+    lin.rows_kernel = _torch_int8
+    return lin
+
+
 def _formats(group: int) -> dict:
-    return {"fp32": lambda w: (lambda x, w=w: F.linear(x, w)), "int8": Int8Linear.from_float,
+    """The formats to time. ``int8`` is what serving runs here (our AVX2 operator where torch reports
+    AVX2, else torch's); ``int8-torch`` and ``w4a8`` appear where our AVX2 operators serve."""
+    fmts = {"fp32": lambda w: (lambda x, w=w: F.linear(x, w)), "int8": Int8Linear.from_float,
             f"int4-g{group}": lambda w: Int4Linear.from_float(w, group), "w8a8": Int8DynamicLinear.from_float}
+    if int8_gemv_kernel() is not None:
+        fmts["int8-torch"] = _int8_torch
+        fmts["w4a8"] = Q4A8Linear.from_float
+    return fmts
 
 
 def measure(shapes=SMOLLM2_SHAPES, batches=(1, 16), reps: int = 7, group: int = 32) -> list[dict]:

@@ -87,7 +87,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        kernel = self.rows_kernel or int8_gemv_kernel()
+        kernel = self.rows_kernel or (int8_gemv_kernel() if x.device.type == "cpu" else None)
         if kernel is not None:
             y = kernel(x.reshape(-1, shape[-1]).float().contiguous(), self.qweight, self.scales)
         else:
