@@ -199,15 +199,22 @@ def test_int8_family_tracks_fp32(llama_dir, tied_llama, tie):
     assert _greedy(q8, prompts, [0, 1, 2]) == _greedy(ref, prompts, [0, 1, 2])
 
 
-def test_int4_family_runs_in_the_engine(tied_llama):
-    ref, q4 = _family(tied_llama, "fp32").model, _family(tied_llama, "int4").model
-    layers = [m for n, m in q4.named_modules() if n.startswith("layers.") and n.count(".") == 2]
-    assert layers and all(isinstance(m, Int4Linear) for m in layers)
-    assert isinstance(q4.lm_head, Int8Linear) and isinstance(q4.embed_tokens, Int8Embedding)
+def _four_bit_family(path: Path, weights: str, linear_cls):
+    """A 4-bit family of ``path``: every trunk linear of ``linear_cls``, the head and embedding int8, the
+    top tier's logits near fp32's."""
+    ref, q = _family(path, "fp32").model, _family(path, weights).model
+    layers = [m for n, m in q.named_modules() if n.startswith("layers.") and n.count(".") == 2]
+    assert layers and all(isinstance(m, linear_cls) for m in layers)
+    assert isinstance(q.lm_head, Int8Linear) and isinstance(q.embed_tokens, Int8Embedding)
     ids = torch.randint(3, 160, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        la, lb = ref.logits(ref.exit_hidden(ids)[-1]), q4.logits(q4.exit_hidden(ids)[-1])
+        la, lb = ref.logits(ref.exit_hidden(ids)[-1]), q.logits(q.exit_hidden(ids)[-1])
     assert (la - lb).abs().max() < 0.25 * la.abs().max()
+    return q
+
+
+def test_int4_family_runs_in_the_engine(tied_llama):
+    q4 = _four_bit_family(tied_llama, "int4", Int4Linear)
     outs = _greedy(q4, [[5, 9, 33], [7, 8]], [2, 0], n=12)
     assert [len(o) for o in outs] == [12, 12] and all(0 <= t < 160 for o in outs for t in o)
 
@@ -381,15 +388,8 @@ def test_w4a8_from_float_is_q4_1s_recipe():
 
 def test_w4a8_family_serves_in_the_engine_and_fuses(tied_llama):
     from worker.quant import Q4A8Linear
-    ref, q = _family(tied_llama, "fp32").model, _family(tied_llama, "w4a8").model
-    layers = [m for n, m in q.named_modules() if n.startswith("layers.") and n.count(".") == 2]
-    assert layers and all(isinstance(m, Q4A8Linear) for m in layers)
+    q = _four_bit_family(tied_llama, "w4a8", Q4A8Linear)
     assert all(layer.qkv_proj is not None for layer in q.layers)  # fused like the other modes
-    assert isinstance(q.lm_head, Int8Linear) and isinstance(q.embed_tokens, Int8Embedding)
-    ids = torch.randint(3, 160, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        la, lb = ref.logits(ref.exit_hidden(ids)[-1]), q.logits(q.exit_hidden(ids)[-1])
-    assert (la - lb).abs().max() < 0.25 * la.abs().max()
     outs = _greedy(q, [[5, 9, 33], [7, 8]], [2, 0], n=12)
     solo = _greedy(q, [[5, 9, 33]], [2], n=12) + _greedy(q, [[7, 8]], [0], n=12)
     assert outs == solo  # a row's activations are quantized alone: batching changes nothing
