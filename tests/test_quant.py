@@ -395,6 +395,10 @@ def test_w4a8_family_serves_in_the_engine_and_fuses(tied_llama):
     assert outs == solo  # a row's activations are quantized alone: batching changes nothing
 
 
-def test_w4a8_is_refused_off_the_cpu():
+def test_w4a8_is_refused_off_the_cpu_and_with_another_group(llama_dir):
     with pytest.raises(ValueError, match="AVX2 CPUs"):
         resolve_mode("w4a8", "cuda")
+    from worker.family import load_family
+    model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32").model
+    with pytest.raises(ValueError, match="blocks of 32"):
+        quantize_model(model, "w4a8", group=64)

@@ -483,6 +483,8 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, gr
     report = QuantReport(mode)
     if mode == "fp32":
         return report
+    if mode == "w4a8" and group != _GGUF_BLOCK:
+        raise ValueError(f"--weights w4a8 uses Q4_1's blocks of {_GGUF_BLOCK} inputs; group {group} was asked")
     floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if floats - {torch.float32}:
         raise ValueError(f"quantized weights serve an fp32 model, this one holds {sorted(map(str, floats))}")
