@@ -111,7 +111,7 @@ def test_quantized_linear_matches_its_dequantized_weights(cls):
 
 
 def test_auto_mode_picks_a_supported_format():
-    assert resolve_mode("auto", "cpu") in ("int4", "fp32")
+    assert resolve_mode("auto", "cpu") in ("w4a8", "int4", "fp32")
     assert resolve_mode("auto", "cuda") == "fp32"
     with pytest.raises(ValueError):
         resolve_mode("int3")
@@ -121,6 +121,15 @@ def test_auto_mode_picks_a_supported_format():
     assert resolve_mode("w8a8", "cpu") == "w8a8"
     with pytest.raises(ValueError, match="CPU only"):
         resolve_mode("w8a8", "cuda")
+
+
+@pytest.mark.parametrize("capability,kernel,want", [("AVX2", True, "w4a8"), ("AVX2", False, "int4"),
+                                                    ("AVX512", True, "int4"), ("DEFAULT", True, "fp32")])
+def test_auto_picks_w4a8_where_our_avx2_kernels_serve(monkeypatch, capability, kernel, want):
+    import worker.quant as quant
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(quant, "int8_gemv_kernel", lambda: object() if kernel else None)
+    assert resolve_mode("auto", "cpu") == want
 
 
 def test_w8a8_linear_is_close_and_a_rows_output_does_not_depend_on_its_batch():

@@ -401,9 +401,10 @@ _auto_logged = False
 
 
 def resolve_mode(mode: str, device: str = "cpu") -> str:
-    """'auto': int4 where torch's CPU int4 kernel has a vector path (AVX2 / AVX-512), else fp32. On
-    CUDA 'auto' stays fp32 until the Triton kernel's speed is measured there (int4 / int8 ask for it).
-    Logged once per process."""
+    """'auto': on a CPU where torch reports AVX2 and our AVX2 operators build, w4a8 (the fastest mode there
+    for one request and for batches: docs/BENCHMARKS.md, "Kernels of our own"); on AVX-512, int4 (torch's
+    int4 kernel, measured at parity with llama.cpp there); else fp32. On CUDA 'auto' stays fp32 until
+    the Triton kernel's speed is measured there (int4 / int8 ask for it). Logged once per process."""
     global _auto_logged
     if mode not in MODES:
         raise ValueError(f"--weights {mode!r}: expected one of {', '.join(MODES)}")
@@ -422,7 +423,11 @@ def resolve_mode(mode: str, device: str = "cpu") -> str:
             raise ValueError(f"--weights {mode}: quantized kernels exist for CPU and CUDA, not {device}")
         return mode
     cap = torch.backends.cpu.get_cpu_capability()
-    choice = "int4" if str(device).startswith("cpu") and cap in ("AVX2", "AVX512") else "fp32"
+    choice = "fp32"
+    if str(device).startswith("cpu") and cap == "AVX512":
+        choice = "int4"
+    elif str(device).startswith("cpu") and cap == "AVX2":
+        choice = "w4a8" if int8_gemv_kernel() is not None else "int4"
     if not _auto_logged:
         log.info("weights auto", choice=choice, cpu_capability=cap, device=str(device))
         _auto_logged = True
