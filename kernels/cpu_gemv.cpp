@@ -1,4 +1,5 @@
-// Weight-only int8 matmul for AVX2 CPUs, registered as the torch operator mfs::int8_gemv
+// Weight-only matmuls for AVX2 CPUs, registered as the torch operators mfs::int8_gemv and mfs::w4a8_gemv
+// (the latter further down)
 // (kernels/cpu_gemv.py builds this with the machine's C++ compiler against the installed torch and
 // loads it with torch.ops.load_library; a compiled decode graph calls it from C++ like any aten op).
 //

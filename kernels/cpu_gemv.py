@@ -1,20 +1,24 @@
-"""Weight-only int8 matmul for AVX2 CPUs: the operator ``mfs::int8_gemv`` (``kernels/cpu_gemv.cpp``),
-built with the machine's C++ compiler against the installed torch on first use and loaded with
-``torch.ops.load_library``.
+"""Our AVX2 CPU matmul operators (``kernels/cpu_gemv.cpp``), built with the machine's C++ compiler
+against the installed torch on first use and loaded with ``torch.ops.load_library``:
 
-Why: on an AVX2 CPU torch's ``_weight_int8pack_mm`` streams int8 weights at ~8 GB/s (two threads; its
-loop is bound by arithmetic while the memory reads ~20 GB/s) and rounds the activations to bf16. This
-kernel widens each weight to fp32 once per block of up to four activation rows and keeps the
-activations fp32; a row's output is the same bit for bit at any batch size (the C++ file says why).
-Being a real torch operator (not a Python custom op), a compiled decode graph calls it from C++ like
-any aten op: no Python per call.
+* ``mfs::int8_gemv`` — int8 weights, fp32 activations. On an AVX2 CPU torch's ``_weight_int8pack_mm``
+  streams int8 weights at ~8 GB/s (two threads; it reads four weight rows side by side, which the
+  prefetchers there lose, while the memory reads ~20 GB/s) and rounds the activations to bf16. This
+  one reads one weight row at a time front to back, widens each weight to fp32 once per pair of
+  activation rows, and keeps the activations fp32.
+* ``mfs::w4a8_gemv`` — Q4_1 weight blocks times activations quantized per 32 values to 8 bits
+  (``--weights w4a8``, ``worker.quant.Q4A8Linear``).
+
+A row's output is the same bit for bit at any batch size (the C++ file says why). Being real torch
+operators (not Python custom ops), a compiled decode graph calls them from C++ like any aten op: no
+Python per call.
 
 :func:`int8_gemv_kernel` is what ``worker.quant.Int8Linear`` takes: this kernel where torch reports
 the CPU capability ``AVX2`` and the build succeeds, else None (torch's kernel). An AVX-512 CPU keeps
 torch's kernel, measured there at 1.02-1.06x llama.cpp. ``MFS_CPU_GEMV=0`` turns it off. The choice is
 logged once per process.
 
-The build: ``g++ -O3 -mavx2 -mfma -fopenmp -shared`` with torch's headers, into
+The build: ``g++ -O3 -mavx2 -mfma -mf16c -fopenmp -shared`` with torch's headers, into
 ``$MFS_CACHE/kernels/<hash of source, compiler, flags, torch version>/`` (``~/.cache/mfs`` by
 default), under a file lock, once per machine. The library links ``libgomp.so.1`` by soname, which is
 the OpenMP runtime torch has already loaded, so the two share one thread pool.
@@ -100,12 +104,6 @@ def load() -> None:
     _loaded.append(True)
 
 
-def int8_gemv(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x @ (q * scales[:, None]).T`` for x fp32 [M, K], q int8 [N, K], scales bf16 or fp32 [N]."""
-    load()
-    return torch.ops.mfs.int8_gemv(x, q, scales)
-
-
 def pack_q4_rows(u: torch.Tensor) -> torch.Tensor:
     """u [N, K] integers in 0..15 (K % 32 == 0) -> uint8 [N, K / 2] in ``w4a8_gemv``'s layout (Q4_1's):
     per 32 inputs 16 bytes, byte j holding input j (low nibble) and input j + 16 (high nibble)."""
@@ -145,11 +143,6 @@ def w4a8_gemv_reference(x: torch.Tensor, q: torch.Tensor, dm: torch.Tensor) -> t
     return (dot * dx.double()[:, None, :] * d[None] + xs[:, None, :] * mn[None]).sum(-1).float()
 
 
-def int8_gemv_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The same product in float64 (tests)."""
-    return (x.double() @ q.double().t() * scales.double()).float()
-
-
 _choice: list = []
 
 
@@ -175,5 +168,5 @@ def int8_gemv_kernel() -> Callable | None:
     return _choice[0]
 
 
-__all__ = ["build", "load", "int8_gemv", "int8_gemv_reference", "int8_gemv_kernel", "pack_q4_rows",
+__all__ = ["build", "load", "int8_gemv_kernel", "pack_q4_rows",
            "unpack_q4_rows", "quantize_activations_q8", "w4a8_gemv_reference"]

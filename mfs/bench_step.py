@@ -81,7 +81,7 @@ def measure(model: str, weights: str, batch: int, steps: int, tier: int | None, 
 def add_parser(sub) -> None:
     p = sub.add_parser("step", help="median time of one decode step per weight format and batch size")
     p.add_argument("--model", default="default-raw")
-    p.add_argument("--weights", default="fp32,int8,int4", help="comma list of fp32, int8, int4, w8a8")
+    p.add_argument("--weights", default="fp32,int8,int4", help="comma list of fp32, int8, int4, w8a8, w4a8")
     p.add_argument("--batch", default="1,16", help="comma list of batch sizes (requests decoding together)")
     p.add_argument("--tier", type=int, default=None, help="the requests' tier (default: the top tier)")
     p.add_argument("--steps", type=int, default=40, help="decode steps timed per point")

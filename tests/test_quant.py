@@ -397,8 +397,12 @@ def test_w4a8_from_float_is_q4_1s_recipe():
 
 def test_w4a8_family_serves_in_the_engine_and_fuses(tied_llama):
     from worker.quant import Q4A8Linear
+    from worker.quant import linear_bytes_per_step
     q = _four_bit_family(tied_llama, "w4a8", Q4A8Linear)
     assert all(layer.qkv_proj is not None for layer in q.layers)  # fused like the other modes
+    streamed = sum(p.numel() * p.element_size() for m in q.modules() if isinstance(m, (Q4A8Linear, Int8Linear))
+                   for p in m.parameters())
+    assert linear_bytes_per_step(q) == streamed  # what `mfs bench step` reports per step
     outs = _greedy(q, [[5, 9, 33], [7, 8]], [2, 0], n=12)
     solo = _greedy(q, [[5, 9, 33]], [2], n=12) + _greedy(q, [[7, 8]], [0], n=12)
     assert outs == solo  # a row's activations are quantized alone: batching changes nothing

@@ -112,6 +112,7 @@ class Q4A8Linear(nn.Module):
         super().__init__()
         N, K = u.shape
         assert K % _GGUF_BLOCK == 0 and d.shape == m.shape == (N, K // _GGUF_BLOCK)
+        load_cpu_gemv()  # the operator forward calls (built once per machine, loaded once per process)
         self.in_features, self.out_features = K, N
         self.qweight = nn.Parameter(pack_q4_rows(u), requires_grad=False)
         self.dm = nn.Parameter(torch.stack([d, m], dim=-1).half().contiguous(), requires_grad=False)
@@ -572,7 +573,7 @@ def linear_bytes_per_step(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, nn.Linear):
             total += m.weight.numel() * m.weight.element_size()
-        elif isinstance(m, (Int8Linear, Int4Linear, GroupQuantLinear)):
+        elif isinstance(m, (Int8Linear, Int4Linear, Q4A8Linear, GroupQuantLinear)):
             total += sum(p.numel() * p.element_size() for p in m.parameters())
         elif isinstance(m, Int8DynamicLinear):
             total += m.packed_bytes() + sum(p.numel() * p.element_size() for p in m.parameters())
