@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -130,81 +131,137 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 // u in 0..15: q uint8 [N, K / 2], per 32 inputs 16 bytes, byte j holding input j in its low nibble
 // and input j + 16 in its high one (Q4_1's order); dm fp16 [N, K / 32, 2] = (d, m), the weight being
 // d * u + m. Each activation row is quantized per 32 values as llama.cpp's Q8_1 does: dx = amax / 127,
-// xq = round-half-even(x / dx) in [-127, 127], xs = dx * sum(xq). The 32 products u * xq are summed
-// exactly in integers (vpmaddubsw, vpmaddwd); a row's quantization depends on that row alone, and the
-// float sums run in one order (blocks alternately into two 8-lane accumulators, (a0 + a1), hsum, plus
-// the mins' terms summed block by block), so a row's output is the same bit for bit at any batch size.
+// xq = round-half-even(x / dx) in [-127, 127], xs = dx * sum(xq).
+//
+// Blocks go in pairs (A, B): one 32-byte load holds both blocks' codes, its low nibbles are inputs
+// 0..15 of A and of B, its high nibbles inputs 16..31; the activations are quantized into the same
+// order (per pair: A's and B's first 16 values, then their last 16), so two byte dot products --
+// vpdpbusd where the CPU has AVX-512 VNNI (built for it by kernels/cpu_gemv.py), else vpmaddubsw on
+// each half, one 16-bit add and vpmaddwd (u <= 15, |xq| <= 127: no sum can saturate) -- give A's
+// integer sum split over lanes 0..3 and B's over lanes 4..7, exactly. Converted to fp32, they take one
+// fused multiply-add with [d_A dx_A] x 4 | [d_B dx_B] x 4 (the d's spread from the fp16 pairs with one
+// permute) into one of two accumulators (pairs alternately); the mins' terms m * xs go four blocks at
+// a time into a third: the fp16 (d, m) pairs times (0, xs) pairs. Then hsum(acc0 + acc1) + hsum(zacc).
+// That order depends on K only (a last short group is padded with zeros) and a row's quantization on
+// that row only, so a row's output is the same bit for bit at any batch size. No horizontal work per
+// block, no scalar chain: ~7 instructions a block at one activation row.
+//
+// Each thread takes a contiguous range of weight rows, front to back; each weight row meets the
+// activation rows two at a time (its 4-block groups are loaded and spread once per pair).
 
+// The activation side of one row: xq [pad4(B) * 32] in pair order, dx4 [pad4(B) * 4] (each block's
+// dx four times), xsz [pad4(B) * 2] (0, xs per block); zeros past B.
 struct QuantRow {
   const int8_t* q;
-  const float* d;
-  const float* s;
+  const float* dx4;
+  const float* xsz;
 };
 
-inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs) {
-  const int64_t B = K / 32;
-  for (int64_t m = 0; m < M; m++) {
-    for (int64_t b = 0; b < B; b++) {
-      const float* xb = x + m * K + b * 32;
-      float amax = 0.f;
-      for (int j = 0; j < 32; j++) amax = std::max(amax, std::fabs(xb[j]));
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      int sum = 0;
-      int8_t* qb = xq + m * K + b * 32;
-      for (int j = 0; j < 32; j++) {
-        const int v = static_cast<int>(std::nearbyint(xb[j] * inv));
-        qb[j] = static_cast<int8_t>(v);
-        sum += v;
-      }
-      dx[m * B + b] = d;
-      xs[m * B + b] = d * static_cast<float>(sum);
-    }
-  }
+inline int64_t pad4(int64_t b) { return (b + 3) & ~int64_t(3); }
+
+inline __m256i pair_idot(__m256i v, const int8_t* xq) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, x0), hi, x1);
+#else
+  const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
 }
 
-inline __m256i nibbles(const uint8_t* w) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  const __m128i low = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
-}
-
-inline __m256 block_dot(__m256i u, const int8_t* xq) {
-  const __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+// One pair of blocks (or a lone last block when Lone: its pair's B half is zero) of one weight row
+// against MB activation rows into accumulator `which`: codes v, fp16 (d, m) spread to dmf.
+template <int MB>
+inline void pair_step(__m256i v, __m256 dmf, __m256 dd, int64_t b, const QuantRow* xr, __m256 (*acc)[3],
+                      int which) {
+  for (int i = 0; i < MB; i++)
+    acc[i][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_idot(v, xr[i].q + b * 32)),
+                                    _mm256_mul_ps(dd, _mm256_loadu_ps(xr[i].dx4 + b * 4)), acc[i][which]);
 }
 
 template <int MB>
-inline void row_w4a8(const uint8_t* w, const at::Half* dm, int64_t B, const QuantRow* xr, float out[MB]) {
-  __m256 a0[MB], a1[MB];
-  float zs[MB];
-  for (int i = 0; i < MB; i++) {
-    a0[i] = a1[i] = _mm256_setzero_ps();
-    zs[i] = 0.f;
-  }
+inline void mins_step(__m256 dmf, int64_t b, const QuantRow* xr, __m256 (*acc)[3]) {
+  for (int i = 0; i < MB; i++) acc[i][2] = _mm256_fmadd_ps(dmf, _mm256_loadu_ps(xr[i].xsz + b * 2), acc[i][2]);
+}
+
+inline __m256i load_codes(const uint8_t* w) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)); }
+
+template <int MB>
+inline void row_w4a8(const uint8_t* w, const at::Half* dm, int64_t B, const QuantRow* xr, float* out) {
+  __m256 acc[MB][3];
+  for (int i = 0; i < MB; i++) acc[i][0] = acc[i][1] = acc[i][2] = _mm256_setzero_ps();
+  const __m256i lo2 = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), hi2 = _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6);
   int64_t b = 0;
-  for (; b + 2 <= B; b += 2) {  // blocks in pairs: the even one into a0, the odd one into a1
+  for (; b + 4 <= B; b += 4) {  // four blocks: pairs into acc 0 and 1, the mins into acc 2
     _mm_prefetch(reinterpret_cast<const char*>(w + b * 16 + 1024), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(dm + b * 2 + 256), _MM_HINT_T0);
-    const __m256i u0 = nibbles(w + b * 16), u1 = nibbles(w + b * 16 + 16);
-    const __m128 dmv = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dm + b * 2)));  // d0 m0 d1 m1
-    const float d0 = _mm_cvtss_f32(dmv), m0 = _mm_cvtss_f32(_mm_shuffle_ps(dmv, dmv, 1));
-    const float d1 = _mm_cvtss_f32(_mm_shuffle_ps(dmv, dmv, 2)), m1 = _mm_cvtss_f32(_mm_shuffle_ps(dmv, dmv, 3));
-    for (int i = 0; i < MB; i++) {
-      a0[i] = _mm256_fmadd_ps(block_dot(u0, xr[i].q + b * 32), _mm256_set1_ps(d0 * xr[i].d[b]), a0[i]);
-      a1[i] = _mm256_fmadd_ps(block_dot(u1, xr[i].q + b * 32 + 32), _mm256_set1_ps(d1 * xr[i].d[b + 1]), a1[i]);
-      zs[i] += m0 * xr[i].s[b];
-      zs[i] += m1 * xr[i].s[b + 1];
+    const __m256 dmf = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + b * 2)));  // dA mA dB mB ..
+    pair_step<MB>(load_codes(w + b * 16), dmf, _mm256_permutevar8x32_ps(dmf, lo2), b, xr, acc, 0);
+    pair_step<MB>(load_codes(w + b * 16 + 32), dmf, _mm256_permutevar8x32_ps(dmf, hi2), b + 2, xr, acc, 1);
+    mins_step<MB>(dmf, b, xr, acc);
+  }
+  if (b + 2 <= B) {  // a pair left (its four halves; the rest of dmf zero)
+    const __m256 dmf = _mm256_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dm + b * 2)));
+    pair_step<MB>(load_codes(w + b * 16), dmf, _mm256_permutevar8x32_ps(dmf, lo2), b, xr, acc, 0);
+    mins_step<MB>(dmf, b, xr, acc);
+    b += 2;
+  }
+  if (b < B) {  // a lone block: its 16 bytes, its pair's other half zero
+    int32_t h2;
+    std::memcpy(&h2, dm + b * 2, sizeof h2);
+    const __m256 dmf = _mm256_cvtph_ps(_mm_cvtsi32_si128(h2));
+    const __m256i v = _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16)));
+    pair_step<MB>(v, dmf, _mm256_permutevar8x32_ps(dmf, lo2), b, xr, acc, 1);
+    mins_step<MB>(dmf, b, xr, acc);
+  }
+  for (int i = 0; i < MB; i++) out[i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1])) + hsum(acc[i][2]);
+}
+
+// x [M, K] -> per row xq (pair order), dx4, xsz as QuantRow describes, each row pad4(B) blocks long
+inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx4, float* xsz) {
+  const int64_t B = K / 32, BP = pad4(B);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+#pragma omp parallel for schedule(static) if (M >= 8)
+  for (int64_t m = 0; m < M; m++) {
+    int8_t* q = xq + m * BP * 32;
+    if (BP != B) std::memset(q, 0, BP * 32);  // padding blocks' values interleave with real ones: zero all first
+    for (int64_t b = B; b < BP; b++) {
+      for (int j = 0; j < 4; j++) dx4[m * BP * 4 + b * 4 + j] = 0.f;
+      xsz[m * BP * 2 + b * 2] = xsz[m * BP * 2 + b * 2 + 1] = 0.f;
+    }
+    for (int64_t b = 0; b < B; b++) {
+      const float* xb = x + m * K + b * 32;
+      const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
+                   x3 = _mm256_loadu_ps(xb + 24);
+      const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
+      __m128 t = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+      t = _mm_max_ss(t, _mm_shuffle_ps(t, t, 1));
+      const float amax = _mm_cvtss_f32(t);
+      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      const __m256 iv = _mm256_set1_ps(inv);
+      // round half to even: vcvtps2dq's default rounding, as nearbyint and torch.round
+      const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, iv)),
+                    i2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, iv));
+      const __m256i s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      s4 = _mm_hadd_epi32(s4, s4);
+      s4 = _mm_hadd_epi32(s4, s4);
+      // values 0..31 in order (the packs work per 128-bit lane; the permute puts them back in order)
+      const __m256i p = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3)), order);
+      int8_t* pair = q + (b / 2) * 64 + (b % 2) * 16;  // A's values at 0..15 and 32..47, B's at 16..31, 48..63
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pair), _mm256_castsi256_si128(p));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pair + 32), _mm256_extracti128_si256(p, 1));
+      for (int j = 0; j < 4; j++) dx4[m * BP * 4 + b * 4 + j] = d;
+      xsz[m * BP * 2 + b * 2] = 0.f;
+      xsz[m * BP * 2 + b * 2 + 1] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
     }
   }
-  if (b < B) {  // an odd count: the last block is even
-    const __m256i u0 = nibbles(w + b * 16);
-    const float d0 = static_cast<float>(dm[2 * b]), m0 = static_cast<float>(dm[2 * b + 1]);
-    for (int i = 0; i < MB; i++) {
-      a0[i] = _mm256_fmadd_ps(block_dot(u0, xr[i].q + b * 32), _mm256_set1_ps(d0 * xr[i].d[b]), a0[i]);
-      zs[i] += m0 * xr[i].s[b];
-    }
-  }
-  for (int i = 0; i < MB; i++) out[i] = hsum(_mm256_add_ps(a0[i], a1[i])) + zs[i];
 }
 
 at::Tensor w4a8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& dm) {
@@ -226,9 +283,11 @@ at::Tensor w4a8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const int64_t M = xc.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * B), xs(M * B);
-  quantize_rows(xc.const_data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data());
+  const int64_t BP = pad4(B);
+  std::vector<int8_t> xq(M * BP * 32);
+  std::vector<float> dx4(M * BP * 4), xsz(M * BP * 2);
+  quantize_rows(xc.const_data_ptr<float>(), M, K, xq.data(), dx4.data(), xsz.data());
+  auto row = [&](int64_t m) { return QuantRow{xq.data() + m * BP * 32, dx4.data() + m * BP * 4, xsz.data() + m * BP * 2}; };
   const uint8_t* qp = q.const_data_ptr<uint8_t>();
   const at::Half* dp = dm.const_data_ptr<at::Half>();
   float* yp = y.mutable_data_ptr<float>();
@@ -239,15 +298,14 @@ at::Tensor w4a8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
     const at::Half* d = dp + n * B * 2;
     int64_t m = 0;
     for (; m + 2 <= M; m += 2) {
-      const QuantRow xr[2] = {{xq.data() + m * K, dx.data() + m * B, xs.data() + m * B},
-                              {xq.data() + (m + 1) * K, dx.data() + (m + 1) * B, xs.data() + (m + 1) * B}};
+      const QuantRow xr[2] = {row(m), row(m + 1)};
       float out[2];
       row_w4a8<2>(w, d, B, xr, out);
       yp[m * N + n] = out[0];
       yp[(m + 1) * N + n] = out[1];
     }
     if (m < M) {
-      const QuantRow xr[1] = {{xq.data() + m * K, dx.data() + m * B, xs.data() + m * B}};
+      const QuantRow xr[1] = {row(m)};
       float out[1];
       row_w4a8<1>(w, d, B, xr, out);
       yp[m * N + n] = out[0];

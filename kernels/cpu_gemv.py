@@ -41,6 +41,36 @@ log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w"]
+# where the CPU has AVX-512 VNNI, w4a8's block sums take one vpdpbusd instead of vpmaddubsw + vpmaddwd
+VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def isa() -> str:
+    """The instruction set the operators are built for: ``avx512-vnni`` where the CPU has it, else
+    ``avx2``; ``MFS_CPU_GEMV_ISA=avx2`` asks for the AVX2 build anyway (to compare the two)."""
+    want = os.environ.get("MFS_CPU_GEMV_ISA", "")
+    if want not in ("", "avx2", "avx512-vnni"):
+        raise ValueError(f"MFS_CPU_GEMV_ISA must be avx2 or avx512-vnni, got {want!r}")
+    if want == "avx512-vnni" and not VNNI <= cpu_flags():
+        raise ValueError("MFS_CPU_GEMV_ISA=avx512-vnni, but this CPU lacks " + ", ".join(sorted(VNNI - cpu_flags())))
+    if want:
+        return want
+    return "avx512-vnni" if VNNI <= cpu_flags() else "avx2"
+
+
+def flags() -> list[str]:
+    return FLAGS + (VNNI_FLAGS if isa() == "avx512-vnni" else [])
 
 
 def _cache_dir() -> Path:
@@ -52,7 +82,7 @@ def _command(cxx: str, source: Path, out: str) -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     incs = [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = [f"-L{p}" for p in cpp_extension.library_paths()]
-    return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *incs, str(source), "-o", out, *libs,
+    return [cxx, *flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *incs, str(source), "-o", out, *libs,
             "-lc10", "-ltorch_cpu"]
 
 
@@ -62,7 +92,7 @@ def build(source: Path = SOURCE, cxx: str | None = None) -> Path:
     cxx = cxx or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
-    key = hashlib.sha256(source.read_bytes() + " ".join([cxx, *FLAGS, torch.__version__]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + " ".join([cxx, *flags(), torch.__version__]).encode()).hexdigest()[:16]
     folder = _cache_dir() / key
     lib = folder / "libmfs_cpu_gemv.so"
     if lib.exists():
@@ -74,7 +104,8 @@ def build(source: Path = SOURCE, cxx: str | None = None) -> Path:
             return lib
         with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as tmp:
             pass
-        log.info("building the AVX2 int8 kernel (once per machine, ~1 min)", source=source.name, into=str(folder))
+        log.info("building our CPU operators (once per machine, ~10 s)", source=source.name, isa=isa(),
+                 into=str(folder))
         res = subprocess.run(_command(cxx, source, tmp.name), capture_output=True, text=True)
         if res.returncode != 0:
             os.unlink(tmp.name)

@@ -1,6 +1,6 @@
 """`mfs bench linears`: one decode step's matmuls per weight format — fp32 ``F.linear`` against the
-int8 / int4 / w8a8 kernels of :mod:`worker.quant` (and, on an AVX2 CPU, torch's int8 kernel beside ours,
-and w4a8) — on a model's linear shapes (default: SmolLM2-135M's),
+int8 / int4 / w8a8 kernels of :mod:`worker.quant` (and, where our operators build, the int8 kernel
+serving does not take beside the one it does, and w4a8) — on a model's linear shapes (default: SmolLM2-135M's),
 at batch 1 and 16. Random weights: only shapes and bytes matter for speed."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_gemv import int8_gemv_kernel
+from kernels.cpu_gemv import int8_gemv_kernel, isa, load as load_cpu_gemv
 from worker.quant import Int4Linear, Int8Linear, Q4A8Linear
 from worker.quant_w8a8 import Int8DynamicLinear
 from mfs.runtime import write_json
@@ -27,20 +27,34 @@ def _torch_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     return torch._weight_int8pack_mm(x.to(torch.bfloat16), q, scales).float()
 
 
-def _int8_torch(w: torch.Tensor) -> Int8Linear:
-    """An Int8Linear held on torch's bf16 kernel (where the default is our AVX2 operator)."""
-    lin = Int8Linear.from_float(w)
-    lin.rows_kernel = _torch_int8
-    return lin
+def _int8_on(kernel):
+    """An Int8Linear held on the given rows kernel (torch's or ours, whichever serving does not take)."""
+    def make(w: torch.Tensor) -> Int8Linear:
+        lin = Int8Linear.from_float(w)
+        lin.rows_kernel = kernel
+        return lin
+    return make
+
+
+def _ours_build() -> bool:
+    try:
+        load_cpu_gemv()
+        return True
+    except (RuntimeError, OSError):
+        return False
 
 
 def _formats(group: int) -> dict:
-    """The formats to time. ``int8`` is what serving runs here (our AVX2 operator where torch reports
-    AVX2, else torch's); ``int8-torch`` and ``w4a8`` appear where our AVX2 operators serve."""
+    """The formats to time. ``int8`` is what serving runs here (our operator where torch reports AVX2,
+    else torch's); where our operators build, the other int8 kernel beside it (``int8-torch`` or
+    ``int8-mfs``) and ``w4a8``."""
     fmts = {"fp32": lambda w: (lambda x, w=w: F.linear(x, w)), "int8": Int8Linear.from_float,
             f"int4-g{group}": lambda w: Int4Linear.from_float(w, group), "w8a8": Int8DynamicLinear.from_float}
-    if int8_gemv_kernel() is not None:
-        fmts["int8-torch"] = _int8_torch
+    if _ours_build():
+        if int8_gemv_kernel() is not None:
+            fmts["int8-torch"] = _int8_on(_torch_int8)
+        else:
+            fmts["int8-mfs"] = _int8_on(torch.ops.mfs.int8_gemv)
         fmts["w4a8"] = Q4A8Linear.from_float
     return fmts
 
@@ -101,6 +115,7 @@ def run(args) -> int:
         res = {"benchmark": "linears", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
                            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                           "mfs_operators_isa": isa() if _ours_build() else None,
                            "torch": torch.__version__},
                "rows": rows, "step_ms": totals}
         write_json(args.json, res)
