@@ -1,4 +1,4 @@
-"""Our AVX2 CPU matmul operators (``kernels/cpu_gemv.cpp``), built with the machine's C++ compiler
+"""Our CPU matmul operators (AVX2; AVX-512 VNNI where the CPU has it) (``kernels/cpu_gemv.cpp``), built with the machine's C++ compiler
 against the installed torch on first use and loaded with ``torch.ops.load_library``:
 
 * ``mfs::int8_gemv`` — int8 weights, fp32 activations. On an AVX2 CPU torch's ``_weight_int8pack_mm``
@@ -14,11 +14,13 @@ operators (not Python custom ops), a compiled decode graph calls them from C++ l
 Python per call.
 
 :func:`int8_gemv_kernel` is what ``worker.quant.Int8Linear`` takes: this kernel where torch reports
-the CPU capability ``AVX2`` and the build succeeds, else None (torch's kernel). An AVX-512 CPU keeps
-torch's kernel, measured there at 1.02-1.06x llama.cpp. ``MFS_CPU_GEMV=0`` turns it off. The choice is
-logged once per process.
+the CPU capability ``AVX2`` or ``AVX512`` and the build succeeds, else None (torch's kernel). Measured
+on both machines (docs/BENCHMARKS.md, "Kernels of our own"): about twice torch's int8 kernel's speed
+at one row on each, and faster than inductor's compiled int8 head on the AVX-512 one. ``MFS_CPU_GEMV=0``
+turns it off. The choice is logged once per process.
 
-The build: ``g++ -O3 -mavx2 -mfma -mf16c -fopenmp -shared`` with torch's headers, into
+The build: ``g++ -O3 -mavx2 -mfma -mf16c -fopenmp -shared`` with torch's headers (plus
+``-mavx512f -mavx512bw -mavx512vl -mavx512vnni`` where the CPU has AVX-512 VNNI: :func:`isa`), into
 ``$MFS_CACHE/kernels/<hash of source, compiler, flags, torch version>/`` (``~/.cache/mfs`` by
 default), under a file lock, once per machine. The library links ``libgomp.so.1`` by soname, which is
 the OpenMP runtime torch has already loaded, so the two share one thread pool.
@@ -178,22 +180,22 @@ _choice: list = []
 
 
 def int8_gemv_kernel() -> Callable | None:
-    """The operator ``torch.ops.mfs.int8_gemv`` on an AVX2 CPU whose compiler builds it, else None;
-    decided and logged once per process."""
+    """The operator ``torch.ops.mfs.int8_gemv`` on a CPU where torch reports AVX2 or AVX-512 and our
+    operators build, else None (torch's kernel); decided and logged once per process."""
     if not _choice:
         cap = torch.backends.cpu.get_cpu_capability()
         kernel, why = None, None
         if os.environ.get("MFS_CPU_GEMV", "1") == "0":
             why = "MFS_CPU_GEMV=0"
-        elif cap != "AVX2":
-            why = f"cpu capability {cap} (the kernel is for AVX2)"
+        elif cap not in ("AVX2", "AVX512"):
+            why = f"cpu capability {cap} (the operators need AVX2)"
         else:
             try:
                 load()
                 kernel = torch.ops.mfs.int8_gemv
             except (RuntimeError, OSError) as e:
                 why = f"build failed: {e}"
-        log.info("int8 linear kernel", kernel="mfs::int8_gemv (AVX2, fp32)" if kernel
+        log.info("int8 linear kernel", kernel=f"mfs::int8_gemv ({isa()}, fp32)" if kernel
                  else "_weight_int8pack_mm (bf16)", cpu_capability=cap, **({"why": why} if why else {}))
         _choice.append(kernel)
     return _choice[0]

@@ -99,16 +99,21 @@ def test_the_compiled_int8_head_is_fp32_exact_and_batch_invariant(llama_dir):
     assert head.rows_kernel is None and torch.equal(back, default)
 
 
-@pytest.mark.parametrize("capability", ["AVX512", "AVX2", "DEFAULT"])
-def test_compile_takes_the_fp32_head_only_on_avx512(llama_dir, monkeypatch, capability):
-    """With AVX2, inductor's int8 loop runs 4x-18x slower than the bf16 kernel (compiled_step's
-    docstring), so compile_decode leaves the head on the int8 linears' default kernel there and on
-    plain CPUs (mfs::int8_gemv on AVX2, kernels/cpu_gemv.py; else _weight_int8pack_mm)."""
+@pytest.mark.parametrize("capability,ours", [("AVX512", True), ("AVX512", False), ("AVX2", True),
+                                             ("AVX2", False), ("DEFAULT", False)])
+def test_compile_takes_the_fp32_head_only_on_avx512_without_our_operator(llama_dir, monkeypatch, capability,
+                                                                          ours):
+    """Our int8 operator (kernels/cpu_gemv.py) beat inductor's compiled head at every batch on the
+    AVX-512 machine, and with AVX2 inductor's int8 loop runs 4x-18x slower than the bf16 kernel
+    (compiled_step's docstring): so compile_decode leaves the head on the int8 linears' own kernel
+    except on an AVX-512 CPU where our operator does not serve."""
+    from kernels import cpu_gemv
     from worker.compiled_step import compiled_int8_rows
     model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32", weights="int8").model
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(cpu_gemv, "_choice", [torch.ops.mfs.int8_gemv if ours else None])
     model.compile_decode()
-    want = compiled_int8_rows() if capability == "AVX512" else None
+    want = compiled_int8_rows() if capability == "AVX512" and not ours else None
     assert model.lm_head.rows_kernel is want
 
 

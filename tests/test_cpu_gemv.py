@@ -1,7 +1,7 @@
-"""The AVX2 int8 operator ``mfs::int8_gemv`` (kernels/cpu_gemv.cpp): built with the machine's compiler,
-checked against a float64 product, batch invariance bit for bit, its errors, and that an int8 model
-takes it where torch reports AVX2. Runs on any x86 CPU with AVX2 and FMA (AVX-512 machines too: the
-operator is built and checked there, though serving keeps torch's kernel)."""
+"""Our CPU operators ``mfs::int8_gemv`` and ``mfs::w4a8_gemv`` (kernels/cpu_gemv.cpp): built with the
+machine's compiler (for AVX-512 VNNI where the CPU has it, else AVX2), checked against float64
+products, batch invariance bit for bit, their errors, and that an int8 model takes them where torch
+reports AVX2 or AVX-512. Runs on any x86 CPU with AVX2 and FMA."""
 from pathlib import Path
 
 import pytest
@@ -89,8 +89,8 @@ def test_it_traces_into_a_compiled_graph(op):
     assert torch.equal(f(x), torch.relu(op(x, q, s)) + 1)
 
 
-@pytest.mark.parametrize("capability,env,takes", [("AVX2", None, True), ("AVX512", None, False),
-                                                  ("AVX2", "0", False)])
+@pytest.mark.parametrize("capability,env,takes", [("AVX2", None, True), ("AVX512", None, True),
+                                                  ("DEFAULT", None, False), ("AVX2", "0", False)])
 def test_the_kernel_is_chosen_by_capability(monkeypatch, capability, env, takes):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(cpu_gemv, "_choice", [])

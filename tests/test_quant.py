@@ -124,8 +124,9 @@ def test_auto_mode_picks_a_supported_format():
 
 
 @pytest.mark.parametrize("capability,kernel,want", [("AVX2", True, "w4a8"), ("AVX2", False, "int4"),
-                                                    ("AVX512", True, "int4"), ("DEFAULT", True, "fp32")])
-def test_auto_picks_w4a8_where_our_avx2_kernels_serve(monkeypatch, capability, kernel, want):
+                                                    ("AVX512", True, "w4a8"), ("AVX512", False, "int4"),
+                                                    ("DEFAULT", True, "fp32")])
+def test_auto_picks_w4a8_where_our_kernels_serve(monkeypatch, capability, kernel, want):
     import worker.quant as quant
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(quant, "int8_gemv_kernel", lambda: object() if kernel else None)
@@ -409,7 +410,7 @@ def test_w4a8_family_serves_in_the_engine_and_fuses(tied_llama):
 
 
 def test_w4a8_is_refused_off_the_cpu_and_with_another_group(llama_dir):
-    with pytest.raises(ValueError, match="AVX2 CPUs"):
+    with pytest.raises(ValueError, match="CPUs with AVX2"):
         resolve_mode("w4a8", "cuda")
     from worker.family import load_family
     model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32").model

@@ -36,6 +36,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_gemv import int8_gemv_kernel
 from kernels.rmsnorm import fused_add_rms_norm_torch
 from kernels.rotary import rotary_torch
 
@@ -158,12 +159,16 @@ _head_choice_logged = False
 
 
 def compiled_head_kernel() -> Callable | None:
-    """The int8 head's kernel under ``--compile``: :func:`compiled_int8_rows` where the CPU has AVX-512,
-    else None (the bf16 ``_weight_int8pack_mm``; see the module's docstring for the AVX2 figures).
-    Logged once per process."""
+    """The int8 head's kernel under ``--compile``: None where our int8 operator serves the int8 linears
+    (:func:`kernels.cpu_gemv.int8_gemv_kernel`: on the AVX-512 machine it ran SmolLM2's head in 0.79 /
+    1.45 / 3.0 / 11.9 ms at 1 / 2 / 6 / 16 rows against inductor's 1.34 / 2.73 / 6.9 / 15.0, so the
+    head keeps the linears' own kernel); else :func:`compiled_int8_rows` where the CPU has AVX-512; else
+    None (the bf16 ``_weight_int8pack_mm``; see the module's docstring for the AVX2 figures). Logged
+    once per process."""
     global _head_choice_logged
     cap = torch.backends.cpu.get_cpu_capability()
-    kernel = compiled_int8_rows() if cap == "AVX512" else None
+    ours = int8_gemv_kernel() is not None
+    kernel = compiled_int8_rows() if cap == "AVX512" and not ours else None
     if not _head_choice_logged:
         log.info("compiled int8 head", kernel="inductor fp32 rows" if kernel else "the int8 linears' own kernel",
                  cpu_capability=cap)

@@ -2,10 +2,10 @@
 model after its weights (and any precipitation delta) are final.
 
 Owns:
-* :class:`Int8Linear` — int8 per output channel: on an AVX2 CPU our operator ``mfs::int8_gemv``
-  (``kernels/cpu_gemv.cpp``: fp32 activations, ~2x torch's kernel's bytes per second there), else
-  ``torch._weight_int8pack_mm`` (or, for the LM head under ``compile_decode`` on AVX-512, a compiled
-  fp32-activation kernel: ``rows_kernel``).
+* :class:`Int8Linear` — int8 per output channel: on an AVX2 or AVX-512 CPU our operator ``mfs::int8_gemv``
+  (``kernels/cpu_gemv.cpp``: fp32 activations, ~2x torch's kernel's speed at one row on both machines),
+  else ``torch._weight_int8pack_mm`` (or, for the LM head under ``compile_decode`` on an AVX-512 CPU
+  where our operator does not build, a compiled fp32-activation kernel: ``rows_kernel``).
 * :class:`Int4Linear` — 4-bit, group-wise scale and zero along K, ``torch._weight_int4pack_mm_for_cpu``.
   The kernel dequantizes ``w = fma(q - 8, scale, zero)`` (checked in tests against its own output).
 
@@ -20,10 +20,10 @@ dequantizes bit for bit (``exact=True``: tests and the perplexity reference, not
   in its rows; slower than int4 at one row (twice the bytes).
 * :class:`Int8Embedding` — int8 rows with one scale per 32 values (GGUF's Q8_0 layout); a lookup
   dequantizes only the rows it reads.
-* :class:`Q4A8Linear` (``w4a8``, CPU with AVX2) — the GGUF's own Q4_1 blocks (or fp32 weights quantized
+* :class:`Q4A8Linear` (``w4a8``, CPU with AVX2; AVX-512 VNNI used where present) — the GGUF's own Q4_1 blocks (or fp32 weights quantized
   the same way) times activations quantized to 8 bits per 32 values, as llama.cpp runs such a model:
   our operator ``mfs::w4a8_gemv`` sums each block's products exactly in integers. Fewest bytes and the
-  least arithmetic per weight of the CPU modes: on the AVX2 machine the fastest single request.
+  least arithmetic per weight of the CPU modes: the fastest mode on both machines (``--weights auto``).
 * On CUDA (``layout="groups"``): :class:`worker.quant_groups.GroupQuantLinear`, GGUF-style codes with an
   fp16 (scale, min) per group of 32, served by a Triton dequantize-matmul; Q4_1 blocks load as they ship.
 * :func:`fuse_projections` — each decoder layer's q/k/v and gate/up linears of one quantized kind
@@ -80,9 +80,9 @@ class Int8Linear(nn.Module):
         return cls(q, scales, bias)
 
     # a callable (x [M, K] fp32, qweight, scales) -> [M, N] that replaces the default kernel for this
-    # module: the compiled head of ``NestedModel.compile_decode`` on AVX-512 (worker/compiled_step.py:
-    # int8_rows); None: the default, :func:`kernels.cpu_gemv.int8_gemv_kernel` where it serves (AVX2),
-    # else torch's bf16 kernel
+    # module: the compiled head of ``NestedModel.compile_decode`` on AVX-512 without our operator
+    # (worker/compiled_step.py: int8_rows); None: the default, :func:`kernels.cpu_gemv.int8_gemv_kernel`
+    # where it serves (AVX2, AVX-512), else torch's bf16 kernel
     rows_kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +104,7 @@ class Int8Linear(nn.Module):
 class Q4A8Linear(nn.Module):
     """``w4a8``: 4-bit weight blocks as GGUF's Q4_1 ships them (per 32 inputs 16 bytes of codes u and
     an fp16 (d, m), the weight d * u + m) times activations quantized to 8 bits per 32 values, as
-    llama.cpp runs a Q4_1 model on a CPU. Served by ``mfs::w4a8_gemv`` (``kernels/cpu_gemv.cpp``, AVX2):
+    llama.cpp runs a Q4_1 model on a CPU. Served by ``mfs::w4a8_gemv`` (``kernels/cpu_gemv.cpp``, AVX2 or AVX-512 VNNI):
     the 32 products of a block summed exactly in integers. The weights are the GGUF's own (bit for bit
     what transformers' loader dequantizes) or quantized from fp32 the same way."""
 
@@ -402,9 +402,9 @@ _auto_logged = False
 
 
 def resolve_mode(mode: str, device: str = "cpu") -> str:
-    """'auto': on a CPU where torch reports AVX2 and our AVX2 operators build, w4a8 (the fastest mode there
-    for one request and for batches: docs/BENCHMARKS.md, "Kernels of our own"); on AVX-512, int4 (torch's
-    int4 kernel, measured at parity with llama.cpp there); else fp32. On CUDA 'auto' stays fp32 until
+    """'auto': on a CPU where torch reports AVX2 or AVX-512 and our operators build, w4a8 (the fastest
+    mode on both machines for one request and for batches: docs/BENCHMARKS.md, "Kernels of our own");
+    where they do not build there, int4 (torch's int4 kernel); else fp32. On CUDA 'auto' stays fp32 until
     the Triton kernel's speed is measured there (int4 / int8 ask for it). Logged once per process."""
     global _auto_logged
     if mode not in MODES:
@@ -414,20 +414,18 @@ def resolve_mode(mode: str, device: str = "cpu") -> str:
             raise ValueError(f"--weights w8a8: fbgemm's int8 kernels are CPU only, not {device}")
         if mode == "w4a8":
             if not str(device).startswith("cpu"):
-                raise ValueError(f"--weights w4a8: its kernel is for AVX2 CPUs, not {device}")
+                raise ValueError(f"--weights w4a8: its kernel is for CPUs with AVX2, not {device}")
             try:
                 load_cpu_gemv()
             except (RuntimeError, OSError) as e:
-                raise ValueError(f"--weights w4a8 needs the AVX2 kernel (kernels/cpu_gemv.py), which did not "
+                raise ValueError(f"--weights w4a8 needs our CPU operators (kernels/cpu_gemv.py), which did not "
                                  f"build here: {e}") from e
         if mode != "fp32" and not str(device).startswith(("cpu", "cuda")):
             raise ValueError(f"--weights {mode}: quantized kernels exist for CPU and CUDA, not {device}")
         return mode
     cap = torch.backends.cpu.get_cpu_capability()
     choice = "fp32"
-    if str(device).startswith("cpu") and cap == "AVX512":
-        choice = "int4"
-    elif str(device).startswith("cpu") and cap == "AVX2":
+    if str(device).startswith("cpu") and cap in ("AVX2", "AVX512"):
         choice = "w4a8" if int8_gemv_kernel() is not None else "int4"
     if not _auto_logged:
         log.info("weights auto", choice=choice, cpu_capability=cap, device=str(device))
@@ -512,7 +510,7 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, gr
     _detach_from_shared_storage(model)
     report.fused = fuse_projections(model) if fuse else 0
     if any(isinstance(m, Int8Linear) for m in model.modules()):
-        int8_gemv_kernel()  # decided (and on AVX2 built) at load, not in the first request
+        int8_gemv_kernel()  # decided (and built) at load, not in the first request
     log.info("quantized weights", mode=mode, from_gguf=len(report.from_gguf),
              from_float=len(report.from_float), fused=report.fused, smoothed=report.smoothed, source=gguf_path)
     return report
