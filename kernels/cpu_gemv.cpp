@@ -314,14 +314,180 @@ at::Tensor w4a8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   return y;
 }
 
+// ---- int8 a8: int8 weights (one scale per output row) times activations quantized per 32 to 8 bits ----
+//   y[m, n] = scale[n] * sum_b dx[m, b] * sum_{j<32} q[n, 32b + j] * xq[m, 32b + j]
+// the activations quantized as for w4a8 (dx = amax / 127 per 32 values, xq round-half-even), in
+// plain order. For the int8 head of --weights w4a8, as llama.cpp runs a Q8_0 output matrix: each
+// block's 32 products are summed exactly in integers, then scaled in fp32 once per block -- against
+// mfs::int8_gemv's widening of every weight to fp32 once per pair of activation rows, which makes
+// a 16-row head compute-bound.
+//
+// With AVX-512 VNNI, two blocks (64 bytes) at a time: vpdpbusd wants unsigned x signed bytes, so the
+// weights are flipped to q + 128 (one xor, shared by the activation rows) and the accumulator starts
+// from -128 * sum(xq) of each block (lane 0 for the first block, lane 8 for the second; computed with
+// the quantization), so its 16 lanes hold the exact integer sums; converted to fp32 they take one fused
+// multiply-add with [dx_A x 8 | dx_B x 8]. Without VNNI, one block (32 bytes) at a time: vpmaddubsw of
+// |q| and xq signed by q (|q|, |xq| <= 127: no pair sum saturates), vpmaddwd, then the same conversion
+// and multiply-add with [dx x 8]. Pairs (blocks) go alternately into two accumulators; a row's
+// output = hsum(acc0 + acc1) * scale, an order that depends on K only, so a row's output is the same
+// bit for bit at any batch size (and each activation row is quantized on its own).
+
+struct A8Row {
+  const int8_t* q;   // [pad2(B) * 32] plain order (with VNNI: xq + 128 as unsigned bytes), zeros past B
+  const float* dx8;  // [pad2(B) * 8] each block's dx eight times, zeros past B
+};
+
+inline int64_t pad2(int64_t b) { return (b + 1) & ~int64_t(1); }
+
+// x [M, K] -> per row xq, dx8 as A8Row describes, each row pad2(B) blocks long
+inline void quantize_rows_a8(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx8) {
+  const int64_t B = K / 32, BP = pad2(B);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+#pragma omp parallel for schedule(static) if (M >= 8)
+  for (int64_t m = 0; m < M; m++) {
+    int8_t* q = xq + m * BP * 32;
+    float* d8 = dx8 + m * BP * 8;
+    std::memset(q + B * 32, 0, (BP - B) * 32);
+    std::memset(d8 + B * 8, 0, (BP - B) * 8 * sizeof(float));
+    for (int64_t b = 0; b < B; b++) {
+      const float* xb = x + m * K + b * 32;
+      const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
+                   x3 = _mm256_loadu_ps(xb + 24);
+      const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
+      __m128 t = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+      t = _mm_max_ss(t, _mm_shuffle_ps(t, t, 1));
+      const float amax = _mm_cvtss_f32(t);
+      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      const __m256 iv = _mm256_set1_ps(inv);
+      const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, iv)),
+                    i2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, iv));
+      __m256i p = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3)), order);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      p = _mm256_xor_si256(p, _mm256_set1_epi8(static_cast<char>(0x80)));  // xq + 128, vpdpbusd's unsigned side
+#endif
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * 32), p);
+      for (int j = 0; j < 8; j++) d8[b * 8 + j] = d;
+    }
+  }
+}
+
+// One pair of blocks (64 bytes from w + b * 32; `lone`: only the first block's 32 bytes are the row's)
+// of one weight row against MB activation rows into accumulator `which`.
+template <int MB>
+inline void a8_pair(const int8_t* w, int64_t b, bool lone, const A8Row* xr, __m512 (*acc)[2], int which) {
+  const __m512i q = lone ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, w + b * 32) : _mm512_loadu_si512(w + b * 32);
+  // 128 * the sum of each 4 weights, negated: the accumulator the activation rows' sums start from
+  const __m512i neg = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(
+      _mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), q));
+  for (int i = 0; i < MB; i++) {
+    const __m512i dot = _mm512_dpbusd_epi32(neg, _mm512_loadu_si512(xr[i].q + b * 32), q);
+    acc[i][which] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(xr[i].dx8 + b * 8), acc[i][which]);
+  }
+}
+
+// One block (32 bytes from w + b * 32) against MB activation rows into accumulator `which`.
+template <int MB>
+inline void a8_block(const int8_t* w, int64_t b, const A8Row* xr, __m256 (*acc)[2], int which) {
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
+  const __m256i aq = _mm256_abs_epi8(q);
+  for (int i = 0; i < MB; i++) {
+    const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[i].q + b * 32)), q);
+    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, xs), _mm256_set1_epi16(1));
+    acc[i][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(xr[i].dx8 + b * 8), acc[i][which]);
+  }
+}
+
+template <int MB>
+inline void row_a8(const int8_t* w, int64_t B, const A8Row* xr, float* out) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __m512 acc[MB][2];
+  for (int i = 0; i < MB; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 4 <= B; b += 4) {
+    a8_pair<MB>(w, b, false, xr, acc, 0);
+    a8_pair<MB>(w, b + 2, false, xr, acc, 1);
+  }
+  if (b < B) a8_pair<MB>(w, b, b + 1 == B, xr, acc, 0);  // the last pair, or an odd B's lone block
+  if (b + 2 < B) a8_pair<MB>(w, b + 2, b + 3 == B, xr, acc, 1);
+  for (int i = 0; i < MB; i++) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+#else
+  __m256 acc[MB][2];
+  for (int i = 0; i < MB; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= B; b += 2) {
+    a8_block<MB>(w, b, xr, acc, 0);
+    a8_block<MB>(w, b + 1, xr, acc, 1);
+  }
+  if (b < B) a8_block<MB>(w, b, xr, acc, 0);
+  for (int i = 0; i < MB; i++) out[i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+#endif
+}
+
+at::Tensor int8_a8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
+  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scales.device().is_cpu(),
+              "mfs::int8_a8_gemv: CPU tensors expected");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "mfs::int8_a8_gemv: x must be fp32 [M, K], got ",
+              x.scalar_type(), " ", x.sizes());
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % 32 == 0, "mfs::int8_a8_gemv: K must be a multiple of 32, got ", K);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == K,
+              "mfs::int8_a8_gemv: q must be contiguous int8 [N, K] = [N, ", K, "], got ", q.scalar_type(), " ",
+              q.sizes());
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == q.size(0) &&
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16),
+              "mfs::int8_a8_gemv: scales must be fp32 or bf16 [N], got ", scales.scalar_type(), " ",
+              scales.sizes());
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor sc = scales.contiguous();
+  const bool bf16 = sc.scalar_type() == at::kBFloat16;
+  const int64_t M = xc.size(0), N = q.size(0), B = K / 32, BP = pad2(B);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  std::vector<int8_t> xq(M * BP * 32);
+  std::vector<float> dx8(M * BP * 8);
+  quantize_rows_a8(xc.const_data_ptr<float>(), M, K, xq.data(), dx8.data());
+  auto row = [&](int64_t m) { return A8Row{xq.data() + m * BP * 32, dx8.data() + m * BP * 8}; };
+  const int8_t* qp = q.const_data_ptr<int8_t>();
+  const float* sf = bf16 ? nullptr : sc.const_data_ptr<float>();
+  const c10::BFloat16* sb = bf16 ? sc.const_data_ptr<c10::BFloat16>() : nullptr;
+  float* yp = y.mutable_data_ptr<float>();
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), (N + 15) / 16));
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < N; n++) {
+    const int8_t* w = qp + n * K;
+    _mm_prefetch(reinterpret_cast<const char*>(w + 4 * K), _MM_HINT_T0);
+    const float s = bf16 ? float(sb[n]) : sf[n];
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+      const A8Row xr[4] = {row(m), row(m + 1), row(m + 2), row(m + 3)};
+      float out[4];
+      row_a8<4>(w, B, xr, out);
+      for (int i = 0; i < 4; i++) yp[(m + i) * N + n] = out[i] * s;
+    }
+    for (; m < M; m++) {
+      const A8Row xr[1] = {row(m)};
+      float out[1];
+      row_a8<1>(w, B, xr, out);
+      yp[m * N + n] = out[0] * s;
+    }
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mfs, m) {
   m.def("int8_gemv(Tensor x, Tensor q, Tensor scales) -> Tensor");
   m.def("w4a8_gemv(Tensor x, Tensor q, Tensor dm) -> Tensor");
+  m.def("int8_a8_gemv(Tensor x, Tensor q, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mfs, CPU, m) {
   m.impl("int8_gemv", &int8_gemv);
   m.impl("w4a8_gemv", &w4a8_gemv);
+  m.impl("int8_a8_gemv", &int8_a8_gemv);
 }

@@ -8,6 +8,8 @@ against the installed torch on first use and loaded with ``torch.ops.load_librar
   activation rows, and keeps the activations fp32.
 * ``mfs::w4a8_gemv`` — Q4_1 weight blocks times activations quantized per 32 values to 8 bits
   (``--weights w4a8``, ``worker.quant.Q4A8Linear``).
+* ``mfs::int8_a8_gemv`` — int8 weights (one scale per row) times the same 8-bit activations: the LM
+  head of ``--weights w4a8`` (``worker.quant.Int8A8Linear``).
 
 A row's output is the same bit for bit at any batch size (the C++ file says why). Being real torch
 operators (not Python custom ops), a compiled decode graph calls them from C++ like any aten op: no
@@ -134,6 +136,10 @@ def load() -> None:
     def _(x, q, dm):
         return x.new_empty(x.shape[0], q.shape[0])
 
+    @torch.library.register_fake("mfs::int8_a8_gemv")
+    def _(x, q, scales):
+        return x.new_empty(x.shape[0], q.shape[0])
+
     _loaded.append(True)
 
 
@@ -176,6 +182,14 @@ def w4a8_gemv_reference(x: torch.Tensor, q: torch.Tensor, dm: torch.Tensor) -> t
     return (dot * dx.double()[:, None, :] * d[None] + xs[:, None, :] * mn[None]).sum(-1).float()
 
 
+def int8_a8_gemv_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``mfs::int8_a8_gemv`` in float64 from the same quantized activations (tests)."""
+    xq, dx = quantize_activations_q8(x)
+    M, K = x.shape
+    dot = torch.einsum("mbj,nbj->mnb", xq.double().view(M, K // 32, 32), q.double().view(q.shape[0], K // 32, 32))
+    return ((dot * dx.double()[:, None, :]).sum(-1) * scales.double()[None]).float()
+
+
 _choice: list = []
 
 
@@ -202,4 +216,5 @@ def int8_gemv_kernel() -> Callable | None:
 
 
 __all__ = ["build", "load", "int8_gemv_kernel", "pack_q4_rows",
-           "unpack_q4_rows", "quantize_activations_q8", "w4a8_gemv_reference"]
+           "unpack_q4_rows", "quantize_activations_q8", "w4a8_gemv_reference",
+           "int8_a8_gemv_reference"]

@@ -1,4 +1,4 @@
-"""Our CPU operators ``mfs::int8_gemv`` and ``mfs::w4a8_gemv`` (kernels/cpu_gemv.cpp): built with the
+"""Our CPU operators ``mfs::int8_gemv``, ``mfs::w4a8_gemv`` and ``mfs::int8_a8_gemv`` (kernels/cpu_gemv.cpp): built with the
 machine's compiler (for AVX-512 VNNI where the CPU has it, else AVX2), checked against float64
 products, batch invariance bit for bit, their errors, and that an int8 model takes them where torch
 reports AVX2 or AVX-512. Runs on any x86 CPU with AVX2 and FMA."""
@@ -184,3 +184,71 @@ def test_w4a8_bad_inputs_are_refused_with_a_message(op, bad, match):
     x, _, p, dm = _w4a8_case(2, 16, 64)
     with pytest.raises(RuntimeError, match=match):
         torch.ops.mfs.w4a8_gemv(*bad(x, p, dm))
+
+
+# ---- mfs::int8_a8_gemv: int8 weights (a scale per row) times activations quantized per 32 ------------
+# K: one block, an odd number (a lone last block), the model's 576 (18), wide; M: below, at and past
+# the 4-row register block
+@pytest.mark.parametrize("M,N,K", [(1, 960, 576), (2, 33, 32), (3, 7, 96), (5, 13, 160), (16, 40, 1536),
+                                   (9, 100, 576)])
+def test_int8_a8_matches_its_float64_reference_and_tracks_the_fp32_product(op, M, N, K):
+    x, q, s = _case(M, N, K, seed=6)
+    q[0, :5] = -128  # the full int8 range, though our heads hold -127..127
+    got = torch.ops.mfs.int8_a8_gemv(x, q, s)
+    want = cpu_gemv.int8_a8_gemv_reference(x, q, s)
+    assert got.shape == (M, N) and got.dtype == torch.float32
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max() + 1e-7
+    exact = x.double() @ q.double().t() * s.double()  # the activations' 8-bit rounding is the only approximation
+    _, dx = cpu_gemv.quantize_activations_q8(x)
+    half_step = (dx.double() / 2).repeat_interleave(32, dim=1)
+    bound = (half_step @ q.abs().double().t()) * s.double() * 1.001 + 1e-6
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_int8_a8_rows_are_quantized_alone_and_the_batch_changes_nothing(op):
+    x, q, s = _case(11, 300, 576, seed=7)
+    x[3] *= 1000  # one loud row must not coarsen the others' quantization
+    full = torch.ops.mfs.int8_a8_gemv(x, q, s)
+    for m in (1, 2, 3, 4, 5):
+        parts = torch.cat([torch.ops.mfs.int8_a8_gemv(x[i:i + m], q, s) for i in range(0, 11, m)])
+        assert torch.equal(parts, full), m
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(torch.ops.mfs.int8_a8_gemv(x, q, s), full)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda x, q, s: (x[:, :48], q[:, :48].contiguous(), s), "multiple of 32"),
+    (lambda x, q, s: (x.double(), q, s), "x must be fp32"),
+    (lambda x, q, s: (x, q.to(torch.uint8), s), "q must be contiguous int8"),
+    (lambda x, q, s: (x, q[:, :32].contiguous(), s), r"q must be contiguous int8 \[N, K\]"),
+    (lambda x, q, s: (x, q, s.half()), "scales must be"),
+])
+def test_int8_a8_bad_inputs_are_refused_with_a_message(op, bad, match):
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.mfs.int8_a8_gemv(*bad(*_case(2, 16, 64)))
+
+
+def test_int8_a8_traces_into_a_compiled_graph_and_empty_batches(op):
+    x, q, s = _case(3, 40, 64, seed=8)
+    f = torch.compile(lambda x: torch.ops.mfs.int8_a8_gemv(x, q, s) * 2, dynamic=True)
+    assert torch.equal(f(x), torch.ops.mfs.int8_a8_gemv(x, q, s) * 2)
+    assert torch.ops.mfs.int8_a8_gemv(x[:0], q, s).shape == (0, 40)
+
+
+def test_the_w4a8_head_runs_int8_a8():
+    from worker.quant import Int8A8Linear
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(9))
+    lin = Int8A8Linear.from_float(w, torch.randn(48))
+    x = torch.randn(3, 2, 64)
+    got = lin(x)
+    assert got.shape == (3, 2, 48)
+    assert torch.equal(got.reshape(6, 48), torch.ops.mfs.int8_a8_gemv(x.reshape(6, 64), lin.qweight, lin.scales)
+                       + lin.bias)
+    want = x.double() @ lin.dequantize().double().t() + lin.bias.double()
+    assert (got.double() - want).abs().max() < 0.02 * want.abs().max()
+    with pytest.raises(ValueError, match="per 32 inputs"):
+        Int8A8Linear.from_float(torch.randn(8, 40))

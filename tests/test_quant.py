@@ -399,7 +399,9 @@ def test_w4a8_from_float_is_q4_1s_recipe():
 def test_w4a8_family_serves_in_the_engine_and_fuses(tied_llama):
     from worker.quant import Q4A8Linear
     from worker.quant import linear_bytes_per_step
+    from worker.quant import Int8A8Linear
     q = _four_bit_family(tied_llama, "w4a8", Q4A8Linear)
+    assert isinstance(q.lm_head, Int8A8Linear)  # the head's activations 8-bit too, as llama.cpp runs it
     assert all(layer.qkv_proj is not None for layer in q.layers)  # fused like the other modes
     streamed = sum(p.numel() * p.element_size() for m in q.modules() if isinstance(m, (Q4A8Linear, Int8Linear))
                    for p in m.parameters())

@@ -88,7 +88,7 @@ class ModelArgs:
         "fp32", "serve weights quantized (CPU): int8 per channel, int4 in groups of 32 (a GGUF's own Q4_1 "
                 "blocks where they match), w8a8 = int8 weights times int8 activations (fbgemm: cheap "
                 "extra rows, for batches), w4a8 = Q4_1 blocks times activations quantized per 32 as "
-                "llama.cpp does (AVX2 kernel: the fastest single request there); auto picks by the CPU")
+                "llama.cpp does (the fastest mode on CPUs with AVX2 or AVX-512); auto picks by the CPU")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

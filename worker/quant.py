@@ -24,6 +24,7 @@ dequantizes bit for bit (``exact=True``: tests and the perplexity reference, not
   the same way) times activations quantized to 8 bits per 32 values, as llama.cpp runs such a model:
   our operator ``mfs::w4a8_gemv`` sums each block's products exactly in integers. Fewest bytes and the
   least arithmetic per weight of the CPU modes: the fastest mode on both machines (``--weights auto``).
+  Its LM head is :class:`Int8A8Linear`: int8 per row times the same 8-bit activations.
 * On CUDA (``layout="groups"``): :class:`worker.quant_groups.GroupQuantLinear`, GGUF-style codes with an
   fp16 (scale, min) per group of 32, served by a Triton dequantize-matmul; Q4_1 blocks load as they ship.
 * :func:`fuse_projections` — each decoder layer's q/k/v and gate/up linears of one quantized kind
@@ -99,6 +100,34 @@ class Int8Linear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         return self.qweight.float() * self.scales.float()[:, None]
+
+
+class Int8A8Linear(Int8Linear):
+    """The LM head of ``w4a8``: :class:`Int8Linear`'s weights (int8, one scale per output row) times
+    activations quantized to 8 bits per 32 values as w4a8's linears quantize them (llama.cpp runs a
+    Q8_0 output matrix so), served by ``mfs::int8_a8_gemv``: each block's products summed exactly in
+    integers, where ``mfs::int8_gemv`` widens every weight to fp32 once per pair of activation rows.
+    Same bytes, a fraction of the arithmetic per extra row (a 6-row head on the AVX-512 machine:
+    docs/BENCHMARKS.md, "Both machines' kernels")."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        if q.shape[1] % _GGUF_BLOCK:
+            raise ValueError(f"8-bit activations go per {_GGUF_BLOCK} inputs; this head has {q.shape[1]}")
+        load_cpu_gemv()  # the operator forward calls (built once per machine, loaded once per process)
+        super().__init__(q, scales, bias)
+
+    @staticmethod
+    def supports(in_features: int) -> bool:
+        return in_features % _GGUF_BLOCK == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows_kernel is not None:
+            return super().forward(x)
+        shape = x.shape
+        y = torch.ops.mfs.int8_a8_gemv(x.reshape(-1, shape[-1]).float().contiguous(), self.qweight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
 
 
 class Q4A8Linear(nn.Module):
@@ -469,7 +498,8 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, gr
     """Swaps every nn.Linear / nn.Embedding of ``model`` for its quantized form, in place.
 
     int8: linears int8 per channel. w4a8: linears as Q4_1 blocks (the GGUF's own where they still
-    match) times 8-bit activations (:class:`Q4A8Linear`; K % 32 != 0 falls back to int8). w8a8: the same int8 weights run by fbgemm on int8 activations
+    match) times 8-bit activations (:class:`Q4A8Linear`; K % 32 != 0 falls back to int8), the head int8 times
+    8-bit activations (:class:`Int8A8Linear`). w8a8: the same int8 weights run by fbgemm on int8 activations
     (:class:`worker.quant_w8a8.Int8DynamicLinear`, the head too; CPU only). int4: linears 4-bit groups of ``group`` (the GGUF's Q4_1 blocks when
     they still match; group 32 then), falling back to int8 for shapes the int4 kernel can't take (N % 16).
     Both: the LM head int8 per channel; embeddings int8 per 32 values (the GGUF's Q8_0 blocks when
@@ -547,6 +577,8 @@ def _quantized(mod: nn.Module, mode: str, group: int, found, is_head: bool) -> t
             if lin is not None:
                 return lin, True
         return Int4Linear.from_float(mod.weight, group, mod.bias), False
+    if mode == "w4a8" and is_head and Int8A8Linear.supports(mod.in_features):
+        return Int8A8Linear.from_float(mod.weight, mod.bias), False
     return Int8Linear.from_float(mod.weight, mod.bias), False
 
 
@@ -578,6 +610,6 @@ def linear_bytes_per_step(model: nn.Module) -> int:
     return total
 
 
-__all__ = ["MODES", "LAYOUTS", "GroupQuantLinear", "Int8DynamicLinear", "Int8Linear", "Int4Linear", "Int8Embedding", "GGUFSource", "QuantReport",
+__all__ = ["MODES", "LAYOUTS", "GroupQuantLinear", "Int8DynamicLinear", "Int8Linear", "Int8A8Linear", "Int4Linear", "Int8Embedding", "GGUFSource", "QuantReport",
            "quantize_model", "resolve_mode", "Q4A8Linear", "concat_linears", "fuse_projections", "q4_1_blocks", "q8_0_blocks", "q4_1_to_int4",
            "dequant_q4_1", "dequant_q8_0", "match_rows", "linear_bytes_per_step"]
