@@ -6,7 +6,8 @@ round-robin as separate model servers on one machine would be; plus the top tier
 transformers' ``generate`` on the same prompts.
 
 All requests arrive at t=0 (an offline batch); every figure is measured in this one run, the layouts
-alternating per repeat, and the medians over repeats are reported.
+alternating per repeat, and the medians over repeats are reported (and each repeat's tokens/s ratio).
+``--compile``: both layouts run all-decode steps as compiled graphs, as ``mfs up --compile`` does.
 """
 from __future__ import annotations
 
@@ -202,6 +203,10 @@ def add_parser(sub) -> None:
     p.add_argument("--generate-tokens", type=int, default=64)
     p.add_argument("--skip-generate", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--compile", action="store_true",
+                   help="both layouts run all-decode steps as compiled graphs, as `mfs up --compile` workers "
+                        "do (CPU, torch ops; worker/compiled_step.py); each model's graphs are built before "
+                        "anything is timed")
     p.set_defaults(func=run)
 
 
@@ -242,7 +247,10 @@ def run_regime(model, copies, work, args) -> dict:
                        "mean_per_token_latency": nested["mean_per_token_latency_ms"] / indep["mean_per_token_latency_ms"],
                        "mean_tpot": nested["mean_tpot_ms"] / indep["mean_tpot_ms"],
                        "peak_memory": nested["peak_memory_bytes"] / indep["peak_memory_bytes"],
-                       "weights": nested["weights_bytes"] / indep["weights_bytes"]}}
+                       "weights": nested["weights_bytes"] / indep["weights_bytes"],
+                       # each repeat's two runs back to back: the machine's drift cancels within a pair
+                       "tokens_per_s_per_repeat": [n["tokens_per_s"] / i["tokens_per_s"]
+                                                   for n, i in zip(nested_runs, indep_runs)]}}
 
 
 def run(args) -> int:
@@ -270,11 +278,20 @@ def run(args) -> int:
             quantize_model(m, weights, gguf_path=fam.base.source, device=args.device,
                            load_tokenizer=lambda: fam.tokenizer)
     args.weights = weights
+    warm_s = []
+    if args.compile:  # both layouts alike; the graphs are built (and cached on each model) before timing
+        for m in [model, *copies]:
+            m.compile_decode()
+            warm_s.append(Engine(m, block_size=args.block_size, num_blocks=args.num_blocks,
+                                 max_num_batched_tokens=args.max_batched_tokens,
+                                 max_num_seqs=args.max_num_seqs).runner.warm_up())
+        print(f"compiled: graphs built in {sum(warm_s):.0f} s (nested, then each standalone tier)", flush=True)
     result = {
         "benchmark": "engine", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(),
                     "device": args.device, "torch": torch.__version__},
-        "model": args.model, "weights": args.weights, "tiers": [(t.name, t.layers) for t in model.tiers],
+        "model": args.model, "weights": args.weights, "compiled": args.compile, "compile_warmup_s": warm_s,
+        "tiers": [(t.name, t.layers) for t in model.tiers],
         "repeats": args.repeats, "regimes": {}}
     for name in regimes:
         num, mix, pr, orr = specs[name]
@@ -310,6 +327,7 @@ def print_table(r: dict) -> None:
         for label, key, fmt, ratio in rows:
             scale = 1e-6 if key.endswith("bytes") else 1
             print(f"{label:<28}{fmt.format(n[key] * scale):>14}{fmt.format(i[key] * scale):>14}{ratio:>9.2f}")
+        print("tokens/s ratio per repeat: " + ", ".join(f"{x:.2f}" for x in q["tokens_per_s_per_repeat"]))
     g = r.get("top_tier_vs_generate")
     if g:
         print(f"\ntop tier alone, {g['concurrency']} concurrent, {g['new_tokens']} new tokens each: "

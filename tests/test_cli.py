@@ -81,9 +81,38 @@ def test_bench_engine_reports_both_regimes(llama_dir, tmp_path):
     for reg in res["regimes"].values():
         assert reg["nested"]["tokens_per_s"] > 0 and reg["ratios"]["tokens_per_s"] > 0
         assert reg["ratios"]["weights"] < 1  # one nested copy of the weights, not three
+        assert len(reg["ratios"]["tokens_per_s_per_repeat"]) == 1
+    assert res["compiled"] is False and res["compile_warmup_s"] == []
     assert (tmp_path / "e.png").stat().st_size > 0
     bad = run("bench", "engine", "--model", str(llama_dir), "--json", str(out), "--regimes", "fast")
     assert bad.returncode != 0 and "--regimes" in bad.stderr
+
+
+def test_bench_engine_compile_compiles_both_layouts_before_timing(llama_dir, tmp_path, monkeypatch):
+    """--compile: the nested model and each standalone tier get compiled decode graphs, built by a
+    warm-up before any timed run (compile_decode and warm_up are recorded, not run: the real
+    compilation is covered in tests/test_compiled_step.py and costs minutes per model)."""
+    import argparse
+
+    from mfs import bench_engine
+    from worker.model import NestedModel
+    from worker.runner import ModelRunner
+    calls = []
+    monkeypatch.setattr(NestedModel, "compile_decode", lambda self, enable=True: calls.append(("compile", id(self))))
+    monkeypatch.setattr(ModelRunner, "warm_up", lambda self, steps=2: calls.append(("warm", id(self.model))) or 1.5)
+    p = argparse.ArgumentParser()
+    bench_engine.add_parser(p.add_subparsers())
+    out = tmp_path / "engine.json"
+    args = p.parse_args(["engine", "--model", str(llama_dir), "--tiers", "2,4,6", "--device", "cpu",
+                         "--regimes", "decode", "--decode-num", "3", "--decode-prompt-len", "2,3",
+                         "--decode-output-len", "4,4", "--repeats", "1", "--skip-generate", "--threads", "1",
+                         "--num-blocks", "128", "--compile", "--json", str(out)])
+    assert args.func(args) == 0
+    models = [m for kind, m in calls if kind == "compile"]
+    assert len(models) == 4 and len(set(models)) == 4  # nested + three standalone tiers
+    assert calls == [x for m in models for x in (("compile", m), ("warm", m))]  # each warmed right after
+    res = json.loads(out.read_text())
+    assert res["compiled"] is True and res["compile_warmup_s"] == [1.5] * 4
 
 
 def test_bench_peers_runs_each_contender_side_by_side(tmp_path, frontend):
