@@ -219,11 +219,39 @@ inline void row_w4a8(const uint8_t* w, const at::Half* dm, int64_t B, const Quan
   for (int i = 0; i < MB; i++) out[i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1])) + hsum(acc[i][2]);
 }
 
+// One block of 32 activations quantized as llama.cpp's Q8_1 does: dx = amax / 127, xq =
+// round-half-even(x / dx) (vcvtps2dq's default rounding, as nearbyint and torch.round); returns the 32
+// values in order, sets dx and, if sum is given, sum(xq).
+inline __m256i quantize_block(const float* xb, float* dx, int32_t* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
+               x3 = _mm256_loadu_ps(xb + 24);
+  const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
+                                  _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
+  __m128 t = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+  t = _mm_max_ss(t, _mm_shuffle_ps(t, t, 1));
+  const float d = _mm_cvtss_f32(t) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  const __m256 iv = _mm256_set1_ps(inv);
+  const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, iv)),
+                i2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, iv));
+  if (sum) {
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    s4 = _mm_hadd_epi32(s4, s4);
+    *sum = _mm_cvtsi128_si32(s4);
+  }
+  *dx = d;
+  // values 0..31 in order (the packs work per 128-bit lane; the permute puts them back in order)
+  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3)),
+                                     order);
+}
+
 // x [M, K] -> per row xq (pair order), dx4, xsz as QuantRow describes, each row pad4(B) blocks long
 inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx4, float* xsz) {
   const int64_t B = K / 32, BP = pad4(B);
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
 #pragma omp parallel for schedule(static) if (M >= 8)
   for (int64_t m = 0; m < M; m++) {
     int8_t* q = xq + m * BP * 32;
@@ -233,33 +261,15 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, floa
       xsz[m * BP * 2 + b * 2] = xsz[m * BP * 2 + b * 2 + 1] = 0.f;
     }
     for (int64_t b = 0; b < B; b++) {
-      const float* xb = x + m * K + b * 32;
-      const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
-                   x3 = _mm256_loadu_ps(xb + 24);
-      const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
-                                      _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
-      __m128 t = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-      t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-      t = _mm_max_ss(t, _mm_shuffle_ps(t, t, 1));
-      const float amax = _mm_cvtss_f32(t);
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      const __m256 iv = _mm256_set1_ps(inv);
-      // round half to even: vcvtps2dq's default rounding, as nearbyint and torch.round
-      const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, iv)),
-                    i2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, iv));
-      const __m256i s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-      s4 = _mm_hadd_epi32(s4, s4);
-      s4 = _mm_hadd_epi32(s4, s4);
-      // values 0..31 in order (the packs work per 128-bit lane; the permute puts them back in order)
-      const __m256i p = _mm256_permutevar8x32_epi32(
-          _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3)), order);
+      float d;
+      int32_t sum;
+      const __m256i p = quantize_block(x + m * K + b * 32, &d, &sum);
       int8_t* pair = q + (b / 2) * 64 + (b % 2) * 16;  // A's values at 0..15 and 32..47, B's at 16..31, 48..63
       _mm_storeu_si128(reinterpret_cast<__m128i*>(pair), _mm256_castsi256_si128(p));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(pair + 32), _mm256_extracti128_si256(p, 1));
       for (int j = 0; j < 4; j++) dx4[m * BP * 4 + b * 4 + j] = d;
       xsz[m * BP * 2 + b * 2] = 0.f;
-      xsz[m * BP * 2 + b * 2 + 1] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+      xsz[m * BP * 2 + b * 2 + 1] = d * static_cast<float>(sum);
     }
   }
 }
@@ -323,10 +333,10 @@ at::Tensor w4a8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 // a 16-row head compute-bound.
 //
 // With AVX-512 VNNI, two blocks (64 bytes) at a time: vpdpbusd wants unsigned x signed bytes, so the
-// weights are flipped to q + 128 (one xor, shared by the activation rows) and the accumulator starts
-// from -128 * sum(xq) of each block (lane 0 for the first block, lane 8 for the second; computed with
-// the quantization), so its 16 lanes hold the exact integer sums; converted to fp32 they take one fused
-// multiply-add with [dx_A x 8 | dx_B x 8]. Without VNNI, one block (32 bytes) at a time: vpmaddubsw of
+// activations are stored as xq + 128 (flipped once, at quantization) against the signed weights, and
+// the accumulator starts from -128 times the sum of each lane's four weights (one vpdpbusd of 0x80
+// bytes per pair of a weight row, shared by the activation rows), so its 16 lanes hold the exact
+// integer sums; converted to fp32 they take one fused multiply-add with [dx_A x 8 | dx_B x 8]. Without VNNI, one block (32 bytes) at a time: vpmaddubsw of
 // |q| and xq signed by q (|q|, |xq| <= 127: no pair sum saturates), vpmaddwd, then the same conversion
 // and multiply-add with [dx x 8]. Pairs (blocks) go alternately into two accumulators; a row's
 // output = hsum(acc0 + acc1) * scale, an order that depends on K only, so a row's output is the same
@@ -342,8 +352,6 @@ inline int64_t pad2(int64_t b) { return (b + 1) & ~int64_t(1); }
 // x [M, K] -> per row xq, dx8 as A8Row describes, each row pad2(B) blocks long
 inline void quantize_rows_a8(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx8) {
   const int64_t B = K / 32, BP = pad2(B);
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
 #pragma omp parallel for schedule(static) if (M >= 8)
   for (int64_t m = 0; m < M; m++) {
     int8_t* q = xq + m * BP * 32;
@@ -351,21 +359,8 @@ inline void quantize_rows_a8(const float* x, int64_t M, int64_t K, int8_t* xq, f
     std::memset(q + B * 32, 0, (BP - B) * 32);
     std::memset(d8 + B * 8, 0, (BP - B) * 8 * sizeof(float));
     for (int64_t b = 0; b < B; b++) {
-      const float* xb = x + m * K + b * 32;
-      const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
-                   x3 = _mm256_loadu_ps(xb + 24);
-      const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
-                                      _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
-      __m128 t = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-      t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-      t = _mm_max_ss(t, _mm_shuffle_ps(t, t, 1));
-      const float amax = _mm_cvtss_f32(t);
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      const __m256 iv = _mm256_set1_ps(inv);
-      const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, iv)),
-                    i2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, iv));
-      __m256i p = _mm256_permutevar8x32_epi32(
-          _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3)), order);
+      float d;
+      __m256i p = quantize_block(x + m * K + b * 32, &d, nullptr);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       p = _mm256_xor_si256(p, _mm256_set1_epi8(static_cast<char>(0x80)));  // xq + 128, vpdpbusd's unsigned side
 #endif
