@@ -98,31 +98,47 @@ inline void row(const int8_t* q, const float* x, int64_t ldx, float* y, int64_t 
   }
 }
 
+// The checks every operator starts with: CPU tensors, x fp32 [M, K] (K a multiple of 32 for the
+// ops that quantize activations per 32)
+inline void check_x(const char* op, const at::Tensor& x, const at::Tensor& q, const at::Tensor& t, bool blocks) {
+  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && t.device().is_cpu(), op, ": CPU tensors expected");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, op, ": x must be fp32 [M, K], got ", x.scalar_type(),
+              " ", x.sizes());
+  TORCH_CHECK(!blocks || x.size(1) % 32 == 0, op, ": K must be a multiple of 32, got ", x.size(1));
+}
+
+// One scale per weight row, fp32 or bf16 (checked, made contiguous; kept alive by `t`)
+struct RowScales {
+  at::Tensor t;
+  const float* f = nullptr;
+  const c10::BFloat16* b = nullptr;
+  RowScales(const char* op, const at::Tensor& scales, int64_t N) {
+    TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N &&
+                    (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16),
+                op, ": scales must be fp32 or bf16 [N], got ", scales.scalar_type(), " ", scales.sizes());
+    t = scales.contiguous();
+    if (t.scalar_type() == at::kBFloat16) b = t.const_data_ptr<c10::BFloat16>();
+    else f = t.const_data_ptr<float>();
+  }
+  float operator[](int64_t n) const { return b ? float(b[n]) : f[n]; }
+};
+
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
-  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scales.device().is_cpu(),
-              "mfs::int8_gemv: CPU tensors expected");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "mfs::int8_gemv: x must be fp32 [M, K], got ",
-              x.scalar_type(), " ", x.sizes());
+  check_x("mfs::int8_gemv", x, q, scales, false);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(),
               "mfs::int8_gemv: q must be contiguous int8 [N, K], got ", q.scalar_type(), " ", q.sizes());
   TORCH_CHECK(x.size(1) == q.size(1), "mfs::int8_gemv: x has ", x.size(1), " columns, q ", q.size(1));
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == q.size(0) &&
-                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16),
-              "mfs::int8_gemv: scales must be fp32 or bf16 [N], got ", scales.scalar_type(), " ", scales.sizes());
+  const RowScales sc("mfs::int8_gemv", scales, q.size(0));
   const at::Tensor xc = x.contiguous();
-  const at::Tensor sc = scales.contiguous();
-  const bool bf16 = sc.scalar_type() == at::kBFloat16;
   const int64_t M = xc.size(0), N = q.size(0), K = q.size(1), ldx = K;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const float* xp = xc.const_data_ptr<float>();
   const int8_t* qp = q.const_data_ptr<int8_t>();
-  const float* sf = bf16 ? nullptr : sc.const_data_ptr<float>();
-  const c10::BFloat16* sb = bf16 ? sc.const_data_ptr<c10::BFloat16>() : nullptr;
   float* yp = y.mutable_data_ptr<float>();
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), (N + 15) / 16));
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t n = 0; n < N; n++) row(qp, xp, ldx, yp, M, N, K, n, bf16 ? float(sb[n]) : sf[n]);
+  for (int64_t n = 0; n < N; n++) row(qp, xp, ldx, yp, M, N, K, n, sc[n]);
   return y;
 }
 
@@ -275,12 +291,8 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, floa
 }
 
 at::Tensor w4a8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& dm) {
-  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && dm.device().is_cpu(),
-              "mfs::w4a8_gemv: CPU tensors expected");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "mfs::w4a8_gemv: x must be fp32 [M, K], got ",
-              x.scalar_type(), " ", x.sizes());
+  check_x("mfs::w4a8_gemv", x, q, dm, true);
   const int64_t K = x.size(1);
-  TORCH_CHECK(K % 32 == 0, "mfs::w4a8_gemv: K must be a multiple of 32, got ", K);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) * 2 == K,
               "mfs::w4a8_gemv: q must be contiguous uint8 [N, K / 2] = [N, ", K / 2, "], got ", q.scalar_type(),
               " ", q.sizes());
@@ -423,22 +435,13 @@ inline void row_a8(const int8_t* w, int64_t B, const A8Row* xr, float* out) {
 }
 
 at::Tensor int8_a8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
-  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scales.device().is_cpu(),
-              "mfs::int8_a8_gemv: CPU tensors expected");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "mfs::int8_a8_gemv: x must be fp32 [M, K], got ",
-              x.scalar_type(), " ", x.sizes());
+  check_x("mfs::int8_a8_gemv", x, q, scales, true);
   const int64_t K = x.size(1);
-  TORCH_CHECK(K % 32 == 0, "mfs::int8_a8_gemv: K must be a multiple of 32, got ", K);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == K,
               "mfs::int8_a8_gemv: q must be contiguous int8 [N, K] = [N, ", K, "], got ", q.scalar_type(), " ",
               q.sizes());
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == q.size(0) &&
-                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16),
-              "mfs::int8_a8_gemv: scales must be fp32 or bf16 [N], got ", scales.scalar_type(), " ",
-              scales.sizes());
+  const RowScales sc("mfs::int8_a8_gemv", scales, q.size(0));
   const at::Tensor xc = x.contiguous();
-  const at::Tensor sc = scales.contiguous();
-  const bool bf16 = sc.scalar_type() == at::kBFloat16;
   const int64_t M = xc.size(0), N = q.size(0), B = K / 32, BP = pad2(B);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
@@ -447,15 +450,13 @@ at::Tensor int8_a8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tens
   quantize_rows_a8(xc.const_data_ptr<float>(), M, K, xq.data(), dx8.data());
   auto row = [&](int64_t m) { return A8Row{xq.data() + m * BP * 32, dx8.data() + m * BP * 8}; };
   const int8_t* qp = q.const_data_ptr<int8_t>();
-  const float* sf = bf16 ? nullptr : sc.const_data_ptr<float>();
-  const c10::BFloat16* sb = bf16 ? sc.const_data_ptr<c10::BFloat16>() : nullptr;
   float* yp = y.mutable_data_ptr<float>();
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), (N + 15) / 16));
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t n = 0; n < N; n++) {
     const int8_t* w = qp + n * K;
     _mm_prefetch(reinterpret_cast<const char*>(w + 4 * K), _MM_HINT_T0);
-    const float s = bf16 ? float(sb[n]) : sf[n];
+    const float s = sc[n];
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) {
       const A8Row xr[4] = {row(m), row(m + 1), row(m + 2), row(m + 3)};
