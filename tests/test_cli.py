@@ -107,6 +107,8 @@ def test_bench_engine_compile_compiles_both_layouts_before_timing(llama_dir, tmp
                          "--regimes", "decode", "--decode-num", "3", "--decode-prompt-len", "2,3",
                          "--decode-output-len", "4,4", "--repeats", "1", "--skip-generate", "--threads", "1",
                          "--num-blocks", "128", "--compile", "--json", str(out)])
+    import torch
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # --threads 1 must not slow later tests
     assert args.func(args) == 0
     models = [m for kind, m in calls if kind == "compile"]
     assert len(models) == 4 and len(set(models)) == 4  # nested + three standalone tiers
