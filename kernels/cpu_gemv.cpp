@@ -37,6 +37,14 @@
 #include <cstring>
 #include <vector>
 
+// w4a8 in 512-bit registers where the build has AVX-512 VNNI (see row_w4a8_zmm)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define W4A8_ZMM 1
+constexpr int W4A8_ROWS = 6;  // a switch below covers 1 .. W4A8_ROWS
+#else
+#define W4A8_ZMM 0
+#endif
+
 namespace {
 
 inline float hsum(__m256 v) {
@@ -163,7 +171,8 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 // block, no scalar chain: ~7 instructions a block at one activation row.
 //
 // Each thread takes a contiguous range of weight rows, front to back; each weight row meets the
-// activation rows two at a time (its 4-block groups are loaded and spread once per pair).
+// activation rows two at a time (its 4-block groups are loaded and spread once per pair) -- or, in an
+// AVX-512 VNNI build, up to six at a time in 512-bit registers (row_w4a8_zmm).
 
 // The activation side of one row: xq [pad4(B) * 32] in pair order, dx4 [pad4(B) * 4] (each block's
 // dx four times), xsz [pad4(B) * 2] (0, xs per block); zeros past B.
@@ -235,6 +244,66 @@ inline void row_w4a8(const uint8_t* w, const at::Half* dm, int64_t B, const Quan
   for (int i = 0; i < MB; i++) out[i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1])) + hsum(acc[i][2]);
 }
 
+#if W4A8_ZMM
+// The 512-bit form (AVX-512 VNNI builds): four blocks (two pairs, 64 bytes of codes) per register and
+// per pair of vpdpbusd, the activations quantized four blocks to 128 bytes to match (quantize_rows).
+// Groups of four go alternately into two accumulators, the mins into a third (8 lanes), as above;
+// a last short group loads only its blocks' codes and scales (masked), the rest zero. Its order
+// depends on K only, like the 256-bit form's (a different order: the two builds' outputs differ in
+// the last bits, each the same at any batch size). Up to W4A8_ROWS activation rows per pass (three
+// accumulators each). On the Zen 5 machine (full-width 512-bit units), against the 256-bit form at
+// the same rows: 10-40 % less time on cache-resident weights at 2-16 rows, ~20 % at 6 rows over the
+// model's 30 layers streamed from memory, the same at one row; six rows per pass beat four and eight
+// (docs/BENCHMARKS.md).
+template <int MB>
+inline void group_step(__m512i v, __m256 dmf, int64_t b, const QuantRow* xr, __m512 (*acc)[2], __m256* zacc,
+                       int which) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  const __m512 dd = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6),
+                                          _mm512_castps256_ps512(dmf));
+  for (int i = 0; i < MB; i++) {
+    const int8_t* xq = xr[i].q + b * 32;
+    const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq)),
+                                            hi, _mm512_loadu_si512(xq + 64));
+    acc[i][which] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dd, _mm512_loadu_ps(xr[i].dx4 + b * 4)),
+                                    acc[i][which]);
+    zacc[i] = _mm256_fmadd_ps(dmf, _mm256_loadu_ps(xr[i].xsz + b * 2), zacc[i]);
+  }
+}
+
+template <int MB>
+inline void row_w4a8_zmm(const uint8_t* w, const at::Half* dm, int64_t B, const QuantRow* xr, float* out) {
+  __m512 acc[MB][2];
+  __m256 zacc[MB];
+  for (int i = 0; i < MB; i++) {
+    acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    zacc[i] = _mm256_setzero_ps();
+  }
+  auto group = [&](int64_t b, int which) {
+    const __m256 dmf = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + b * 2)));
+    group_step<MB>(_mm512_loadu_si512(w + b * 16), dmf, b, xr, acc, zacc, which);
+  };
+  int64_t b = 0;
+  for (; b + 8 <= B; b += 8) {  // two groups: into accumulators 0 and 1
+    _mm_prefetch(reinterpret_cast<const char*>(w + b * 16 + 1024), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + b * 16 + 1088), _MM_HINT_T0);
+    group(b, 0);
+    group(b + 4, 1);
+  }
+  if (b + 4 <= B) {
+    group(b, 0);
+    b += 4;
+  }
+  if (b < B) {  // a short group: its blocks' 16 bytes and 2 halves each, the rest zero
+    const int64_t n = B - b;
+    const __m256 dmf = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << (2 * n)) - 1), dm + b * 2));
+    group_step<MB>(_mm512_maskz_loadu_epi8((1ull << (16 * n)) - 1, w + b * 16), dmf, b, xr, acc, zacc, 1);
+  }
+  for (int i = 0; i < MB; i++) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) + hsum(zacc[i]);
+}
+#endif
+
 // One block of 32 activations quantized as llama.cpp's Q8_1 does: dx = amax / 127, xq =
 // round-half-even(x / dx) (vcvtps2dq's default rounding, as nearbyint and torch.round); returns the 32
 // values in order, sets dx and, if sum is given, sum(xq).
@@ -280,9 +349,16 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, floa
       float d;
       int32_t sum;
       const __m256i p = quantize_block(x + m * K + b * 32, &d, &sum);
-      int8_t* pair = q + (b / 2) * 64 + (b % 2) * 16;  // A's values at 0..15 and 32..47, B's at 16..31, 48..63
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(pair), _mm256_castsi256_si128(p));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(pair + 32), _mm256_extracti128_si256(p, 1));
+#if W4A8_ZMM
+      // four blocks (two pairs P0, P1) per 128 bytes: P0's first halves, P1's, P0's last halves, P1's
+      int8_t* first = q + (b / 4) * 128 + ((b % 4) / 2) * 32 + (b % 2) * 16;
+      int8_t* last = first + 64;
+#else
+      int8_t* first = q + (b / 2) * 64 + (b % 2) * 16;  // A's values at 0..15 and 32..47, B's at 16..31, 48..63
+      int8_t* last = first + 32;
+#endif
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(first), _mm256_castsi256_si128(p));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(last), _mm256_extracti128_si256(p, 1));
       for (int j = 0; j < 4; j++) dx4[m * BP * 4 + b * 4 + j] = d;
       xsz[m * BP * 2 + b * 2] = 0.f;
       xsz[m * BP * 2 + b * 2 + 1] = d * static_cast<float>(sum);
@@ -318,6 +394,23 @@ at::Tensor w4a8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   for (int64_t n = 0; n < N; n++) {
     const uint8_t* w = qp + n * (K / 2);
     const at::Half* d = dp + n * B * 2;
+#if W4A8_ZMM
+    for (int64_t m = 0; m < M; m += W4A8_ROWS) {  // up to W4A8_ROWS activation rows per pass over the weight row
+      QuantRow xr[W4A8_ROWS];
+      float out[W4A8_ROWS];
+      const int r = static_cast<int>(std::min<int64_t>(W4A8_ROWS, M - m));
+      for (int i = 0; i < r; i++) xr[i] = row(m + i);
+      switch (r) {
+        case 1: row_w4a8_zmm<1>(w, d, B, xr, out); break;
+        case 2: row_w4a8_zmm<2>(w, d, B, xr, out); break;
+        case 3: row_w4a8_zmm<3>(w, d, B, xr, out); break;
+        case 4: row_w4a8_zmm<4>(w, d, B, xr, out); break;
+        case 5: row_w4a8_zmm<5>(w, d, B, xr, out); break;
+        default: row_w4a8_zmm<W4A8_ROWS>(w, d, B, xr, out); break;
+      }
+      for (int i = 0; i < r; i++) yp[(m + i) * N + n] = out[i];
+    }
+#else
     int64_t m = 0;
     for (; m + 2 <= M; m += 2) {
       const QuantRow xr[2] = {row(m), row(m + 1)};
@@ -332,6 +425,7 @@ at::Tensor w4a8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
       row_w4a8<1>(w, d, B, xr, out);
       yp[m * N + n] = out[0];
     }
+#endif
   }
   return y;
 }
@@ -353,6 +447,11 @@ at::Tensor w4a8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 // and multiply-add with [dx x 8]. Pairs (blocks) go alternately into two accumulators; a row's
 // output = hsum(acc0 + acc1) * scale, an order that depends on K only, so a row's output is the same
 // bit for bit at any batch size (and each activation row is quantized on its own).
+
+// activation rows per pass over a weight row (a short last pass takes the rest: 6 rows are 4 + 2, not
+// 4 + 1 + 1). Eight in 512-bit registers measured slower than four on the Zen 5 machine (8 rows 1.4-1.7
+// ms against 1.0-1.1 at the head's shape; docs/BENCHMARKS.md).
+constexpr int A8_ROWS = 4;
 
 struct A8Row {
   const int8_t* q;   // [pad2(B) * 32] plain order (with VNNI: xq + 128 as unsigned bytes), zeros past B
@@ -457,18 +556,18 @@ at::Tensor int8_a8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tens
     const int8_t* w = qp + n * K;
     _mm_prefetch(reinterpret_cast<const char*>(w + 4 * K), _MM_HINT_T0);
     const float s = sc[n];
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
-      const A8Row xr[4] = {row(m), row(m + 1), row(m + 2), row(m + 3)};
-      float out[4];
-      row_a8<4>(w, B, xr, out);
-      for (int i = 0; i < 4; i++) yp[(m + i) * N + n] = out[i] * s;
-    }
-    for (; m < M; m++) {
-      const A8Row xr[1] = {row(m)};
-      float out[1];
-      row_a8<1>(w, B, xr, out);
-      yp[m * N + n] = out[0] * s;
+    for (int64_t m = 0; m < M; m += A8_ROWS) {  // up to A8_ROWS activation rows per pass over the weight row
+      A8Row xr[A8_ROWS];
+      float out[A8_ROWS];
+      const int r = static_cast<int>(std::min<int64_t>(A8_ROWS, M - m));
+      for (int i = 0; i < r; i++) xr[i] = row(m + i);
+      switch (r) {
+        case 1: row_a8<1>(w, B, xr, out); break;
+        case 2: row_a8<2>(w, B, xr, out); break;
+        case 3: row_a8<3>(w, B, xr, out); break;
+        default: row_a8<A8_ROWS>(w, B, xr, out); break;
+      }
+      for (int i = 0; i < r; i++) yp[(m + i) * N + n] = out[i] * s;
     }
   }
   return y;

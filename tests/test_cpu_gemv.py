@@ -158,12 +158,13 @@ def test_w4a8_matches_its_float64_reference_and_tracks_the_fp32_product(op, M, N
     assert ((got.double() - exact).abs() <= bound).all()
 
 
-def test_w4a8_activation_quantization_is_per_row_and_the_batch_changes_nothing(op):
-    x, _, p, dm = _w4a8_case(7, 200, 576, seed=1)
+@pytest.mark.parametrize("K", [576, 224])  # 18 blocks: groups of four and a pair left; 7: a short group of 3
+def test_w4a8_activation_quantization_is_per_row_and_the_batch_changes_nothing(op, K):
+    x, _, p, dm = _w4a8_case(13, 200, K, seed=1)
     x[3] *= 1000  # one loud row must not coarsen the others' quantization
     full = torch.ops.mfs.w4a8_gemv(x, p, dm)
-    for m in (1, 2, 3):
-        parts = torch.cat([torch.ops.mfs.w4a8_gemv(x[i:i + m], p, dm) for i in range(0, 7, m)])
+    for m in range(1, 9):  # every rows-per-pass count the kernel has, and a pass split across calls
+        parts = torch.cat([torch.ops.mfs.w4a8_gemv(x[i:i + m], p, dm) for i in range(0, 13, m)])
         assert torch.equal(parts, full), m
 
 
