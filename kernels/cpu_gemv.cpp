@@ -35,17 +35,44 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // w4a8 in 512-bit registers where the build has AVX-512 VNNI (see row_w4a8_zmm)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define W4A8_ZMM 1
-constexpr int W4A8_ROWS = 6;  // a switch below covers 1 .. W4A8_ROWS
+constexpr int W4A8_ROWS = 6;
 #else
 #define W4A8_ZMM 0
 #endif
 
 namespace {
+
+// f(std::integral_constant<int, r>{}) for a run-time r in 1 .. N: a kernel templated on its row count
+template <int N, class F>
+inline void with_rows(int r, F&& f) {
+  if constexpr (N == 1) {
+    f(std::integral_constant<int, 1>{});
+  } else if (r == N) {
+    f(std::integral_constant<int, N>{});
+  } else {
+    with_rows<N - 1>(r, f);
+  }
+}
+
+// Activation rows 0 .. M in passes of up to MAXR over one weight row: kernel(rows, xr, out) with rows an
+// integral_constant, xr[i] = row(m + i); then store(m + i, out[i]).
+template <int MAXR, class RowT, class RowFn, class Kernel, class Store>
+inline void row_passes(int64_t M, RowFn&& row, Kernel&& kernel, Store&& store) {
+  for (int64_t m = 0; m < M; m += MAXR) {
+    RowT xr[MAXR];
+    float out[MAXR];
+    const int r = static_cast<int>(std::min<int64_t>(MAXR, M - m));
+    for (int i = 0; i < r; i++) xr[i] = row(m + i);
+    with_rows<MAXR>(r, [&](auto rows) { kernel(rows, xr, out); });
+    for (int i = 0; i < r; i++) store(m + i, out[i]);
+  }
+}
 
 inline float hsum(__m256 v) {
   __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -395,21 +422,10 @@ at::Tensor w4a8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
     const uint8_t* w = qp + n * (K / 2);
     const at::Half* d = dp + n * B * 2;
 #if W4A8_ZMM
-    for (int64_t m = 0; m < M; m += W4A8_ROWS) {  // up to W4A8_ROWS activation rows per pass over the weight row
-      QuantRow xr[W4A8_ROWS];
-      float out[W4A8_ROWS];
-      const int r = static_cast<int>(std::min<int64_t>(W4A8_ROWS, M - m));
-      for (int i = 0; i < r; i++) xr[i] = row(m + i);
-      switch (r) {
-        case 1: row_w4a8_zmm<1>(w, d, B, xr, out); break;
-        case 2: row_w4a8_zmm<2>(w, d, B, xr, out); break;
-        case 3: row_w4a8_zmm<3>(w, d, B, xr, out); break;
-        case 4: row_w4a8_zmm<4>(w, d, B, xr, out); break;
-        case 5: row_w4a8_zmm<5>(w, d, B, xr, out); break;
-        default: row_w4a8_zmm<W4A8_ROWS>(w, d, B, xr, out); break;
-      }
-      for (int i = 0; i < r; i++) yp[(m + i) * N + n] = out[i];
-    }
+    // up to W4A8_ROWS activation rows per pass over the weight row
+    row_passes<W4A8_ROWS, QuantRow>(
+        M, row, [&](auto rows, const QuantRow* xr, float* out) { row_w4a8_zmm<decltype(rows)::value>(w, d, B, xr, out); },
+        [&](int64_t m, float v) { yp[m * N + n] = v; });
 #else
     int64_t m = 0;
     for (; m + 2 <= M; m += 2) {
@@ -556,19 +572,10 @@ at::Tensor int8_a8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tens
     const int8_t* w = qp + n * K;
     _mm_prefetch(reinterpret_cast<const char*>(w + 4 * K), _MM_HINT_T0);
     const float s = sc[n];
-    for (int64_t m = 0; m < M; m += A8_ROWS) {  // up to A8_ROWS activation rows per pass over the weight row
-      A8Row xr[A8_ROWS];
-      float out[A8_ROWS];
-      const int r = static_cast<int>(std::min<int64_t>(A8_ROWS, M - m));
-      for (int i = 0; i < r; i++) xr[i] = row(m + i);
-      switch (r) {
-        case 1: row_a8<1>(w, B, xr, out); break;
-        case 2: row_a8<2>(w, B, xr, out); break;
-        case 3: row_a8<3>(w, B, xr, out); break;
-        default: row_a8<A8_ROWS>(w, B, xr, out); break;
-      }
-      for (int i = 0; i < r; i++) yp[(m + i) * N + n] = out[i] * s;
-    }
+    // up to A8_ROWS activation rows per pass over the weight row
+    row_passes<A8_ROWS, A8Row>(
+        M, row, [&](auto rows, const A8Row* xr, float* out) { row_a8<decltype(rows)::value>(w, B, xr, out); },
+        [&](int64_t m, float v) { yp[m * N + n] = v * s; });
   }
   return y;
 }
