@@ -25,8 +25,16 @@ def _run(model, n=6):
     return steps, eng
 
 
-@pytest.mark.parametrize("weights", ["fp32", "int8", "w4a8"])
-def test_compiled_decode_matches_eager(llama_dir, weights):
+@pytest.mark.parametrize("weights,attention", [("fp32", "ours"), ("int8", "ours"), ("w4a8", "ours"),
+                                               ("fp32", "gather + sdpa")])
+def test_compiled_decode_matches_eager(llama_dir, weights, attention, monkeypatch):
+    """Attention "ours": mfs::decode_attention where it builds (kernels/cpu_attention.py); "gather + sdpa":
+    the graph's own gather and SDPA, as where it does not."""
+    import worker.compiled_step
+    if attention == "ours":
+        assert worker.compiled_step.decode_attention_kernel() is not None  # head_dim 16: its AVX2 form
+    else:
+        monkeypatch.setattr(worker.compiled_step, "decode_attention_kernel", lambda: None)
     eager = load_family(str(llama_dir), tiers="2+2,4+1,6", dtype="float32", weights=weights).model
     comp = load_family(str(llama_dir), tiers="2+2,4+1,6", dtype="float32", weights=weights).model
     comp.compile_decode()

@@ -1,8 +1,9 @@
 """An opt-in compiled decode layer for CPU serving (``--compile``; issue 14's lean step).
 
 When every row of a segment's step is a decode row (one new token each) and the torch ops serve, the
-segment's trunk layers -- per layer its norms, q/k/v, rotary, the KV write, the gathered attention,
-o_proj and MLP -- run as one ``torch.compile`` graph (inductor's C++ backend) instead of ~50 eager ops
+segment's trunk layers -- per layer its norms, q/k/v, rotary, the KV write, the attention (our
+``mfs::decode_attention`` reading the context in place where it builds, kernels/cpu_attention.py; else a
+gather and SDPA), o_proj and MLP -- run as one ``torch.compile`` graph (inductor's C++ backend) instead of ~50 eager ops
 and their Python per layer. One graph per segment, not per layer: dynamo's guard check and call cost
 ~60 us a call here, as much as a layer's fusions save. The layers' modules are inputs, so segments of
 equal length share a graph; batch size and context length are dynamic (one recompile going from batch
@@ -36,6 +37,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_attention import decode_attention_kernel
 from kernels.cpu_gemv import int8_gemv_kernel
 from kernels.rmsnorm import fused_add_rms_norm_torch
 from kernels.rotary import rotary_torch
@@ -51,6 +53,7 @@ def make_decode_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: flo
     the batch and context are dynamic. k_pool/v_pool [blocks * block_size, Hkv, D]; flat [T * lmax]
     slots; last [T] each row's new position in its context; mask [T, 1, 1, lmax]."""
     gqa = num_heads != num_kv_heads
+    in_place = decode_attention_kernel() if head_dim % 16 == 0 else None
 
     def decode_layer(layer, h, residual, pos, cos_sin, k_pool, v_pool, flat, last, mask):
         hn, residual = fused_add_rms_norm_torch(h, residual, layer.input_layernorm, eps)
@@ -60,13 +63,18 @@ def make_decode_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: flo
         k, v = k.reshape(T, num_kv_heads, head_dim), v.reshape(T, num_kv_heads, head_dim)
         q, k = rotary_torch(q, k, pos, cos_sin)
         k, v = k.to(k_pool.dtype), v.to(v_pool.dtype)  # what the pool will hold
-        rows = torch.arange(T, device=h.device)
-        kk = k_pool.index_select(0, flat).view(T, -1, num_kv_heads, head_dim).index_put((rows, last), k)
-        vv = v_pool.index_select(0, flat).view(T, -1, num_kv_heads, head_dim).index_put((rows, last), v)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), kk.transpose(1, 2).to(q.dtype),
-                                           vv.transpose(1, 2).to(q.dtype), attn_mask=mask, scale=scale,
-                                           enable_gqa=gqa)
-        h = layer.o_proj(o[:, :, 0].reshape(T, -1))
+        if in_place is not None and k_pool.dtype == torch.float32 and q.dtype == torch.float32:
+            # the context read where it lies in the pool, the new entry from k, v (kernels/cpu_attention.py)
+            o = in_place(q, k_pool, v_pool, flat, last, k, v, scale)
+            h = layer.o_proj(o.reshape(T, -1))
+        else:
+            rows = torch.arange(T, device=h.device)
+            kk = k_pool.index_select(0, flat).view(T, -1, num_kv_heads, head_dim).index_put((rows, last), k)
+            vv = v_pool.index_select(0, flat).view(T, -1, num_kv_heads, head_dim).index_put((rows, last), v)
+            o = F.scaled_dot_product_attention(q.unsqueeze(2), kk.transpose(1, 2).to(q.dtype),
+                                               vv.transpose(1, 2).to(q.dtype), attn_mask=mask, scale=scale,
+                                               enable_gqa=gqa)
+            h = layer.o_proj(o[:, :, 0].reshape(T, -1))
         hn, residual = fused_add_rms_norm_torch(h, residual, layer.post_attention_layernorm, eps)
         return layer.mlp(hn), residual, k, v
 
