@@ -7,16 +7,12 @@ the operator where it builds (AVX2 or AVX-512 CPUs), else None. ``MFS_CPU_ATTENT
 The choice is logged once per process."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Callable
 
-import structlog
 import torch
 
-from kernels.cpu_gemv import build, isa
-
-log = structlog.get_logger(__name__)
+from kernels.cpu_gemv import build, pick_operator
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 _loaded: list[bool] = []
@@ -55,23 +51,8 @@ def decode_attention_reference(q, k_pool, v_pool, flat, last, k_new, v_new, scal
 def decode_attention_kernel() -> Callable | None:
     """``torch.ops.mfs.decode_attention`` on a CPU where torch reports AVX2 or AVX-512 and it builds,
     else None (the gather + SDPA path); decided and logged once per process."""
-    if not _choice:
-        cap = torch.backends.cpu.get_cpu_capability()
-        kernel, why = None, None
-        if os.environ.get("MFS_CPU_ATTENTION", "1") == "0":
-            why = "MFS_CPU_ATTENTION=0"
-        elif cap not in ("AVX2", "AVX512"):
-            why = f"cpu capability {cap} (the operator needs AVX2)"
-        else:
-            try:
-                load()
-                kernel = torch.ops.mfs.decode_attention
-            except (RuntimeError, OSError) as e:
-                why = f"build failed: {e}"
-        log.info("decode attention kernel", kernel=f"mfs::decode_attention ({isa()})" if kernel
-                 else "gather + SDPA", cpu_capability=cap, **({"why": why} if why else {}))
-        _choice.append(kernel)
-    return _choice[0]
+    return pick_operator(_choice, "MFS_CPU_ATTENTION", load, "decode_attention", "decode attention kernel",
+                         "gather + SDPA")
 
 
 __all__ = ["load", "decode_attention_kernel", "decode_attention_reference"]

@@ -190,31 +190,41 @@ def int8_a8_gemv_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tenso
     return ((dot * dx.double()[:, None, :]).sum(-1) * scales.double()[None]).float()
 
 
+def pick_operator(cache: list, env: str, load_lib: Callable[[], None], name: str, what: str, fallback: str,
+                  detail: str = "") -> Callable | None:
+    """``torch.ops.mfs.<name>`` (``load_lib()`` builds and loads its library) on a CPU where torch reports
+    AVX2 or AVX512, unless ``env`` is 0 or the build fails: then None, and the caller's ``fallback``
+    serves. Decided once per process into ``cache`` (a list, empty until then) and logged as ``what``."""
+    if cache:
+        return cache[0]
+    cap = torch.backends.cpu.get_cpu_capability()
+    kernel, why = None, None
+    if os.environ.get(env, "1") == "0":
+        why = f"{env}=0"
+    elif cap not in ("AVX2", "AVX512"):
+        why = f"cpu capability {cap} (the operators need AVX2)"
+    else:
+        try:
+            load_lib()
+            kernel = getattr(torch.ops.mfs, name)
+        except (RuntimeError, OSError) as e:
+            why = f"build failed: {e}"
+    log.info(what, kernel=f"mfs::{name} ({isa()}{detail})" if kernel else fallback, cpu_capability=cap,
+             **({"why": why} if why else {}))
+    cache.append(kernel)
+    return kernel
+
+
 _choice: list = []
 
 
 def int8_gemv_kernel() -> Callable | None:
     """The operator ``torch.ops.mfs.int8_gemv`` on a CPU where torch reports AVX2 or AVX-512 and our
     operators build, else None (torch's kernel); decided and logged once per process."""
-    if not _choice:
-        cap = torch.backends.cpu.get_cpu_capability()
-        kernel, why = None, None
-        if os.environ.get("MFS_CPU_GEMV", "1") == "0":
-            why = "MFS_CPU_GEMV=0"
-        elif cap not in ("AVX2", "AVX512"):
-            why = f"cpu capability {cap} (the operators need AVX2)"
-        else:
-            try:
-                load()
-                kernel = torch.ops.mfs.int8_gemv
-            except (RuntimeError, OSError) as e:
-                why = f"build failed: {e}"
-        log.info("int8 linear kernel", kernel=f"mfs::int8_gemv ({isa()}, fp32)" if kernel
-                 else "_weight_int8pack_mm (bf16)", cpu_capability=cap, **({"why": why} if why else {}))
-        _choice.append(kernel)
-    return _choice[0]
+    return pick_operator(_choice, "MFS_CPU_GEMV", load, "int8_gemv", "int8 linear kernel",
+                         "_weight_int8pack_mm (bf16)", detail=", fp32")
 
 
-__all__ = ["build", "load", "int8_gemv_kernel", "pack_q4_rows",
+__all__ = ["build", "load", "pick_operator", "int8_gemv_kernel", "pack_q4_rows",
            "unpack_q4_rows", "quantize_activations_q8", "w4a8_gemv_reference",
            "int8_a8_gemv_reference"]
