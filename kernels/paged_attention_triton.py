@@ -200,7 +200,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None) -> torch.Tensor:
     """Same contract as :func:`kernels.paged_attention.paged_attention_torch`. Returns [T, Hq, D].
     Lengths are trusted (0 < q_len <= ctx_len, block tables covering ctx_len): checking them would
-    sync the device. ``num_splits`` forces the split-KV count (tests); None picks it."""
+    sync the device. One exception is relied on: a row of one query and context 0 (a CUDA graph's padding
+    row, worker/decode_graphs.py) reads no key and gets zeros. ``num_splits`` forces the split-KV count (tests); None picks it."""
     _check(q, k_cache, v_cache, block_tables, q_start_loc, ctx_lens, q_lens_host, ctx_lens_host)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     rows = block_tables.shape[0]

@@ -132,8 +132,9 @@ def add_up(sub) -> None:
                    help="independent: each tier a standalone copy on its own worker (the baseline)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores - 1)")
     p.add_argument("--compile", action="store_true",
-                   help="workers run all-decode steps as compiled graphs (CPU; each worker builds them before "
-                        "it registers, tens of seconds; needs a C++ compiler)")
+                   help="workers run all-decode steps as compiled graphs, built before each worker registers: "
+                        "on CPU inductor's (tens of seconds; needs a C++ compiler), on CUDA CUDA graphs per "
+                        "batch-size bucket (worker/decode_graphs.py)")
     p.add_argument("--schedulers", type=int, default=2,
                    help="scheduler processes per shard: one leads, the others stand by to take over (1: no standby)")
     p.add_argument("--shards", type=int, default=1,

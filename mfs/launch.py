@@ -379,8 +379,12 @@ def up(args) -> int:
     if getattr(args, "weights", "fp32") != "fp32":
         worker_args += ["--weights", args.weights]
     if getattr(args, "compile", False):
-        if str(getattr(args, "device", "cpu")).startswith("cuda") or getattr(args, "kernels", None) == "triton":
-            raise ValueError("--compile is for the torch ops on CPU (add --device cpu, or drop --compile)")
+        cuda = str(getattr(args, "device", None) or "cpu").startswith("cuda")
+        kernels = getattr(args, "kernels", None)
+        if cuda and kernels == "torch":  # on CUDA --compile records CUDA graphs of the Triton ops
+            raise ValueError("--compile on CUDA records CUDA graphs of the Triton ops: drop --kernels torch")
+        if not cuda and kernels == "triton":
+            raise ValueError("--compile on CPU compiles the torch ops: drop --kernels triton (or add --device cuda)")
         if getattr(args, "weights", "fp32") == "w8a8":
             raise ValueError("--compile does not serve --weights w8a8 (it runs eager): drop one of them")
         worker_args += ["--compile"]
@@ -405,8 +409,8 @@ def up(args) -> int:
     install_stop_signals()
     status = 0
     try:
-        # --compile: each worker builds its graphs before registering (~1 min on 2 cores, longer when
-        # several build at once)
+        # --compile: each worker builds its graphs before registering (CPU: ~1 min on 2 cores, longer
+        # when several build at once; CUDA: seconds)
         compiling = len(svc.worker_plan()) if getattr(args, "compile", False) else 0
         svc.start(timeout=240.0 + 180.0 * compiling)
         from core.redisconn import RedisTarget  # noqa: PLC0415

@@ -168,10 +168,12 @@ def test_bench_peers_rounds_give_medians_and_ratios_within_each_round(tmp_path):
     assert r.returncode == 2 and "--repeats" in r.stderr
 
 
-def test_up_refuses_compile_off_the_cpu_before_starting_anything():
-    r = run("up", "--compile", "--device", "cuda", "--port", "0")
-    assert r.returncode == 2 and "--compile is for the torch ops on CPU" in r.stderr
+def test_up_refuses_compile_with_the_wrong_kernels_before_starting_anything():
+    r = run("up", "--compile", "--device", "cuda", "--kernels", "torch", "--port", "0")
+    assert r.returncode == 2 and "--compile on CUDA records CUDA graphs of the Triton ops" in r.stderr
     assert "starting" not in r.stdout
+    r = run("up", "--compile", "--device", "cpu", "--kernels", "triton", "--port", "0")
+    assert r.returncode == 2 and "--compile on CPU compiles the torch ops" in r.stderr
     r = run("up", "--compile", "--weights", "w8a8", "--device", "cpu", "--port", "0")
     assert r.returncode == 2 and "--compile does not serve --weights w8a8" in r.stderr
     assert "starting" not in r.stdout

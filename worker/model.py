@@ -103,20 +103,27 @@ class NestedModel(nn.Module):
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         self.rebuild_buffers()
         self.scale = cfg.head_dim ** -0.5
-        self._compiled_decode = None  # compile_decode(): all-decode segments as one compiled graph
+        self._compiled_decode = None  # compile_decode() on CPU: all-decode segments as one compiled graph
+        self._decode_graphs = None    # compile_decode() on CUDA: their CUDA graphs (worker/decode_graphs.py)
 
     def compile_decode(self, enable: bool = True) -> None:
-        """All-decode steps run each segment's trunk layers as one compiled graph, and on an AVX-512 CPU
-        an int8 LM head runs compiled in fp32 (:mod:`worker.compiled_step`: CPU, the torch ops; opt-in,
-        see there why)."""
+        """All-decode steps run each segment's trunk layers as one compiled graph: on CPU (the torch
+        ops) inductor's, and on an AVX-512 CPU an int8 LM head runs compiled in fp32
+        (:mod:`worker.compiled_step`); on CUDA (the Triton ops) CUDA graphs per batch-size bucket
+        (:mod:`worker.decode_graphs`). Opt-in: see there why."""
         if not enable:
-            self._compiled_decode = None
+            self._compiled_decode = self._decode_graphs = None
             if hasattr(self.lm_head, "rows_kernel"):
                 self.lm_head.rows_kernel = None
             return
-        if self.ops.name != "torch" or self.embed_tokens.weight.device.type != "cpu":
-            raise ValueError(f"--compile is for the torch ops on CPU (ops {self.ops.name}, "
-                             f"device {self.embed_tokens.weight.device})")
+        device = self.embed_tokens.weight.device
+        if self.ops.name == "triton" and device.type == "cuda":
+            from worker.decode_graphs import DecodeGraphs  # noqa: PLC0415
+            self.use_decode_graphs(DecodeGraphs(self))
+            return
+        if self.ops.name != "torch" or device.type != "cpu":
+            raise ValueError(f"--compile is for the torch ops on CPU or the triton ops on CUDA (ops "
+                             f"{self.ops.name}, device {device})")
         if any(hasattr(m, "packed_bytes") for m in self.modules()):
             # measured: dynamo breaks the graph at every fbgemm call and the step runs ~2x slower
             raise ValueError("--compile does not serve --weights w8a8 (fbgemm's packed linears break the "
@@ -124,6 +131,18 @@ class NestedModel(nn.Module):
         self._compiled_decode = compiled_decode_segment(self.cfg, list(self.layers))
         if hasattr(self.lm_head, "rows_kernel"):  # an int8 head (worker/quant.py: Int8Linear); AVX-512 only
             self.lm_head.rows_kernel = compiled_head_kernel()
+
+    @property
+    def decode_graphs(self):
+        """The model's CUDA decode graphs (worker/decode_graphs.py), or None."""
+        return self._decode_graphs
+
+    def use_decode_graphs(self, graphs) -> None:
+        """All-decode segments through ``graphs`` (a :class:`worker.decode_graphs.DecodeGraphs` of this
+        model; None: eager). compile_decode() on CUDA sets one; tests set one that does not capture."""
+        if graphs is not None and graphs.model is not self:
+            raise ValueError("these decode graphs belong to another model")
+        self._decode_graphs = graphs
 
     # ---- construction ------------------------------------------------------------------------
     def tie_weights(self) -> None:
@@ -363,7 +382,11 @@ class NestedModel(nn.Module):
         segment for later cross-tier reuse (every segment but the last)."""
         k_cache, v_cache = kv.k[s], kv.v[s]
         R = len(seg.q_lens_host)
-        if self._compiled_decode is not None and h.shape[0] == R:  # every row one token: all decode
+        out = self._decode_graphs.run(s, h, residual, pos, seg, kv) \
+            if self._decode_graphs is not None and h.shape[0] == R else None
+        if out is not None:
+            h, residual = out
+        elif self._compiled_decode is not None and h.shape[0] == R:  # every row one token: all decode
             flat, mask, _, _, _ = decode_gather(seg.block_tables, seg.ctx_lens, list(range(R)), list(range(R)),
                                                 seg.ctx_lens_host, k_cache.shape[2], seg.memo)
             if "last" not in seg.memo:

@@ -94,6 +94,13 @@ class ModelRunner:
         self.counts: dict[str, torch.Tensor] = {}
         self.seen: dict[str, torch.Tensor] = {}
         self.matchers: dict[str, object] = {}  # requests with a grammar: their xgrammar matcher
+        self.record_graphs()
+
+    def record_graphs(self) -> int:
+        """With CUDA decode graphs on the model (``--compile`` on CUDA: worker/decode_graphs.py), records
+        them over this runner's KV pools now, before any request waits; returns how many."""
+        graphs = self.model.decode_graphs
+        return graphs.capture_all(self.kv) if graphs is not None else 0
 
     def add(self, request_id: str, params: SamplingParams, prompt_ids: list[int] | None = None,
             num_output: int = 0) -> None:
@@ -146,6 +153,7 @@ class ModelRunner:
                 last.update(self.execute([PlanRow(rid, tier, [last[rid]], n + k, tables[rid], True, k + 1)
                                           for rid in group]).tokens)
         self.drop(rids)
+        self.record_graphs()  # the buckets the warm-up did not use
         return time.perf_counter() - t0
 
     def grammars(self) -> Grammars:

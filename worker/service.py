@@ -30,9 +30,10 @@ class WorkerConfig(ModelArgs):
                                             "layout)")
     threads: int = opt(default_factory=lambda: max(1, (os.cpu_count() or 2) - 1),
                        help="torch threads (default: all cores but one, which the gateway and scheduler use)")
-    compile: bool = opt(False, "all-decode steps as compiled graphs and a compiled int8 head (CPU, the torch "
-                               "ops; worker/compiled_step.py): built before the worker registers (tens of "
-                               "seconds; inductor needs a C++ compiler)")
+    compile: bool = opt(False, "all-decode steps as compiled graphs, built before the worker registers: on "
+                               "CPU (the torch ops) inductor's and a compiled int8 head (worker/compiled_step.py; "
+                               "tens of seconds, needs a C++ compiler); on CUDA (the triton ops) CUDA graphs "
+                               "per batch-size bucket (worker/decode_graphs.py)")
 
 
 class WorkerService(WorkerLoop):
@@ -81,16 +82,18 @@ def _compile(model, runner: ModelRunner) -> None:
     """``--compile``: the graphs are built here, by throw-away requests, so no client waits for them."""
     import structlog  # noqa: PLC0415
     log = structlog.get_logger(__name__)
-    model.compile_decode()  # ValueError off the torch ops on CPU: the flag is refused as it stands
-    log.info("compiling the decode graphs before registering (--compile)")
+    model.compile_decode()  # ValueError off the torch ops on CPU / the triton ops on CUDA: refused as it stands
+    cuda = runner.device.type == "cuda"
+    log.info("building the decode graphs before registering (--compile)",
+             kind="CUDA graphs" if cuda else "inductor")
     try:
         secs = runner.warm_up()
     except ValueError:  # the warm-up's own refusal (too few KV blocks): as it is
         raise
-    except Exception as e:  # inductor's failures (no C++ compiler, ...) come in many types
-        raise RuntimeError(f"--compile: building the compiled decode graphs failed ({type(e).__name__}: "
-                           f"{str(e)[:300]}); inductor needs a C++ compiler (gcc): install one or run "
-                           f"without --compile") from e
+    except Exception as e:  # inductor's failures (no C++ compiler, ...), CUDA's capture errors: many types
+        need = "" if cuda else "; inductor needs a C++ compiler (gcc): install one or run without --compile"
+        raise RuntimeError(f"--compile: building the decode graphs failed ({type(e).__name__}: "
+                           f"{str(e)[:300]}){need}") from e
     log.info("decode graphs compiled", seconds=round(secs, 1))
 
 
