@@ -4,9 +4,10 @@ On CUDA: every kernel is verified against its reference at serving shapes, then 
 ``--iters`` calls between CUDA events, L2 flushed before each, host launch cost included) against
 the reference, and paged attention also against ``scaled_dot_product_attention`` on the same KV
 already gathered contiguous. Last, one decode step at batch 1 of a random-weight ~1B Llama (bf16)
-is timed with each backend against the memory-bandwidth floor: bytes of weights and KV read per
-step over ``--bandwidth``; then the same model with int4 weights (the Triton dequantize-matmul,
-:mod:`kernels.quant_matmul_triton`), against the floor of its own bytes, and that matmul alone at
+is timed with each backend, and with the Triton one through CUDA graphs (worker/decode_graphs.py), against
+the memory-bandwidth floor: bytes of weights and KV read per step over ``--bandwidth``; then the same
+model with int4 weights (the Triton dequantize-matmul, :mod:`kernels.quant_matmul_triton`), eager and
+graphed, against the floor of its own bytes, and that matmul alone at
 SmolLM2-135M's and the 1B model's shapes next to dense bf16 ``F.linear``.
 
 Without CUDA there is nothing to time: the command runs the correctness pass on tiny shapes in
@@ -21,7 +22,7 @@ import platform
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -337,17 +338,17 @@ def time_quant_linears(timer: Timer, bandwidth: float) -> list[dict]:
 
 
 # ---- decode step (CUDA) ----------------------------------------------------------------------
-def _random_llama(ops):
-    """A bf16 NestedModel of the LLAMA_1B shape with random weights, built on the GPU."""
+def _random_llama(ops, device: str = "cuda", shape: dict = LLAMA_1B):
+    """A bf16 NestedModel of ``shape`` (LLAMA_1B) with random weights, built on ``device``."""
     from worker.config import ModelConfig  # noqa: PLC0415
     from worker.model import NestedModel, Tier, skeleton  # noqa: PLC0415
-    s = LLAMA_1B
+    s = shape
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, s["head_dim"], 2).float() / s["head_dim"]))
     cfg = ModelConfig(model_type="llama", rms_eps=EPS, max_position=8192, tie_embeddings=False,
                       inv_freq=inv_freq, **s)
     with skeleton():
         model = NestedModel(cfg, [Tier(0, "full", s["num_layers"])], ops=ops)
-    model = model.to(torch.bfloat16).to_empty(device="cuda")
+    model = model.to(torch.bfloat16).to_empty(device=device)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
@@ -360,22 +361,33 @@ def _random_llama(ops):
 
 @dataclass(slots=True)
 class _KV:
-    """The two per-segment lists forward_step reads."""
+    """The per-segment lists forward_step reads (one segment: no stored trunk state, ``hid`` empty)."""
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    hid: list[torch.Tensor] = field(default_factory=list)
 
 
-def _decode_batch(model, ctx: int, block_size: int):
+def _decode_batch(model, ctx: int, block_size: int, device: str = "cuda"):
     from core.protocol import PlanRow  # noqa: PLC0415
     from worker.batch import build_step  # noqa: PLC0415
     cfg = model.cfg
     blocks = -(-ctx // block_size)
     shape = (cfg.num_layers, blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    kv = _KV([torch.randn(shape, device="cuda").to(torch.bfloat16)],
-             [torch.randn(shape, device="cuda").to(torch.bfloat16)])
+    kv = _KV([torch.randn(shape, device=device).to(torch.bfloat16)],
+             [torch.randn(shape, device=device).to(torch.bfloat16)])
     row = PlanRow("r", tier=0, token_ids=[7], start_pos=ctx - 1, block_tables=[list(range(blocks))],
                   sample=True, num_output=0)
-    return build_step([row], 1, block_size, "cuda"), kv
+    return build_step([row], 1, block_size, device), kv
+
+
+def _graphed_step(model, batch, kv, capture: bool | None = None):
+    """The decode step through CUDA decode graphs (``--compile`` on CUDA: worker/decode_graphs.py), one
+    bucket of one row, recorded before it is timed. Undo with ``model.use_decode_graphs(None)``."""
+    from worker.decode_graphs import DecodeGraphs  # noqa: PLC0415
+    graphs = DecodeGraphs(model, max_rows=1, capture=capture)
+    graphs.capture_all(kv)
+    model.use_decode_graphs(graphs)
+    return lambda: model.forward_step(batch, kv)
 
 
 def _floor_bytes(model, ctx: int) -> tuple[int, int]:
@@ -403,6 +415,11 @@ def time_decode_step(timer: Timer, ctx: int, bandwidth: float) -> dict:
         result[name] = {"backend": ops.name, "step_ms": ms, "x_floor": ms / floor_ms}
         print(f"decode step ({ops.name}): {ms:.3f} ms, {ms / floor_ms:.1f}x the {floor_ms:.3f} ms "
               "bandwidth floor", flush=True)
+    ms = timer(_graphed_step(model, batch, kv))  # model.ops is the triton backend's now
+    model.use_decode_graphs(None)
+    result["triton_graphs"] = {"backend": "triton", "cuda_graphs": True, "step_ms": ms, "x_floor": ms / floor_ms}
+    print(f"decode step (triton, CUDA graphs): {ms:.3f} ms, {ms / floor_ms:.1f}x the {floor_ms:.3f} ms "
+          "bandwidth floor", flush=True)
     del model, kv
     torch.cuda.empty_cache()
     result["int4"] = _time_int4_step(timer, ctx, bandwidth)
@@ -424,10 +441,14 @@ def _time_int4_step(timer: Timer, ctx: int, bandwidth: float) -> dict:
     ms = timer(lambda: model.forward_step(batch, kv))
     print(f"decode step (int4 weights, triton): {ms:.3f} ms, {ms / floor_ms:.1f}x the {floor_ms:.3f} ms "
           "bandwidth floor", flush=True)
+    graphs_ms = timer(_graphed_step(model, batch, kv))
+    print(f"decode step (int4 weights, triton, CUDA graphs): {graphs_ms:.3f} ms, {graphs_ms / floor_ms:.1f}x "
+          f"the {floor_ms:.3f} ms bandwidth floor", flush=True)
     del model, kv
     torch.cuda.empty_cache()
     return {"weights": "int4", "activations": "float32", "weight_bytes": weights, "kv_bytes": kv_bytes,
-            "floor_ms": floor_ms, "step_ms": ms, "x_floor": ms / floor_ms}
+            "floor_ms": floor_ms, "step_ms": ms, "x_floor": ms / floor_ms,
+            "cuda_graphs": {"step_ms": graphs_ms, "x_floor": graphs_ms / floor_ms}}
 
 
 # ---- the command -----------------------------------------------------------------------------

@@ -174,6 +174,23 @@ def test_refusals(family_dir, llama_family):
         _model(family_dir).use_decode_graphs(DecodeGraphs(model, capture=CAPTURE))
 
 
+def test_the_kernel_bench_decode_step_runs_graphed():
+    """`mfs bench kernels`' decode step (a one-segment random Llama over a random KV pool), at a tiny
+    shape: eager and through the graphs, the same logits. The bench itself times it only on CUDA."""
+    from kernels import select_backend  # noqa: PLC0415
+    from mfs.bench_kernels import _decode_batch, _graphed_step, _random_llama  # noqa: PLC0415
+    torch.manual_seed(0)
+    shape = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                 vocab_size=256)
+    model = _random_llama(select_backend("triton", DEVICE), DEVICE, shape)
+    batch, kv = _decode_batch(model, 37, 4, DEVICE)
+    eager = model.forward_step(batch, kv)
+    graphed = _graphed_step(model, batch, kv, capture=CAPTURE)()
+    model.use_decode_graphs(None)
+    assert eager.shape == (1, 256)
+    torch.testing.assert_close(graphed.float(), eager.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA (MFS_TEST_GPU=1 TRITON_INTERPRET=0)")
 def test_cuda_graphs_record_and_replay(family_dir):
