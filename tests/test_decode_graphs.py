@@ -39,15 +39,16 @@ def family_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    d = tmp_path_factory.mktemp("graphs")
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    d = tmp_path_factory.mktemp("graphs")  # 4096 positions: on a GPU the long-context graphs split the KV
     LlamaForCausalLM(cfg).save_pretrained(d)
     return str(d)
 
 
-def _model(family_dir):
+def _model(family_dir, max_positions=4096):
     # tiers 0 and 1 with one-layer exit blocks: the graphs' outputs feed eager exit blocks
-    return load_family(family_dir, tiers="1+1,2+1,4", kernels="triton", device=DEVICE).model
+    return load_family(family_dir, tiers="1+1,2+1,4", kernels="triton", device=DEVICE,
+                       max_positions=max_positions).model
 
 
 def _generate(model, max_tokens=6, block_size=4):
@@ -97,8 +98,8 @@ def test_tokens_logits_and_kv_match_the_eager_step(family_dir):
     # 5 decode steps after the prefill, each with segment 0 (5 rows, then fewer as none finish early:
     # all 5 rows), 1 (3 rows) and 2 (2 rows)
     assert graphs.replays == 5 * 3, graphs.replays
-    # recorded when the engine's runner was made, every bucket of every segment
-    assert graphs.captured == (3 * len(graphs.buckets) if CAPTURE else 0)
+    # recorded when the engine's runner was made: every bucket and context class of every segment
+    assert graphs.captured == (3 * len(graphs.buckets) * 2 if CAPTURE else 0)
     for s in range(model.num_segments):
         for a, b in ((eng.kv.k[s], eager_eng.kv.k[s]), (eng.kv.v[s], eager_eng.kv.v[s])):
             used = b.flatten(2).abs().sum(-1) != 0  # [layers, blocks]: blocks the eager run wrote
@@ -106,28 +107,45 @@ def test_tokens_logits_and_kv_match_the_eager_step(family_dir):
             assert (a.flatten(2)[~used] == 0).all(), "a padding row wrote into the pool"
 
 
-def test_step_logits_match(family_dir):
-    """One all-decode step's logits through the graphs against the eager step's, same KV state."""
+def _decode_step_twice(model, table_blocks=8):
+    """Three requests prefilled, then one all-decode step eager and the same step (it rewrites the same
+    KV entries) through fresh graphs: (eager logits, graphed logits, the graphs)."""
     from core.protocol import PlanRow  # noqa: PLC0415
     from worker.runner import ModelRunner  # noqa: PLC0415
-    model = _model(family_dir)
     runner = ModelRunner(model, [32] * model.num_segments, 4, keep_logits=True)
     rows = []
     for k, (tier, n) in enumerate(((2, 6), (2, 9), (1, 3))):  # prefill three requests
         rid = f"r{k}"
         runner.add(rid, SamplingParams(max_tokens=4, ignore_eos=True))
-        table = [list(range(8 * k, 8 * k + 8))] * model.num_segments
+        table = [list(range(8 * k, 8 * k + table_blocks))] * model.num_segments
         runner.execute([PlanRow(rid, tier, list(range(1, n + 1)), 0, table, True, 0)])
         rows.append(PlanRow(rid, tier, [5 + k], n, table, True, 1))
     eager = runner.execute(rows).logits
-    model.use_decode_graphs(DecodeGraphs(model, capture=CAPTURE))
+    graphs = DecodeGraphs(model, capture=CAPTURE)
+    model.use_decode_graphs(graphs)
     try:
-        graphed = runner.execute(rows).logits  # the same step again: it rewrites the same KV entries
+        graphed = runner.execute(rows).logits
     finally:
         model.use_decode_graphs(None)
     assert set(graphed) == set(eager) == {"r0", "r1", "r2"}
+    return eager, graphed, graphs
+
+
+def test_step_logits_match(family_dir):
+    """One all-decode step's logits through the graphs against the eager step's, same KV state."""
+    eager, graphed, graphs = _decode_step_twice(_model(family_dir))
+    assert graphs.replays == 3
     for rid in eager:
         torch.testing.assert_close(graphed[rid], eager[rid], atol=1e-4, rtol=1e-4)
+
+
+def test_a_block_table_wider_than_the_graphs_runs_eagerly(family_dir):
+    """Tables of 8 blocks of 4 where the model serves 16 positions (the graphs' tables hold 4 blocks):
+    the step runs eagerly, with the same logits."""
+    eager, graphed, graphs = _decode_step_twice(_model(family_dir, max_positions=16))
+    assert graphs.replays == 0
+    for rid in eager:
+        assert torch.equal(graphed[rid], eager[rid])
 
 
 def test_rows_past_the_largest_bucket_run_eagerly(family_dir):
@@ -200,7 +218,7 @@ def test_cuda_graphs_record_and_replay(family_dir):
     model.compile_decode()
     try:
         _, out = _generate(model)
-        assert model.decode_graphs.captured >= 3 * len(model.decode_graphs.buckets)
+        assert model.decode_graphs.captured == 3 * len(model.decode_graphs.buckets) * 2
     finally:
         model.compile_decode(False)
     assert out == eager

@@ -20,29 +20,35 @@ row's values -- but a different bucket may pick different matmul tiles than an e
 rows, so a row's logits can differ in the last bits from the eager path's (as with the CPU's compiled
 graphs, this is why the flag is opt-in).
 
-The attention's split count is planned once per bucket for the longest context the model serves: the
-kernel finds each row's chunk from its own length on the device, so any split count is exact, and no
-host value of the step enters the graph.
+The attention's split count is fixed when a graph is recorded: the kernel finds each row's chunk from its
+own length on the device, so any split count is exact, and no host value of the step enters the graph.
+Each bucket has two graphs, by the step's longest context: below ``2 * MIN_SPLIT_TOKENS`` the split count
+the eager path picks there (one), else the one it picks for the longest context the model serves.
 
-Graphs are recorded for every (segment, bucket) when a runner's KV pools exist
-(:meth:`DecodeGraphs.capture_all`, from ``ModelRunner``: at its construction, or at ``warm_up`` when
-``--compile`` came after it), from padding rows alone -- so no request's state is touched -- each after
-two eager warm-up runs on a side stream (Triton compiles then), all into one memory pool; nothing
-allocated inside a graph outlives it (outputs are copied to the static buffers), so replaying them in
-any order is safe. They hold the KV pools' addresses: a step over other pools drops them and records
-what it needs again, lazily, from its own rows.
+Graphs are recorded for every (segment, bucket, context class) when a runner's KV pools exist
+(:meth:`DecodeGraphs.capture_all`, from ``ModelRunner``: at its construction, or first thing in ``warm_up``
+when ``--compile`` came after it), largest bucket first, from padding rows alone -- so no request's state
+is touched -- each after two eager warm-up runs on one side stream (Triton compiles then), all into one
+memory pool; nothing allocated inside a graph outlives it (outputs are copied to the static buffers), so
+replaying them in any order is safe. They hold the addresses of the KV pools (keyed by address, shape
+and dtype), of the weights and of the rotary table: a step over other pools drops them and records what
+it needs again, lazily, from its own rows; the weights must be final (quantized and fused: loading does
+that) before ``compile_decode``. A step whose block table is wider than the model's longest context
+needs (a pool of another block size) runs eagerly.
 
 ``capture=False`` runs the same static-buffer body without recording it (the CPU tests, with the Triton
 kernels in the interpreter): everything above except the recording is exercised there.
 """
 from __future__ import annotations
 
+import contextlib
 from bisect import bisect_left
 from dataclasses import dataclass
 
 import structlog
 import torch
 
+from kernels.paged_attention_triton import MIN_SPLIT_TOKENS
 from worker.batch import SegmentTensors
 
 log = structlog.get_logger(__name__)
@@ -77,11 +83,16 @@ class DecodeGraphs:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.model = model
+        self.device = dev
         self.buckets = tuple(b for b in BUCKETS if b < max_rows) + (max_rows,)
+        # the context each class's graphs are planned for: the eager path's one split below 2 * MIN_SPLIT_TOKENS
+        short = min(2 * MIN_SPLIT_TOKENS - 1, model.max_positions)
+        self.plan_ctx = {True: short, False: model.max_positions}
         self._pools_key: tuple | None = None
         self._static: dict[int, _Static] = {}
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph | None] = {}
         self._pool = None
+        self._stream = None  # one side stream for every recording's warm-up (created with the first)
         self.replays = 0   # steps' segments served by a graph (tests, logs)
         self.captured = 0
 
@@ -103,6 +114,24 @@ class DecodeGraphs:
         st = self._static.get(s)
         if st is None:
             st = self._static[s] = self._alloc(kv, s)
+        if seg.block_tables.shape[1] > st.block_tables.shape[1]:
+            return None
+        with self._on_device():
+            self._fill(st, R, B, h, residual, pos, seg)
+            key = (s, B, max(seg.ctx_lens_host) <= self.plan_ctx[True])
+            if key not in self._graphs:
+                self._graphs[key] = self._record(key, st, kv)
+            g = self._graphs[key]
+            if g is None:
+                self._body(key, st, kv)
+            else:
+                g.replay()
+        self.replays += 1
+        return st.out_h[:R], st.out_residual[:R]
+
+    @staticmethod
+    def _fill(st: _Static, R: int, B: int, h, residual, pos, seg) -> None:
+        """The step's R rows into the static inputs, rows R..B-1 padding."""
         st.h[:R].copy_(h)
         if residual is None:  # the model's first layer: h + 0 is h, so the graph of the others serves it
             st.residual[:R].zero_()
@@ -115,16 +144,6 @@ class DecodeGraphs:
         st.block_tables[:R, :seg.block_tables.shape[1]].copy_(seg.block_tables)
         st.ctx_lens[:R].copy_(seg.ctx_lens)
         st.ctx_lens[R:B].zero_()
-        key = (s, B)
-        if key not in self._graphs:
-            self._graphs[key] = self._record(s, B, st, kv)
-        g = self._graphs[key]
-        if g is None:
-            self._body(s, B, st, kv)
-        else:
-            g.replay()
-        self.replays += 1
-        return st.out_h[:R], st.out_residual[:R]
 
     @torch.inference_mode()  # as the steps run: the Triton ops take their autograd fallback otherwise
     def capture_all(self, kv) -> int:
@@ -134,23 +153,32 @@ class DecodeGraphs:
             return 0
         self._bind(kv)
         n = 0
-        for s in range(self.model.num_segments):
-            st = self._static.get(s)
-            if st is None:
-                st = self._static[s] = self._alloc(kv, s)
-            st.positions.zero_()
-            st.slots.fill_(-1)
-            st.ctx_lens.zero_()
-            for B in reversed(self.buckets):  # largest first: the smaller ones fit in its pool
-                if (s, B) not in self._graphs:
-                    self._graphs[(s, B)] = self._record(s, B, st, kv)
-                    n += 1
+        with self._on_device():
+            for s in range(self.model.num_segments):
+                st = self._static.get(s)
+                if st is None:
+                    st = self._static[s] = self._alloc(kv, s)
+                st.positions.zero_()
+                st.slots.fill_(-1)
+                st.ctx_lens.zero_()
+                for B in reversed(self.buckets):  # largest first: the smaller ones fit in its pool
+                    for short in (False, True):
+                        if (s, B, short) not in self._graphs:
+                            self._graphs[(s, B, short)] = self._record((s, B, short), st, kv)
+                            n += 1
+        if n:
+            log.info("decode graphs recorded", graphs=n, segments=self.model.num_segments, buckets=self.buckets)
         return n
 
     # ---- internals ---------------------------------------------------------------------------
+    def _on_device(self):
+        """CUDA work on the model's device (graphs and their side stream belong to one device)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def _bind(self, kv) -> None:
-        """Graphs hold the pools' addresses: other pools, other graphs."""
-        key = tuple(t.data_ptr() for t in (*kv.k, *kv.v))
+        """Graphs hold the pools' addresses (a freed pool's address may come back for another, so its
+        shape and dtype are part of the key): other pools, other graphs."""
+        key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in (*kv.k, *kv.v))
         if key != self._pools_key:
             if self._graphs:
                 log.info("decode graphs dropped: a step over other KV pools", graphs=len(self._graphs))
@@ -174,13 +202,15 @@ class DecodeGraphs:
                        out_h=torch.zeros(B, H, dtype=dt, device=dev),
                        out_residual=torch.zeros(B, H, dtype=dt, device=dev))
 
-    def _body(self, s: int, B: int, st: _Static, kv) -> None:
-        """The segment's layers over the bucket's B rows of the static buffers."""
+    def _body(self, key: tuple[int, int, bool], st: _Static, kv) -> None:
+        """The segment's layers over the bucket's B rows of the static buffers (key: segment, bucket,
+        short context)."""
         m = self.model
+        s, B, short = key
         seg = SegmentTensors(num_rows=B, num_tokens=B, token_index=None, enter_index=None, enter_slots=None,
                              slot_mapping=st.slots[:B], block_tables=st.block_tables[:B],
                              q_start_loc=st.q_start_loc[:B + 1], ctx_lens=st.ctx_lens[:B],
-                             q_lens_host=[1] * B, ctx_lens_host=[m.max_positions] * B)  # plans only
+                             q_lens_host=[1] * B, ctx_lens_host=[self.plan_ctx[short]] * B)  # plans only
         h, residual, pos = st.h[:B], st.residual[:B], st.positions[:B]
         k_cache, v_cache = kv.k[s], kv.v[s]
         for j, li in enumerate(m.segment_layers(s)):
@@ -188,24 +218,27 @@ class DecodeGraphs:
         st.out_h[:B].copy_(h)
         st.out_residual[:B].copy_(residual)
 
-    def _record(self, s: int, B: int, st: _Static, kv):
+    def _record(self, key: tuple[int, int, bool], st: _Static, kv):
         """Records (s, B); None without capture. The static inputs hold padding rows (capture_all) or a
         step's rows, whose KV the warm-up runs write once more each (the same values: a decode row's K/V
         depend on its own token and position only), so recording needs no scratch state."""
         if not self.capture:
             return None
-        side = torch.cuda.Stream()
+        if self._stream is None:  # one: cuBLAS keeps a workspace per stream it has run on
+            self._stream = torch.cuda.Stream(device=self.device)
+        side = self._stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):  # Triton compiles and autotunes outside the recording
-                self._body(s, B, st, kv)
+            for _ in range(2):  # Triton compiles outside the recording
+                self._body(key, st, kv)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool):
-            self._body(s, B, st, kv)
+            self._body(key, st, kv)
         self._pool = g.pool()
         self.captured += 1
-        log.info("decode graph captured", segment=s, bucket=B, graphs=self.captured)
+        log.debug("decode graph recorded", segment=key[0], bucket=key[1], short_context=key[2],
+                  graphs=self.captured)
         return g
 
 

@@ -140,6 +140,7 @@ class ModelRunner:
         if min(self.kv.num_blocks) < 2 * need:
             raise ValueError(f"warm_up needs {2 * need} KV blocks per segment; the pools have "
                              f"{min(self.kv.num_blocks)}")
+        self.record_graphs()  # CUDA graphs: every bucket, largest first, before the steps below use any
         rids = ["warm-up-0", "warm-up-1"]
         tables = {rid: [list(range(k * need, (k + 1) * need))] * (top + 1) for k, rid in enumerate(rids)}
         prompt = [1 + k % 7 for k in range(n)]
@@ -153,7 +154,6 @@ class ModelRunner:
                 last.update(self.execute([PlanRow(rid, tier, [last[rid]], n + k, tables[rid], True, k + 1)
                                           for rid in group]).tokens)
         self.drop(rids)
-        self.record_graphs()  # the buckets the warm-up did not use
         return time.perf_counter() - t0
 
     def grammars(self) -> Grammars:
