@@ -7,7 +7,10 @@ against the installed torch on first use and loaded with ``torch.ops.load_librar
   one reads one weight row at a time front to back, widens each weight to fp32 once per pair of
   activation rows, and keeps the activations fp32.
 * ``mfs::w4a8_gemv`` — Q4_1 weight blocks times activations quantized per 32 values to 8 bits
-  (``--weights w4a8``, ``worker.quant.Q4A8Linear``).
+  (``--weights w4a8``, ``worker.quant.Q4A8Linear``), one weight row's blocks across a register.
+* ``mfs::w4a8_tile_gemv`` — the same sum over the same bytes interleaved 16 weight rows to a tile
+  (:func:`tile_q4_rows`): a register lane is one output, so a block's integer sum takes 8 vpdpbusd
+  for 16 rows and its scaling 4 instructions for all 16; what ``Q4A8Linear`` serves where N % 16 == 0.
 * ``mfs::int8_a8_gemv`` — int8 weights (one scale per row) times the same 8-bit activations: the LM
   head of ``--weights w4a8`` (``worker.quant.Int8A8Linear``).
 
@@ -136,6 +139,10 @@ def load() -> None:
     def _(x, q, dm):
         return x.new_empty(x.shape[0], q.shape[0])
 
+    @torch.library.register_fake("mfs::w4a8_tile_gemv")
+    def _(x, qt, dmt):
+        return x.new_empty(x.shape[0], qt.shape[0] * 16)
+
     @torch.library.register_fake("mfs::int8_a8_gemv")
     def _(x, q, scales):
         return x.new_empty(x.shape[0], q.shape[0])
@@ -158,6 +165,28 @@ def unpack_q4_rows(packed: torch.Tensor) -> torch.Tensor:
     N, H = packed.shape
     b = packed.view(N, H // 16, 16)
     return torch.stack([b & 15, b >> 4], dim=2).reshape(N, 2 * H)
+
+
+def tile_q4_rows(packed: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pack_q4_rows`' uint8 [N, K / 2] and Q4_1's fp16 (d, m) [N, K / 32, 2] -> ``w4a8_tile_gemv``'s
+    tiles of 16 rows (N % 16 == 0): qt uint8 [N / 16, K / 32, 4, 16, 4], qt[t, b, p, j, i] = row 16t + j's
+    byte 4p + i of block b, and dmt fp16 [N / 16, K / 32, 2, 16] (the 16 rows' d, then their m). The
+    same bytes, reordered."""
+    N, H = packed.shape
+    if N % 16:
+        raise ValueError(f"tiles of 16 rows need N % 16 == 0, got N = {N}")
+    B = H // 16
+    qt = packed.view(N // 16, 16, B, 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    dmt = dm.view(N // 16, 16, B, 2).permute(0, 2, 3, 1).contiguous()
+    return qt, dmt
+
+
+def untile_q4_rows(qt: torch.Tensor, dmt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`tile_q4_rows`."""
+    T, B = qt.shape[:2]
+    packed = qt.permute(0, 3, 1, 2, 4).reshape(T * 16, B * 16).contiguous()
+    dm = dmt.permute(0, 3, 1, 2).reshape(T * 16, B, 2).contiguous()
+    return packed, dm
 
 
 def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,5 +255,5 @@ def int8_gemv_kernel() -> Callable | None:
 
 
 __all__ = ["build", "load", "pick_operator", "int8_gemv_kernel", "pack_q4_rows",
-           "unpack_q4_rows", "quantize_activations_q8", "w4a8_gemv_reference",
+           "unpack_q4_rows", "tile_q4_rows", "untile_q4_rows", "quantize_activations_q8", "w4a8_gemv_reference",
            "int8_a8_gemv_reference"]

@@ -1,4 +1,4 @@
-"""Our CPU operators ``mfs::int8_gemv``, ``mfs::w4a8_gemv`` and ``mfs::int8_a8_gemv`` (kernels/cpu_gemv.cpp): built with the
+"""Our CPU operators ``mfs::int8_gemv``, ``mfs::w4a8_gemv``, ``mfs::w4a8_tile_gemv`` and ``mfs::int8_a8_gemv`` (kernels/cpu_gemv.cpp): built with the
 machine's compiler (for AVX-512 VNNI where the CPU has it, else AVX2), checked against float64
 products, batch invariance bit for bit, their errors, and that an int8 model takes them where torch
 reports AVX2 or AVX-512. Runs on any x86 CPU with AVX2 and FMA."""
@@ -185,6 +185,92 @@ def test_w4a8_bad_inputs_are_refused_with_a_message(op, bad, match):
     x, _, p, dm = _w4a8_case(2, 16, 64)
     with pytest.raises(RuntimeError, match=match):
         torch.ops.mfs.w4a8_gemv(*bad(x, p, dm))
+
+
+# ---- mfs::w4a8_tile_gemv: the same sum over weights interleaved 16 rows to a tile ------------------
+def test_tiles_hold_the_same_bytes_16_rows_interleaved():
+    x, u, p, dm = _w4a8_case(1, 32, 64)
+    qt, dmt = cpu_gemv.tile_q4_rows(p, dm)
+    assert qt.shape == (2, 2, 4, 16, 4) and dmt.shape == (2, 2, 2, 16) and dmt.dtype == torch.float16
+    t, b, pp, j, i = 1, 1, 2, 5, 3  # row 16t + j's byte 4p + i of block b
+    assert qt[t, b, pp, j, i] == p[16 * t + j, 16 * b + 4 * pp + i]
+    assert dmt[t, b, 0, j] == dm[16 * t + j, b, 0] and dmt[t, b, 1, j] == dm[16 * t + j, b, 1]
+    back = cpu_gemv.untile_q4_rows(qt, dmt)
+    assert torch.equal(back[0], p) and torch.equal(back[1], dm)
+    with pytest.raises(ValueError, match="N % 16"):
+        cpu_gemv.tile_q4_rows(p[:24], dm[:24])
+
+
+# N: one tile, the model's fused shapes; K: one block, 7 blocks, the model's 18 and 48; M: past the pass
+@pytest.mark.parametrize("M,N,K", [(1, 960, 576), (2, 576, 1536), (3, 16, 32), (6, 48, 224), (17, 3072, 576)])
+def test_w4a8_tiles_match_the_float64_reference_and_the_row_operator(op, M, N, K):
+    x, u, p, dm = _w4a8_case(M, N, K, seed=3)
+    got = torch.ops.mfs.w4a8_tile_gemv(x, *cpu_gemv.tile_q4_rows(p, dm))
+    want = cpu_gemv.w4a8_gemv_reference(x, p, dm)
+    scale = want.abs().max()
+    assert got.shape == (M, N) and (got - want).abs().max() <= 1e-6 * scale + 1e-7
+    rows = torch.ops.mfs.w4a8_gemv(x, p, dm)  # the same sum in another order
+    assert (got - rows).abs().max() <= 2e-6 * scale + 1e-7
+
+
+def test_w4a8_tiles_quantize_each_row_alone_and_the_batch_changes_nothing(op):
+    x, _, p, dm = _w4a8_case(19, 208, 576, seed=4)
+    x[3] *= 1000
+    qt, dmt = cpu_gemv.tile_q4_rows(p, dm)
+    full = torch.ops.mfs.w4a8_tile_gemv(x, qt, dmt)
+    for m in range(1, 11):  # every rows-per-pass count (up to 8 a pass), and a pass split across calls
+        parts = torch.cat([torch.ops.mfs.w4a8_tile_gemv(x[i:i + m], qt, dmt) for i in range(0, 19, m)])
+        assert torch.equal(parts, full), m
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(torch.ops.mfs.w4a8_tile_gemv(x, qt, dmt), full)  # the threads change nothing
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.ops.mfs.w4a8_tile_gemv(x[:0], qt, dmt).shape == (0, 208)
+
+
+_TILE_AVX2 = """
+import sys, torch
+from kernels import cpu_gemv
+cpu_gemv.load()
+x, qt, dmt = torch.load(sys.argv[1])
+torch.save(torch.ops.mfs.w4a8_tile_gemv(x, qt, dmt), sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(not cpu_gemv.VNNI <= cpu_gemv.cpu_flags(), reason="one build only on a CPU without AVX-512 VNNI")
+def test_w4a8_tiles_avx2_and_vnni_builds_agree_bit_for_bit(op, tmp_path):
+    import os
+    import subprocess
+    import sys
+    x, _, p, dm = _w4a8_case(7, 96, 576, seed=5)
+    qt, dmt = cpu_gemv.tile_q4_rows(p, dm)
+    torch.save((x, qt, dmt), tmp_path / "in.pt")
+    env = {**os.environ, "MFS_CPU_GEMV_ISA": "avx2"}
+    subprocess.run([sys.executable, "-c", _TILE_AVX2, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                   env=env, check=True, cwd=Path(__file__).parent.parent)
+    assert torch.equal(torch.load(tmp_path / "out.pt"), torch.ops.mfs.w4a8_tile_gemv(x, qt, dmt))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda x, q, d: (x[:, :48], q, d), "multiple of 32"),
+    (lambda x, q, d: (x, q.to(torch.int8), d), "qt must be contiguous uint8"),
+    (lambda x, q, d: (x, q[:, :1], d), r"qt must be contiguous uint8 \[N / 16, K / 32, 4, 16, 4\]"),
+    (lambda x, q, d: (x, q, d.float()), "dmt must be contiguous fp16"),
+    (lambda x, q, d: (x, q, d[:1]), r"dmt must be contiguous fp16 \[N / 16, K / 32, 2, 16\]"),
+])
+def test_w4a8_tiles_bad_inputs_are_refused_with_a_message(op, bad, match):
+    x, _, p, dm = _w4a8_case(2, 32, 64)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.mfs.w4a8_tile_gemv(*bad(x, *cpu_gemv.tile_q4_rows(p, dm)))
+
+
+def test_w4a8_tiles_trace_into_a_compiled_graph(op):
+    x, _, p, dm = _w4a8_case(3, 32, 64)
+    qt, dmt = cpu_gemv.tile_q4_rows(p, dm)
+    f = torch.compile(lambda a: torch.ops.mfs.w4a8_tile_gemv(a, qt, dmt) * 2, fullgraph=True)
+    assert torch.equal(f(x), torch.ops.mfs.w4a8_tile_gemv(x, qt, dmt) * 2)
 
 
 # ---- mfs::int8_a8_gemv: int8 weights (a scale per row) times activations quantized per 32 ------------

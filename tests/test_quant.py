@@ -393,7 +393,24 @@ def test_w4a8_from_float_is_q4_1s_recipe():
     deq = lin.dequantize()
     step = (w.view(48, 2, 32).amax(-1) - w.view(48, 2, 32).amin(-1)) / 15
     assert ((deq - w).abs().view(48, 2, 32) <= step[..., None] * 0.51 + 1e-3).all()
-    assert lin.dm.dtype == torch.float16 and lin.qweight.shape == (48, 32)
+    assert lin.dm.dtype == torch.float16 and lin.tiled and lin.qweight.shape == (3, 2, 4, 16, 4)  # 48 rows: three tiles
+
+
+def test_w4a8_tiles_where_the_rows_come_in_sixteens_and_the_row_layout_elsewhere(monkeypatch):
+    from worker.quant import Q4A8Linear
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(2))
+    tiled, rows = Q4A8Linear.from_float(w), Q4A8Linear.from_float(w[:40])
+    monkeypatch.setenv("MFS_W4A8_TILES", "0")
+    off = Q4A8Linear.from_float(w)
+    assert tiled.tiled and not rows.tiled and not off.tiled
+    assert torch.equal(tiled.dequantize(), off.dequantize()) and torch.equal(rows.dequantize(), off.dequantize()[:40])
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        a, b, c = tiled(x), off(x), rows(x)
+    assert (a - b).abs().max() <= 2e-6 * b.abs().max() and torch.equal(c, b[:, :40])  # another order, same sum
+    assert concat_linears([tiled, off]) is None  # two layouts never join
+    both = concat_linears([tiled, tiled])
+    assert both.tiled and torch.equal(both(x), torch.cat([a, a], -1))
 
 
 def test_w4a8_family_serves_in_the_engine_and_fuses(tied_llama):

@@ -22,7 +22,9 @@ dequantizes bit for bit (``exact=True``: tests and the perplexity reference, not
   dequantizes only the rows it reads.
 * :class:`Q4A8Linear` (``w4a8``, CPU with AVX2; AVX-512 VNNI used where present) — the GGUF's own Q4_1 blocks (or fp32 weights quantized
   the same way) times activations quantized to 8 bits per 32 values, as llama.cpp runs such a model:
-  our operator ``mfs::w4a8_gemv`` sums each block's products exactly in integers. Fewest bytes and the
+  our operators ``mfs::w4a8_tile_gemv`` (16 output rows interleaved, a register lane per output: the
+  linears whose outputs are a multiple of 16, all of the models') and ``mfs::w4a8_gemv`` (the rest) sum
+  each block's products exactly in integers. Fewest bytes and the
   least arithmetic per weight of the CPU modes: the fastest mode on both machines (``--weights auto``).
   Its LM head is :class:`Int8A8Linear`: int8 per row times the same 8-bit activations.
 * On CUDA (``layout="groups"``): :class:`worker.quant_groups.GroupQuantLinear`, GGUF-style codes with an
@@ -39,6 +41,7 @@ dequantizes bit for bit (``exact=True``: tests and the perplexity reference, not
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -46,7 +49,8 @@ import structlog
 import torch
 from torch import nn
 
-from kernels.cpu_gemv import int8_gemv_kernel, load as load_cpu_gemv, pack_q4_rows, unpack_q4_rows
+from kernels.cpu_gemv import (int8_gemv_kernel, load as load_cpu_gemv, pack_q4_rows, tile_q4_rows,
+                               unpack_q4_rows, untile_q4_rows)
 from worker.quant_groups import GroupQuantLinear
 from worker.quant_w8a8 import Int8DynamicLinear
 
@@ -133,9 +137,16 @@ class Int8A8Linear(Int8Linear):
 class Q4A8Linear(nn.Module):
     """``w4a8``: 4-bit weight blocks as GGUF's Q4_1 ships them (per 32 inputs 16 bytes of codes u and
     an fp16 (d, m), the weight d * u + m) times activations quantized to 8 bits per 32 values, as
-    llama.cpp runs a Q4_1 model on a CPU. Served by ``mfs::w4a8_gemv`` (``kernels/cpu_gemv.cpp``, AVX2 or AVX-512 VNNI):
-    the 32 products of a block summed exactly in integers. The weights are the GGUF's own (bit for bit
-    what transformers' loader dequantizes) or quantized from fp32 the same way."""
+    llama.cpp runs a Q4_1 model on a CPU, on our operators (``kernels/cpu_gemv.cpp``, AVX2 or AVX-512
+    VNNI): the 32 products of a block summed exactly in integers. The weights are the GGUF's own (bit
+    for bit what transformers' loader dequantizes) or quantized from fp32 the same way.
+
+    ``tiled`` (N % 16 == 0, unless ``MFS_W4A8_TILES=0``): the same bytes interleaved 16 rows to a tile
+    (``kernels.cpu_gemv.tile_q4_rows``: ``qweight`` [N/16, K/32, 4, 16, 4], ``dm`` [N/16, K/32, 2, 16]),
+    served by ``mfs::w4a8_tile_gemv``, where a register lane is one output row: about half the
+    instructions per activation row of ``mfs::w4a8_gemv``, which serves the row layout
+    (``qweight`` [N, K/2], ``dm`` [N, K/32, 2]) otherwise. The two sum in different orders (each the
+    same at any batch size), so their outputs differ in the last bits."""
 
     def __init__(self, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -143,8 +154,12 @@ class Q4A8Linear(nn.Module):
         assert K % _GGUF_BLOCK == 0 and d.shape == m.shape == (N, K // _GGUF_BLOCK)
         load_cpu_gemv()  # the operator forward calls (built once per machine, loaded once per process)
         self.in_features, self.out_features = K, N
-        self.qweight = nn.Parameter(pack_q4_rows(u), requires_grad=False)
-        self.dm = nn.Parameter(torch.stack([d, m], dim=-1).half().contiguous(), requires_grad=False)
+        packed, dm = pack_q4_rows(u), torch.stack([d, m], dim=-1).half().contiguous()
+        self.tiled = N % 16 == 0 and os.environ.get("MFS_W4A8_TILES", "1") != "0"
+        if self.tiled:
+            packed, dm = tile_q4_rows(packed, dm)
+        self.qweight = nn.Parameter(packed, requires_grad=False)
+        self.dm = nn.Parameter(dm, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     @staticmethod
@@ -173,14 +188,16 @@ class Q4A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.mfs.w4a8_gemv(x.reshape(-1, shape[-1]).float().contiguous(), self.qweight, self.dm)
+        op = torch.ops.mfs.w4a8_tile_gemv if self.tiled else torch.ops.mfs.w4a8_gemv
+        y = op(x.reshape(-1, shape[-1]).float().contiguous(), self.qweight, self.dm)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
-        u = unpack_q4_rows(self.qweight).float().view(self.out_features, -1, _GGUF_BLOCK)
-        d, m = self.dm.float().unbind(-1)
+        packed, dm = untile_q4_rows(self.qweight, self.dm) if self.tiled else (self.qweight, self.dm)
+        u = unpack_q4_rows(packed).float().view(self.out_features, -1, _GGUF_BLOCK)
+        d, m = dm.float().unbind(-1)
         return (d[..., None] * u + m[..., None]).view(self.out_features, self.in_features)
 
 
@@ -289,7 +306,10 @@ def concat_linears(mods: list[nn.Module]) -> nn.Module | None:
         out.scales_zeros = nn.Parameter(torch.cat([m.scales_zeros for m in mods], dim=1), requires_grad=False)
     elif isinstance(first, Int8Linear):
         out.scales = nn.Parameter(torch.cat([m.scales for m in mods]), requires_grad=False)
-    elif isinstance(first, Q4A8Linear):  # rows are independent
+    elif isinstance(first, Q4A8Linear):  # rows (tiles of 16 rows) are independent
+        if any(m.tiled != first.tiled for m in mods):
+            return None
+        out.tiled = first.tiled
         out.dm = nn.Parameter(torch.cat([m.dm for m in mods]), requires_grad=False)
     elif isinstance(first, Int8DynamicLinear):
         return Int8DynamicLinear.concat(mods)
