@@ -752,6 +752,139 @@ at::Tensor int8_a8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tens
   return y;
 }
 
+// ---- int8 a8 in tiles of 16 weight rows: one register lane per output ----
+// The head of --weights w4a8 as mfs::w4a8_tile_gemv takes its linears: y[m, n] = scale[n] * sum_b dx[m, b]
+// * sum_j q[n, 32b + j] * xq[m, 32b + j], the weights interleaved 16 rows to a tile (tile_int8_rows in
+// cpu_gemv.py):
+//   qt int8 [N/16, B, 8, 16, 4]: qt[t, b, c, j, i] = q[16t + j, 32b + 4c + i].
+// With VNNI a block of 16 rows is 8 vpdpbusd: the weights flipped to q + 128 (one xor per 64 bytes,
+// shared by the activation rows) against the activation's four bytes broadcast, the accumulator
+// starting from -128 * sum(xq) of the block (the activation side's correction, one broadcast): the
+// exact integer sum; then one conversion and one fused multiply-add by dx. Without VNNI, 8 rows to a
+// register: vpmaddubsw of |q| and xq signed by q, vpmaddwd, summed in 32 bits: the same integers.
+// Order: per output one accumulator takes the blocks in turn, then the scale: it depends on K only
+// (a row's output the same at any batch size), and the two builds agree bit for bit.
+
+struct TileA8Row {
+  const int8_t* q;      // [B * 32] plain order
+  const float* dx;      // [B]
+  const int32_t* corr;  // [B]: -128 * the sum of the block's xq
+};
+
+inline void quantize_rows_tile_a8(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, int32_t* corr) {
+  const int64_t B = K / 32;
+#pragma omp parallel for schedule(static) if (M >= 8)
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t b = 0; b < B; b++) {
+      float d;
+      int32_t sum;
+      const __m256i p = quantize_block(x + m * K + b * 32, &d, &sum);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + b * 32), p);
+      dx[m * B + b] = d;
+      corr[m * B + b] = -128 * sum;
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int TILE_A8_ROWS = 8;
+
+template <int MB>
+inline void tile_a8(const int8_t* w, int64_t B, const TileA8Row* xr, float* out) {
+  __m512 acc[MB];
+  for (int i = 0; i < MB; i++) acc[i] = _mm512_setzero_ps();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < B; b++) {
+    const int8_t* wb = w + b * 512;
+    __m512i wu[8];
+    for (int c = 0; c < 8; c++) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb + 4096 + c * 64), _MM_HINT_T0);
+      wu[c] = _mm512_xor_si512(_mm512_loadu_si512(wb + c * 64), flip);
+    }
+    for (int i = 0; i < MB; i++) {
+      const int8_t* xq = xr[i].q + b * 32;
+      __m512i s = _mm512_set1_epi32(xr[i].corr[b]);
+      for (int c = 0; c < 8; c++) s = _mm512_dpbusd_epi32(s, wu[c], _mm512_set1_epi32(four_bytes(xq + 4 * c)));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(xr[i].dx[b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MB; i++) _mm512_storeu_ps(out + i * 16, acc[i]);
+}
+#else
+constexpr int TILE_A8_ROWS = 2;
+
+template <int MB>
+inline void tile_a8_half(const int8_t* w, int64_t B, int h, const TileA8Row* xr, float* out) {
+  __m256 acc[MB];
+  for (int i = 0; i < MB; i++) acc[i] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < B; b++) {
+    const int8_t* wb = w + b * 512 + h * 32;
+    __m256i aw[8];
+    for (int c = 0; c < 8; c++) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb + 4096 + c * 64), _MM_HINT_T0);
+      aw[c] = _mm256_abs_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 64)));
+    }
+    for (int i = 0; i < MB; i++) {
+      const int8_t* xq = xr[i].q + b * 32;
+      __m256i s = _mm256_setzero_si256();
+      for (int c = 0; c < 8; c++) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 64));
+        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(four_bytes(xq + 4 * c)), q);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(aw[c], xs), ones));
+      }
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(xr[i].dx[b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MB; i++) _mm256_storeu_ps(out + i * 16 + h * 8, acc[i]);
+}
+
+template <int MB>
+inline void tile_a8(const int8_t* w, int64_t B, const TileA8Row* xr, float* out) {
+  tile_a8_half<MB>(w, B, 0, xr, out);
+  tile_a8_half<MB>(w, B, 1, xr, out);
+}
+#endif
+
+at::Tensor int8_a8_tile_gemv(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& scales) {
+  check_x("mfs::int8_a8_tile_gemv", x, qt, scales, true);
+  const int64_t K = x.size(1), B = K / 32;
+  TORCH_CHECK(qt.dim() == 5 && qt.scalar_type() == at::kChar && qt.is_contiguous() && qt.size(1) == B &&
+                  qt.size(2) == 8 && qt.size(3) == 16 && qt.size(4) == 4,
+              "mfs::int8_a8_tile_gemv: qt must be contiguous int8 [N / 16, K / 32, 8, 16, 4] = [N / 16, ", B,
+              ", 8, 16, 4], got ", qt.scalar_type(), " ", qt.sizes());
+  const int64_t T = qt.size(0), N = T * 16;
+  const RowScales sc("mfs::int8_a8_tile_gemv", scales, N);
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * B);
+  std::vector<int32_t> corr(M * B);
+  quantize_rows_tile_a8(xc.const_data_ptr<float>(), M, K, xq.data(), dx.data(), corr.data());
+  auto row = [&](int64_t m) { return TileA8Row{xq.data() + m * K, dx.data() + m * B, corr.data() + m * B}; };
+  const int8_t* qp = qt.const_data_ptr<int8_t>();
+  float* yp = y.mutable_data_ptr<float>();
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), T));
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t t = 0; t < T; t++) {
+    const int8_t* w = qp + t * B * 512;
+    float s[16];
+    for (int j = 0; j < 16; j++) s[j] = sc[t * 16 + j];
+    for (int64_t m = 0; m < M; m += TILE_A8_ROWS) {
+      TileA8Row xr[TILE_A8_ROWS];
+      float out[TILE_A8_ROWS * 16];
+      const int r = static_cast<int>(std::min<int64_t>(TILE_A8_ROWS, M - m));
+      for (int i = 0; i < r; i++) xr[i] = row(m + i);
+      with_rows<TILE_A8_ROWS>(r, [&](auto rows) { tile_a8<decltype(rows)::value>(w, B, xr, out); });
+      for (int i = 0; i < r; i++)
+        for (int j = 0; j < 16; j++) yp[(m + i) * N + t * 16 + j] = out[i * 16 + j] * s[j];
+    }
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mfs, m) {
@@ -759,6 +892,7 @@ TORCH_LIBRARY(mfs, m) {
   m.def("w4a8_gemv(Tensor x, Tensor q, Tensor dm) -> Tensor");
   m.def("int8_a8_gemv(Tensor x, Tensor q, Tensor scales) -> Tensor");
   m.def("w4a8_tile_gemv(Tensor x, Tensor qt, Tensor dmt) -> Tensor");
+  m.def("int8_a8_tile_gemv(Tensor x, Tensor qt, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mfs, CPU, m) {
@@ -766,4 +900,5 @@ TORCH_LIBRARY_IMPL(mfs, CPU, m) {
   m.impl("w4a8_gemv", &w4a8_gemv);
   m.impl("int8_a8_gemv", &int8_a8_gemv);
   m.impl("w4a8_tile_gemv", &w4a8_tile_gemv);
+  m.impl("int8_a8_tile_gemv", &int8_a8_tile_gemv);
 }

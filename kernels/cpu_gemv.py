@@ -12,7 +12,8 @@ against the installed torch on first use and loaded with ``torch.ops.load_librar
   (:func:`tile_q4_rows`): a register lane is one output, so a block's integer sum takes 8 vpdpbusd
   for 16 rows and its scaling 4 instructions for all 16; what ``Q4A8Linear`` serves where N % 16 == 0.
 * ``mfs::int8_a8_gemv`` — int8 weights (one scale per row) times the same 8-bit activations: the LM
-  head of ``--weights w4a8`` (``worker.quant.Int8A8Linear``).
+  head of ``--weights w4a8`` (``worker.quant.Int8A8Linear``); ``mfs::int8_a8_tile_gemv`` the same over
+  weights interleaved 16 rows to a tile (:func:`tile_int8_rows`), what that head serves where N % 16 == 0.
 
 A row's output is the same bit for bit at any batch size (the C++ file says why). Being real torch
 operators (not Python custom ops), a compiled decode graph calls them from C++ like any aten op: no
@@ -143,6 +144,10 @@ def load() -> None:
     def _(x, qt, dmt):
         return x.new_empty(x.shape[0], qt.shape[0] * 16)
 
+    @torch.library.register_fake("mfs::int8_a8_tile_gemv")
+    def _(x, qt, scales):
+        return x.new_empty(x.shape[0], qt.shape[0] * 16)
+
     @torch.library.register_fake("mfs::int8_a8_gemv")
     def _(x, q, scales):
         return x.new_empty(x.shape[0], q.shape[0])
@@ -187,6 +192,21 @@ def untile_q4_rows(qt: torch.Tensor, dmt: torch.Tensor) -> tuple[torch.Tensor, t
     packed = qt.permute(0, 3, 1, 2, 4).reshape(T * 16, B * 16).contiguous()
     dm = dmt.permute(0, 3, 1, 2).reshape(T * 16, B, 2).contiguous()
     return packed, dm
+
+
+def tile_int8_rows(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] (N % 16 == 0, K % 32 == 0) -> ``int8_a8_tile_gemv``'s tiles of 16 rows, int8
+    [N / 16, K / 32, 8, 16, 4]: qt[t, b, c, j, i] = q[16t + j, 32b + 4c + i]. The same bytes, reordered."""
+    N, K = q.shape
+    if N % 16 or K % 32:
+        raise ValueError(f"tiles of 16 rows need N % 16 == 0 and K % 32 == 0, got [{N}, {K}]")
+    return q.view(N // 16, 16, K // 32, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def untile_int8_rows(qt: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`tile_int8_rows`."""
+    T, B = qt.shape[:2]
+    return qt.permute(0, 3, 1, 2, 4).reshape(T * 16, B * 32).contiguous()
 
 
 def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,5 +275,5 @@ def int8_gemv_kernel() -> Callable | None:
 
 
 __all__ = ["build", "load", "pick_operator", "int8_gemv_kernel", "pack_q4_rows",
-           "unpack_q4_rows", "tile_q4_rows", "untile_q4_rows", "quantize_activations_q8", "w4a8_gemv_reference",
+           "unpack_q4_rows", "tile_q4_rows", "untile_q4_rows", "tile_int8_rows", "untile_int8_rows", "quantize_activations_q8", "w4a8_gemv_reference",
            "int8_a8_gemv_reference"]

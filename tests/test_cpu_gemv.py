@@ -1,4 +1,4 @@
-"""Our CPU operators ``mfs::int8_gemv``, ``mfs::w4a8_gemv``, ``mfs::w4a8_tile_gemv`` and ``mfs::int8_a8_gemv`` (kernels/cpu_gemv.cpp): built with the
+"""Our CPU operators ``mfs::int8_gemv``, ``mfs::w4a8_gemv``, ``mfs::w4a8_tile_gemv``, ``mfs::int8_a8_gemv`` and ``mfs::int8_a8_tile_gemv`` (kernels/cpu_gemv.cpp): built with the
 machine's compiler (for AVX-512 VNNI where the CPU has it, else AVX2), checked against float64
 products, batch invariance bit for bit, their errors, and that an int8 model takes them where torch
 reports AVX2 or AVX-512. Runs on any x86 CPU with AVX2 and FMA."""
@@ -234,23 +234,28 @@ _TILE_AVX2 = """
 import sys, torch
 from kernels import cpu_gemv
 cpu_gemv.load()
-x, qt, dmt = torch.load(sys.argv[1])
-torch.save(torch.ops.mfs.w4a8_tile_gemv(x, qt, dmt), sys.argv[2])
+x, qt, dmt, ht, hs = torch.load(sys.argv[1])
+torch.save((torch.ops.mfs.w4a8_tile_gemv(x, qt, dmt), torch.ops.mfs.int8_a8_tile_gemv(x, ht, hs)), sys.argv[2])
 """
 
 
 @pytest.mark.skipif(not cpu_gemv.VNNI <= cpu_gemv.cpu_flags(), reason="one build only on a CPU without AVX-512 VNNI")
-def test_w4a8_tiles_avx2_and_vnni_builds_agree_bit_for_bit(op, tmp_path):
+def test_the_tiles_avx2_and_vnni_builds_agree_bit_for_bit(op, tmp_path):
     import os
     import subprocess
     import sys
     x, _, p, dm = _w4a8_case(7, 96, 576, seed=5)
     qt, dmt = cpu_gemv.tile_q4_rows(p, dm)
-    torch.save((x, qt, dmt), tmp_path / "in.pt")
+    _, hq, hs = _case(7, 64, 576, seed=6)
+    hq[0, :3] = -128
+    ht = cpu_gemv.tile_int8_rows(hq)
+    torch.save((x, qt, dmt, ht, hs), tmp_path / "in.pt")
     env = {**os.environ, "MFS_CPU_GEMV_ISA": "avx2"}
     subprocess.run([sys.executable, "-c", _TILE_AVX2, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
                    env=env, check=True, cwd=Path(__file__).parent.parent)
-    assert torch.equal(torch.load(tmp_path / "out.pt"), torch.ops.mfs.w4a8_tile_gemv(x, qt, dmt))
+    w4a8, head = torch.load(tmp_path / "out.pt")
+    assert torch.equal(w4a8, torch.ops.mfs.w4a8_tile_gemv(x, qt, dmt))
+    assert torch.equal(head, torch.ops.mfs.int8_a8_tile_gemv(x, ht, hs))
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -326,6 +331,36 @@ def test_int8_a8_traces_into_a_compiled_graph_and_empty_batches(op):
     assert torch.ops.mfs.int8_a8_gemv(x[:0], q, s).shape == (0, 40)
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 960, 576), (2, 32, 32), (9, 48, 96), (17, 160, 1536)])
+def test_int8_a8_tiles_match_the_float64_reference_and_the_batch_changes_nothing(op, M, N, K):
+    x, q, s = _case(M, N, K, seed=7)
+    q[0, :5] = -128  # the full int8 range: q + 128 and |q| both hold it
+    qt = cpu_gemv.tile_int8_rows(q)
+    assert qt.shape == (N // 16, K // 32, 8, 16, 4) and torch.equal(cpu_gemv.untile_int8_rows(qt), q)
+    assert qt[0, K // 32 - 1, 7, 3, 2] == q[3, K - 32 + 30]  # row 16t + j's input 32b + 4c + i
+    got = torch.ops.mfs.int8_a8_tile_gemv(x, qt, s)
+    want = cpu_gemv.int8_a8_gemv_reference(x, q, s)
+    assert got.shape == (M, N) and (got - want).abs().max() <= 1e-6 * want.abs().max() + 1e-7
+    for m in range(1, 10):  # every rows-per-pass count of both builds (8 and 2), a pass split across calls
+        assert torch.equal(torch.cat([torch.ops.mfs.int8_a8_tile_gemv(x[i:i + m], qt, s) for i in range(0, M, m)]),
+                           got), m
+    assert torch.ops.mfs.int8_a8_tile_gemv(x[:0], qt, s).shape == (0, N)
+    with pytest.raises(ValueError, match="N % 16"):
+        cpu_gemv.tile_int8_rows(q[:8])
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda x, q, s: (x[:, :48], q, s), "multiple of 32"),
+    (lambda x, q, s: (x, q.view(torch.uint8), s), "qt must be contiguous int8"),
+    (lambda x, q, s: (x, q[:, :1], s), r"qt must be contiguous int8 \[N / 16, K / 32, 8, 16, 4\]"),
+    (lambda x, q, s: (x, q, s[:16]), r"scales must be fp32 or bf16 \[N\]"),
+])
+def test_int8_a8_tiles_bad_inputs_are_refused_with_a_message(op, bad, match):
+    x, q, s = _case(2, 32, 64)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.mfs.int8_a8_tile_gemv(*bad(x, cpu_gemv.tile_int8_rows(q), s))
+
+
 def test_the_w4a8_head_runs_int8_a8():
     from worker.quant import Int8A8Linear
     w = torch.randn(48, 64, generator=torch.Generator().manual_seed(9))
@@ -333,9 +368,14 @@ def test_the_w4a8_head_runs_int8_a8():
     x = torch.randn(3, 2, 64)
     got = lin(x)
     assert got.shape == (3, 2, 48)
-    assert torch.equal(got.reshape(6, 48), torch.ops.mfs.int8_a8_gemv(x.reshape(6, 64), lin.qweight, lin.scales)
+    assert lin.tiled  # 48 rows: three tiles of 16
+    assert torch.equal(got.reshape(6, 48), torch.ops.mfs.int8_a8_tile_gemv(x.reshape(6, 64), lin.qweight, lin.scales)
                        + lin.bias)
     want = x.double() @ lin.dequantize().double().t() + lin.bias.double()
     assert (got.double() - want).abs().max() < 0.02 * want.abs().max()
+    rows = Int8A8Linear.from_float(w[:40], lin.bias[:40])  # 40 rows: the row layout and mfs::int8_a8_gemv
+    assert not rows.tiled and torch.equal(rows.dequantize(), lin.dequantize()[:40])
+    assert torch.equal(rows(x).reshape(6, 40), torch.ops.mfs.int8_a8_gemv(x.reshape(6, 64), rows.qweight, rows.scales)
+                       + rows.bias)
     with pytest.raises(ValueError, match="per 32 inputs"):
         Int8A8Linear.from_float(torch.randn(8, 40))

@@ -49,8 +49,8 @@ import structlog
 import torch
 from torch import nn
 
-from kernels.cpu_gemv import (int8_gemv_kernel, load as load_cpu_gemv, pack_q4_rows, tile_q4_rows,
-                               unpack_q4_rows, untile_q4_rows)
+from kernels.cpu_gemv import (int8_gemv_kernel, load as load_cpu_gemv, pack_q4_rows, tile_int8_rows, tile_q4_rows,
+                               unpack_q4_rows, untile_int8_rows, untile_q4_rows)
 from worker.quant_groups import GroupQuantLinear
 from worker.quant_w8a8 import Int8DynamicLinear
 
@@ -112,13 +112,20 @@ class Int8A8Linear(Int8Linear):
     Q8_0 output matrix so), served by ``mfs::int8_a8_gemv``: each block's products summed exactly in
     integers, where ``mfs::int8_gemv`` widens every weight to fp32 once per pair of activation rows.
     Same bytes, a fraction of the arithmetic per extra row (a 6-row head on the AVX-512 machine:
-    docs/BENCHMARKS.md, "Both machines' kernels")."""
+    docs/BENCHMARKS.md, "Both machines' kernels").
+
+    ``tiled`` (N % 16 == 0, unless ``MFS_W4A8_TILES=0``), as :class:`Q4A8Linear`: ``qweight`` the same
+    bytes interleaved 16 rows to a tile (``kernels.cpu_gemv.tile_int8_rows``, [N/16, K/32, 8, 16, 4]),
+    served by ``mfs::int8_a8_tile_gemv``, a register lane per output row."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         if q.shape[1] % _GGUF_BLOCK:
             raise ValueError(f"8-bit activations go per {_GGUF_BLOCK} inputs; this head has {q.shape[1]}")
         load_cpu_gemv()  # the operator forward calls (built once per machine, loaded once per process)
         super().__init__(q, scales, bias)
+        self.tiled = q.shape[0] % 16 == 0 and os.environ.get("MFS_W4A8_TILES", "1") != "0"
+        if self.tiled:
+            self.qweight = nn.Parameter(tile_int8_rows(self.qweight.data), requires_grad=False)
 
     @staticmethod
     def supports(in_features: int) -> bool:
@@ -126,12 +133,19 @@ class Int8A8Linear(Int8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows_kernel is not None:
+            if self.tiled:  # rows_kernel takes [N, K] rows; set only where our operators do not build
+                raise RuntimeError("a tiled int8 a8 head has no rows_kernel path (MFS_W4A8_TILES=0 for one)")
             return super().forward(x)
         shape = x.shape
-        y = torch.ops.mfs.int8_a8_gemv(x.reshape(-1, shape[-1]).float().contiguous(), self.qweight, self.scales)
+        op = torch.ops.mfs.int8_a8_tile_gemv if self.tiled else torch.ops.mfs.int8_a8_gemv
+        y = op(x.reshape(-1, shape[-1]).float().contiguous(), self.qweight, self.scales)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        q = untile_int8_rows(self.qweight) if self.tiled else self.qweight
+        return q.float() * self.scales.float()[:, None]
 
 
 class Q4A8Linear(nn.Module):
@@ -305,6 +319,10 @@ def concat_linears(mods: list[nn.Module]) -> nn.Module | None:
         out.group, out.exact = first.group, first.exact
         out.scales_zeros = nn.Parameter(torch.cat([m.scales_zeros for m in mods], dim=1), requires_grad=False)
     elif isinstance(first, Int8Linear):
+        if isinstance(first, Int8A8Linear):  # tiles of 16 rows concatenate as rows do; two layouts do not
+            if any(m.tiled != first.tiled for m in mods):
+                return None
+            out.tiled = first.tiled
         out.scales = nn.Parameter(torch.cat([m.scales for m in mods]), requires_grad=False)
     elif isinstance(first, Q4A8Linear):  # rows (tiles of 16 rows) are independent
         if any(m.tiled != first.tiled for m in mods):
