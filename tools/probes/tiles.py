@@ -1,8 +1,10 @@
-"""mfs::w4a8_gemv (one weight row's blocks across a register) against mfs::w4a8_tile_gemv (16 weight
-rows interleaved, a lane per output), the same weights, in one process, alternated: (1) cache-resident
-weights (N=512, K=1536), one thread, best of 7 x 200 calls; (2) 30 layers of the default model's linear
-shapes streamed from memory, THREADS threads, median of 20 passes. 1..16 activation rows.
-usage: python tools/probes/w4a8_tile.py [THREADS=2] [ROUNDS=2]"""
+"""The row layouts' operators against the tiles' (16 weight rows interleaved, a register lane per
+output), the same weights, in one process, alternated: mfs::w4a8_gemv vs mfs::w4a8_tile_gemv on (1)
+cache-resident weights (N=512, K=1536), one thread, best of 7 x 200 calls, and (2) 30 layers of the
+default model's linear shapes streamed from memory, THREADS threads, median of 20 passes; (3)
+mfs::int8_a8_gemv vs mfs::int8_a8_tile_gemv at the tied head's shape (49152 x 576), THREADS threads,
+median of 25 calls. 1..16 activation rows. MFS_CPU_GEMV_ISA=avx2 times the AVX2 build.
+usage: python tools/probes/tiles.py [THREADS=2] [ROUNDS=2]"""
 import statistics, sys, time
 import torch
 from kernels import cpu_gemv
@@ -21,6 +23,9 @@ def weights(n, k):
 
 
 hot = weights(512, 1536)
+hq = torch.randint(-127, 128, (49152, 576), dtype=torch.int8, generator=g)
+hs = (torch.rand(49152, generator=g) * 0.02).to(torch.bfloat16)
+head = {"row": (torch.ops.mfs.int8_a8_gemv, hq), "tile": (torch.ops.mfs.int8_a8_tile_gemv, cpu_gemv.tile_int8_rows(hq))}
 shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 layers = [[weights(n, k) for n, k in shapes] for _ in range(30)]
 for rnd in range(rounds):
@@ -50,5 +55,16 @@ for rnd in range(rounds):
                         op(xs[k], q, dm)
                 ts.append(time.perf_counter() - t)
             lay.append(f"{M}:{statistics.median(ts[5:]) * 1e3:.2f}")
-        print(f"round {rnd} {form:4s} hot us  " + " ".join(out))
-        print(f"round {rnd} {form:4s} 30 layers ms  " + " ".join(lay), flush=True)
+        hd = []
+        for M in rows:
+            x = torch.randn(M, 576, generator=g)
+            op, q = head[form]
+            ts = []
+            for _ in range(30):
+                t = time.perf_counter()
+                op(x, q, hs)
+                ts.append(time.perf_counter() - t)
+            hd.append(f"{M}:{statistics.median(ts[5:]) * 1e3:.2f}")
+        print(f"round {rnd} {form:4s} w4a8 hot us  " + " ".join(out))
+        print(f"round {rnd} {form:4s} w4a8 30 layers ms  " + " ".join(lay))
+        print(f"round {rnd} {form:4s} head ms  " + " ".join(hd), flush=True)
