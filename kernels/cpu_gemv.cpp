@@ -471,8 +471,10 @@ struct TileRow {
   const float* xs;   // [B]: dx * sum of the block's xq
 };
 
-// x [M, K] -> per row xq (plain order), dx, xs as TileRow describes
-inline void quantize_rows_tile(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs) {
+// x [M, K] -> per row xq (plain order) and dx [M, B]; side(m * B + b, dx, sum of the block's xq) for
+// what else a tile operator keeps per block (w4a8: xs; the int8 head: its correction)
+template <class Side>
+inline void quantize_rows_plain(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, Side&& side) {
   const int64_t B = K / 32;
 #pragma omp parallel for schedule(static) if (M >= 8)
   for (int64_t m = 0; m < M; m++) {
@@ -482,7 +484,7 @@ inline void quantize_rows_tile(const float* x, int64_t M, int64_t K, int8_t* xq,
       const __m256i p = quantize_block(x + m * K + b * 32, &d, &sum);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + b * 32), p);
       dx[m * B + b] = d;
-      xs[m * B + b] = d * static_cast<float>(sum);
+      side(m * B + b, d, sum);
     }
   }
 }
@@ -596,7 +598,9 @@ at::Tensor w4a8_tile_gemv(const at::Tensor& x, const at::Tensor& qt, const at::T
   if (M == 0 || N == 0) return y;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * B), xs(M * B);
-  quantize_rows_tile(xc.const_data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data());
+  float* xsp = xs.data();
+  quantize_rows_plain(xc.const_data_ptr<float>(), M, K, xq.data(), dx.data(),
+                      [xsp](int64_t i, float d, int32_t sum) { xsp[i] = d * static_cast<float>(sum); });
   auto row = [&](int64_t m) { return TileRow{xq.data() + m * K, dx.data() + m * B, xs.data() + m * B}; };
   const uint8_t* qp = qt.const_data_ptr<uint8_t>();
   const at::Half* dp = dmt.const_data_ptr<at::Half>();
@@ -771,21 +775,6 @@ struct TileA8Row {
   const int32_t* corr;  // [B]: -128 * the sum of the block's xq
 };
 
-inline void quantize_rows_tile_a8(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, int32_t* corr) {
-  const int64_t B = K / 32;
-#pragma omp parallel for schedule(static) if (M >= 8)
-  for (int64_t m = 0; m < M; m++) {
-    for (int64_t b = 0; b < B; b++) {
-      float d;
-      int32_t sum;
-      const __m256i p = quantize_block(x + m * K + b * 32, &d, &sum);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + b * 32), p);
-      dx[m * B + b] = d;
-      corr[m * B + b] = -128 * sum;
-    }
-  }
-}
-
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int TILE_A8_ROWS = 8;
 
@@ -862,7 +851,9 @@ at::Tensor int8_a8_tile_gemv(const at::Tensor& x, const at::Tensor& qt, const at
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * B);
   std::vector<int32_t> corr(M * B);
-  quantize_rows_tile_a8(xc.const_data_ptr<float>(), M, K, xq.data(), dx.data(), corr.data());
+  int32_t* cp = corr.data();
+  quantize_rows_plain(xc.const_data_ptr<float>(), M, K, xq.data(), dx.data(),
+                      [cp](int64_t i, float, int32_t sum) { cp[i] = -128 * sum; });
   auto row = [&](int64_t m) { return TileA8Row{xq.data() + m * K, dx.data() + m * B, corr.data() + m * B}; };
   const int8_t* qp = qt.const_data_ptr<int8_t>();
   float* yp = y.mutable_data_ptr<float>();
