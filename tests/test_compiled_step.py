@@ -125,6 +125,20 @@ def test_compile_takes_the_fp32_head_only_on_avx512_without_our_operator(llama_d
     assert model.lm_head.rows_kernel is want
 
 
+def test_compile_leaves_a_tiled_w4a8_head_on_its_own_operator(llama_dir, monkeypatch):
+    """Where compile_decode would hand an int8 head inductor's fp32 rows (AVX-512 without our int8
+    operator, e.g. MFS_CPU_GEMV=0), a tiled w4a8 head keeps mfs::int8_a8_tile_gemv and still runs."""
+    from kernels import cpu_gemv
+    model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32", weights="w4a8").model
+    assert model.lm_head.tiled
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(cpu_gemv, "_choice", [None])
+    model.compile_decode()
+    assert model.lm_head.rows_kernel is None
+    x = torch.randn(2, model.lm_head.in_features)
+    assert model.lm_head(x).shape == (2, model.lm_head.out_features)
+
+
 def test_a_warmed_up_runner_serves_without_compiling_and_its_blocks_leak_nothing(llama_dir):
     """``python -m worker --compile`` builds the graphs with ModelRunner.warm_up before registering:
     afterwards requests of other lengths, batch sizes and tiers compile nothing, and the blocks the

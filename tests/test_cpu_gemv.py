@@ -250,6 +250,7 @@ def test_the_tiles_avx2_and_vnni_builds_agree_bit_for_bit(op, tmp_path):
     hq[0, :3] = -128
     ht = cpu_gemv.tile_int8_rows(hq)
     torch.save((x, qt, dmt, ht, hs), tmp_path / "in.pt")
+    assert cpu_gemv.isa() == "avx512-vnni"  # else both sides would be the AVX2 build
     env = {**os.environ, "MFS_CPU_GEMV_ISA": "avx2"}
     subprocess.run([sys.executable, "-c", _TILE_AVX2, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
                    env=env, check=True, cwd=Path(__file__).parent.parent)

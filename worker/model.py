@@ -129,7 +129,8 @@ class NestedModel(nn.Module):
             raise ValueError("--compile does not serve --weights w8a8 (fbgemm's packed linears break the "
                              "compiled graph; w8a8 runs eager)")
         self._compiled_decode = compiled_decode_segment(self.cfg, list(self.layers))
-        if hasattr(self.lm_head, "rows_kernel"):  # an int8 head (worker/quant.py: Int8Linear); AVX-512 only
+        # an int8 head (worker/quant.py: Int8Linear); AVX-512 only. A tiled w4a8 head keeps its own operator.
+        if hasattr(self.lm_head, "rows_kernel") and not getattr(self.lm_head, "tiled", False):
             self.lm_head.rows_kernel = compiled_head_kernel()
 
     @property

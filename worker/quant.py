@@ -133,7 +133,7 @@ class Int8A8Linear(Int8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows_kernel is not None:
-            if self.tiled:  # rows_kernel takes [N, K] rows; set only where our operators do not build
+            if self.tiled:  # rows_kernel takes [N, K] rows; compile_decode never sets it on a tiled head
                 raise RuntimeError("a tiled int8 a8 head has no rows_kernel path (MFS_W4A8_TILES=0 for one)")
             return super().forward(x)
         shape = x.shape
