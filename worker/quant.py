@@ -64,6 +64,11 @@ _INT4_PACK_ROWS = 64  # _convert_weight_to_int4pack_for_cpu lays rows out in blo
 
 
 # ---- packed modules -------------------------------------------------------------------------
+def _tiles(out_features: int) -> bool:
+    """w4a8's linears and head in tiles of 16 rows: where N % 16 == 0, unless MFS_W4A8_TILES=0."""
+    return out_features % 16 == 0 and os.environ.get("MFS_W4A8_TILES", "1") != "0"
+
+
 class Int8Linear(nn.Module):
     """y = x @ (q * scale[:, None]).T + b, q int8 [N, K], one fp32 scale per output channel."""
 
@@ -123,7 +128,7 @@ class Int8A8Linear(Int8Linear):
             raise ValueError(f"8-bit activations go per {_GGUF_BLOCK} inputs; this head has {q.shape[1]}")
         load_cpu_gemv()  # the operator forward calls (built once per machine, loaded once per process)
         super().__init__(q, scales, bias)
-        self.tiled = q.shape[0] % 16 == 0 and os.environ.get("MFS_W4A8_TILES", "1") != "0"
+        self.tiled = _tiles(q.shape[0])
         if self.tiled:
             self.qweight = nn.Parameter(tile_int8_rows(self.qweight.data), requires_grad=False)
 
@@ -169,7 +174,7 @@ class Q4A8Linear(nn.Module):
         load_cpu_gemv()  # the operator forward calls (built once per machine, loaded once per process)
         self.in_features, self.out_features = K, N
         packed, dm = pack_q4_rows(u), torch.stack([d, m], dim=-1).half().contiguous()
-        self.tiled = N % 16 == 0 and os.environ.get("MFS_W4A8_TILES", "1") != "0"
+        self.tiled = _tiles(N)
         if self.tiled:
             packed, dm = tile_q4_rows(packed, dm)
         self.qweight = nn.Parameter(packed, requires_grad=False)
