@@ -1,6 +1,6 @@
 """The opt-in compiled decode segment (worker/compiled_step.py, ``compile_decode``): the same logits as
-the eager ops within fp32 rounding, every step of a mixed-tier run; mixed steps stay eager; and the KV
-it writes is the eager path's. The compiled int8 head (fp32, batch-invariant), and the warm-up a
+the eager ops within fp32 rounding, every step of a mixed-tier run, exit blocks included; mixed steps
+stay eager; and the KV it writes is the eager path's. The compiled int8 head (fp32, batch-invariant), and the warm-up a
 ``--compile`` worker runs before it registers."""
 import dataclasses
 
@@ -42,12 +42,15 @@ def test_compiled_decode_matches_eager(llama_dir, weights, attention, monkeypatc
         # an AVX-512 CPU's compiled head computes in fp32: the eager run gets the same sum uncompiled
         from worker.compiled_step import int8_rows
         eager.lm_head.rows_kernel = int8_rows
-    calls = {"n": 0}
+    calls = {"n": 0, "exit": 0}
     inner = comp._compiled_decode
+    exit_layers = {id(layer) for blk in comp.exit_blocks.values() for layer in blk}
+    assert comp.compiled_exits == {0, 1}  # both blocks are built as the trunk's layers
 
-    def counting(*a, **kw):
+    def counting(layers, *a, **kw):
         calls["n"] += 1
-        return inner(*a, **kw)
+        calls["exit"] += all(id(layer) in exit_layers for layer in layers)
+        return inner(layers, *a, **kw)
     comp._compiled_decode = counting
     a, eng_a = _run(eager)
     b, eng_b = _run(comp)
@@ -62,6 +65,7 @@ def test_compiled_decode_matches_eager(llama_dir, weights, attention, monkeypatc
                 compared += 1
             assert ta == tb
     assert compared >= 20 and calls["n"] >= 3 * 4  # all-decode steps went through the graph, per segment
+    assert calls["exit"] >= 2  # and the exit blocks of decode steps where their tier's rows sample
     for s in range(3):  # the pools hold the same K/V (trunk, and exit blocks whose rows go on or leave)
         torch.testing.assert_close(eng_b.kv.k[s], eng_a.kv.k[s], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(eng_b.kv.v[s], eng_a.kv.v[s], rtol=1e-5, atol=1e-5)
@@ -80,6 +84,21 @@ def test_layers_of_different_structure_are_refused(llama_dir):
     model.layers[3].mlp_extra = nn.Linear(4, 4)
     with pytest.raises(ValueError, match="one structure"):
         model.compile_decode()
+
+
+def test_an_exit_block_built_unlike_the_trunk_stays_eager(llama_dir):
+    """The graph skips its guards on the layers' modules, so only blocks whose layers have the trunk's
+    signature may run through it; another block keeps the eager layers, and its tier still serves."""
+    from torch import nn
+    model = load_family(str(llama_dir), tiers="2+2,4+1,6", dtype="float32").model
+    model.exit_blocks["0"][1].mlp_extra = nn.Linear(4, 4)
+    model.compile_decode()
+    assert model.compiled_exits == {1}
+    eng = Engine(model, block_size=4, num_blocks=64)
+    out = eng.generate([[5, 9, 33, 7, 2], [7, 8, 9]], [0, 1], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [len(o) for o in out] == [4, 4]
+    model.compile_decode(False)
+    assert model.compiled_exits == frozenset()
 
 
 def test_the_compiled_int8_head_is_fp32_exact_and_batch_invariant(llama_dir):

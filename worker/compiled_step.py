@@ -7,9 +7,12 @@ gather and SDPA), o_proj and MLP -- run as one ``torch.compile`` graph (inductor
 and their Python per layer. One graph per segment, not per layer: dynamo's guard check and call cost
 ~60 us a call here, as much as a layer's fusions save. The layers' modules are inputs, so segments of
 equal length share a graph; batch size and context length are dynamic (one recompile going from batch
-1 to more). Prefill chunks, verification rows, mixed steps and exit blocks stay eager (their trunk
-layers; the int8 head below is compiled in every step). A serving worker (``python -m worker
---compile``) builds the graphs with ``ModelRunner.warm_up`` before it registers.
+1 to more). An exit block built as the trunk's layers runs through the same graph too (its own length,
+its own graph; ``NestedModel.compiled_exits``) when its tokens are decode rows and some sample. Prefill
+chunks, verification rows, mixed steps and exit fills stay eager (their trunk layers; the int8 head below
+is compiled in every step). A serving worker (``python -m worker --compile``) builds the graphs with
+``ModelRunner.warm_up`` before it registers: the top tier's, and each lower tier's whose block the graph
+serves.
 
 With ``--compile`` the int8 LM head (49152 x 576 for SmolLM2: 28 of the 101 MB an int4 step streams) also
 runs compiled (:func:`int8_rows`): inductor's loop reads each weight row once and dots it with every

@@ -21,7 +21,7 @@ from torch import nn
 from kernels import TORCH_OPS, KernelOps
 from kernels.paged_attention import decode_gather
 from kernels.rotary import build_cos_sin_cache
-from worker.compiled_step import compiled_decode_segment, compiled_head_kernel, write_segment_kv
+from worker.compiled_step import compiled_decode_segment, compiled_head_kernel, layer_signature, write_segment_kv
 from worker.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -104,6 +104,7 @@ class NestedModel(nn.Module):
         self.rebuild_buffers()
         self.scale = cfg.head_dim ** -0.5
         self._compiled_decode = None  # compile_decode() on CPU: all-decode segments as one compiled graph
+        self._compiled_exits: frozenset[int] = frozenset()  # exit blocks that graph serves too
         self._decode_graphs = None    # compile_decode() on CUDA: their CUDA graphs (worker/decode_graphs.py)
 
     def compile_decode(self, enable: bool = True) -> None:
@@ -113,6 +114,7 @@ class NestedModel(nn.Module):
         (:mod:`worker.decode_graphs`). Opt-in: see there why."""
         if not enable:
             self._compiled_decode = self._decode_graphs = None
+            self._compiled_exits = frozenset()
             if hasattr(self.lm_head, "rows_kernel"):
                 self.lm_head.rows_kernel = None
             return
@@ -129,9 +131,20 @@ class NestedModel(nn.Module):
             raise ValueError("--compile does not serve --weights w8a8 (fbgemm's packed linears break the "
                              "compiled graph; w8a8 runs eager)")
         self._compiled_decode = compiled_decode_segment(self.cfg, list(self.layers))
+        # an exit block whose layers are built as the trunk's (same modules, parameter shapes and dtypes)
+        # runs through the same graph in all-decode steps; any other stays eager
+        trunk = layer_signature(self.layers[0])
+        self._compiled_exits = frozenset(int(k) for k, blk in self.exit_blocks.items()
+                                         if all(layer_signature(layer) == trunk for layer in blk))
         # an int8 head (worker/quant.py: Int8Linear); AVX-512 only. A tiled w4a8 head keeps its own operator.
         if hasattr(self.lm_head, "rows_kernel") and not getattr(self.lm_head, "tiled", False):
             self.lm_head.rows_kernel = compiled_head_kernel()
+
+    @property
+    def compiled_exits(self) -> frozenset[int]:
+        """The segments whose exit block an all-decode step runs through the compiled graph (CPU
+        ``compile_decode``; blocks built as the trunk's layers)."""
+        return self._compiled_exits
 
     @property
     def decode_graphs(self):
@@ -388,24 +401,32 @@ class NestedModel(nn.Module):
         if out is not None:
             h, residual = out
         elif self._compiled_decode is not None and h.shape[0] == R:  # every row one token: all decode
-            flat, mask, _, _, _ = decode_gather(seg.block_tables, seg.ctx_lens, list(range(R)), list(range(R)),
-                                                seg.ctx_lens_host, k_cache.shape[2], seg.memo)
-            if "last" not in seg.memo:
-                seg.memo["last"] = seg.ctx_lens - 1
             if residual is None:  # the model's first layer: h + 0 is h, so one graph serves it too
                 residual = torch.zeros_like(h)
-            layers = tuple(self.layers[li] for li in self.segment_layers(s))
-            kp = k_cache.view(k_cache.shape[0], -1, *k_cache.shape[3:])
-            vp = v_cache.view(v_cache.shape[0], -1, *v_cache.shape[3:])
-            h, residual, ks, vs = self._compiled_decode(layers, h, residual, pos, self.cos_sin, kp, vp, flat,
-                                                        seg.memo["last"], mask)
-            write_segment_kv(kp, vp, seg.slot_mapping, ks, vs)
+            h, residual = self._compiled_layers(tuple(self.layers[li] for li in self.segment_layers(s)), h,
+                                                residual, pos, seg, k_cache, v_cache, 0)
         else:
             for j, li in enumerate(self.segment_layers(s)):
                 h, residual = self._layer(self.layers[li], h, residual, pos, seg, k_cache[j], v_cache[j])
         if s < len(kv.hid):
             hid = kv.hid[s]
             hid.view(-1, hid.shape[-1]).index_copy_(0, seg.slot_mapping, (h + residual).to(hid.dtype))
+        return h, residual
+
+    def _compiled_layers(self, layers: tuple, h: torch.Tensor, residual: torch.Tensor, pos: torch.Tensor, seg,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, first_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layers`` over decode rows (one token each) as the compiled graph, their KV layers
+        ``first_kv`` on in the pools; writes the rows' new K/V."""
+        R = h.shape[0]
+        flat, mask, _, _, _ = decode_gather(seg.block_tables, seg.ctx_lens, list(range(R)), list(range(R)),
+                                            seg.ctx_lens_host, k_cache.shape[2], seg.memo)
+        if "last" not in seg.memo:
+            seg.memo["last"] = seg.ctx_lens - 1
+        kp = k_cache.view(k_cache.shape[0], -1, *k_cache.shape[3:])[first_kv:]
+        vp = v_cache.view(v_cache.shape[0], -1, *v_cache.shape[3:])[first_kv:]
+        h, residual, ks, vs = self._compiled_decode(layers, h, residual, pos, self.cos_sin, kp, vp, flat,
+                                                    seg.memo["last"], mask)
+        write_segment_kv(kp, vp, seg.slot_mapping, ks, vs)
         return h, residual
 
     def _exit(self, s: int, h: torch.Tensor, residual: torch.Tensor, pos: torch.Tensor, seg, kv,
@@ -424,10 +445,17 @@ class NestedModel(nn.Module):
         if blk is not None:
             nl = len(self.segment_layers(s))
             k_cache, v_cache = kv.k[s], kv.v[s]
-            for j, layer in enumerate(blk):
-                last = j == len(blk) - 1
-                h, residual = self._layer(layer, h, residual, pos, seg, k_cache[nl + j], v_cache[nl + j],
-                                          rows if last else None, kv_only=last and rows is None)
+            if (rows is not None and s in self._compiled_exits and self._compiled_decode is not None
+                    and h.shape[0] == len(seg.q_lens_host)):
+                # all decode rows, some sampled: the block as the trunk's graph (its last layer's MLP for
+                # every row, then the sampled ones taken -- each row's values are its own)
+                h, residual = self._compiled_layers(tuple(blk), h, residual, pos, seg, k_cache, v_cache, nl)
+                h, residual = h.index_select(0, rows), residual.index_select(0, rows)
+            else:
+                for j, layer in enumerate(blk):
+                    last = j == len(blk) - 1
+                    h, residual = self._layer(layer, h, residual, pos, seg, k_cache[nl + j], v_cache[nl + j],
+                                              rows if last else None, kv_only=last and rows is None)
             if rows is None:
                 return
             e, _ = self.ops.fused_add_rms_norm(h, residual, self.exit_norms[s], self.cfg.rms_eps)

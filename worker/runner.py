@@ -125,35 +125,44 @@ class ModelRunner:
             self.matchers[request_id] = m
 
     def warm_up(self, steps: int = 2) -> float:
-        """Runs throw-away requests through the top tier so that compiled graphs
-        (``NestedModel.compile_decode``) are built before any client waits: one request decoding alone,
-        then two together (the compiler specializes a batch of one), each over more than one KV block
-        per segment, as real contexts are. Uses the first blocks of every pool; a real request never
-        reads them before writing (each reads only positions its own rows wrote), and the warm-up
-        requests are dropped after. Returns the seconds it took."""
+        """Runs throw-away requests so that compiled graphs (``NestedModel.compile_decode``) are built
+        before any client waits: through the top tier, and through each lower tier whose exit block the
+        graph serves (a block's own length is its own graph): one request decoding alone, then two
+        together (the compiler specializes a batch of one), each over more than one KV block per
+        segment, as real contexts are. Uses the first blocks of every pool; a real request never reads
+        them before writing (each reads only positions its own rows wrote), and the warm-up requests are
+        dropped after. Returns the seconds it took."""
         import time  # noqa: PLC0415
         t0 = time.perf_counter()
-        top = self.model.num_segments - 1
-        tier = top if self.tier_map is None else next(g for g, t in self.tier_map.items() if t == top)
+        model = self.model
+        top = model.num_segments - 1
         n = self.block_size + 2  # prompt tokens: two blocks
         need = -(-(n + steps) // self.block_size)
         if min(self.kv.num_blocks) < 2 * need:
             raise ValueError(f"warm_up needs {2 * need} KV blocks per segment; the pools have "
                              f"{min(self.kv.num_blocks)}")
         self.record_graphs()  # CUDA graphs: every bucket, largest first, before the steps below use any
-        rids = ["warm-up-0", "warm-up-1"]
-        tables = {rid: [list(range(k * need, (k + 1) * need))] * (top + 1) for k, rid in enumerate(rids)}
+        local = [top] + [s for s in model.exit_block_segments if s in model.compiled_exits]
         prompt = [1 + k % 7 for k in range(n)]
-        for rid in rids:
-            self.add(rid, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
-        last: dict[str, int] = {}
-        for group in (rids[:1], rids):
-            for rid in group:  # prefill (the second group rewrites the same positions)
-                last[rid] = self.execute([PlanRow(rid, tier, prompt, 0, tables[rid], True, 0)]).tokens[rid]
-            for k in range(steps):
-                last.update(self.execute([PlanRow(rid, tier, [last[rid]], n + k, tables[rid], True, k + 1)
-                                          for rid in group]).tokens)
-        self.drop(rids)
+        for t in local:
+            if self.tier_map is None:
+                tier = t
+            else:  # the caller plans in global tiers; a local tier no global one maps to is never served
+                tier = next((g for g, lt in self.tier_map.items() if lt == t), None)
+                if tier is None:
+                    continue
+            rids = [f"warm-up-{t}-0", f"warm-up-{t}-1"]
+            tables = {rid: [list(range(k * need, (k + 1) * need))] * (t + 1) for k, rid in enumerate(rids)}
+            for rid in rids:
+                self.add(rid, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+            last: dict[str, int] = {}
+            for group in (rids[:1], rids):
+                for rid in group:  # prefill (the second group rewrites the same positions)
+                    last[rid] = self.execute([PlanRow(rid, tier, prompt, 0, tables[rid], True, 0)]).tokens[rid]
+                for k in range(steps):
+                    last.update(self.execute([PlanRow(rid, tier, [last[rid]], n + k, tables[rid], True, k + 1)
+                                              for rid in group]).tokens)
+            self.drop(rids)
         return time.perf_counter() - t0
 
     def grammars(self) -> Grammars:
