@@ -177,10 +177,16 @@ def tile_q4_rows(packed: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, 
     tiles of 16 rows (N % 16 == 0): qt uint8 [N / 16, K / 32, 4, 16, 4], qt[t, b, p, j, i] = row 16t + j's
     byte 4p + i of block b, and dmt fp16 [N / 16, K / 32, 2, 16] (the 16 rows' d, then their m). The
     same bytes, reordered."""
+    if packed.dim() != 2 or packed.dtype != torch.uint8 or packed.shape[1] % 16:
+        raise ValueError(f"packed must be uint8 [N, K / 2] with K % 32 == 0, got {packed.dtype} "
+                         f"{list(packed.shape)}")
     N, H = packed.shape
     if N % 16:
         raise ValueError(f"tiles of 16 rows need N % 16 == 0, got N = {N}")
     B = H // 16
+    if dm.shape != (N, B, 2) or dm.dtype != torch.float16:
+        raise ValueError(f"dm must be fp16 [N, K / 32, 2] = [{N}, {B}, 2] for packed {list(packed.shape)}, "
+                         f"got {dm.dtype} {list(dm.shape)}")
     qt = packed.view(N // 16, 16, B, 4, 4).permute(0, 2, 3, 1, 4).contiguous()
     dmt = dm.view(N // 16, 16, B, 2).permute(0, 2, 3, 1).contiguous()
     return qt, dmt
@@ -197,6 +203,8 @@ def untile_q4_rows(qt: torch.Tensor, dmt: torch.Tensor) -> tuple[torch.Tensor, t
 def tile_int8_rows(q: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] (N % 16 == 0, K % 32 == 0) -> ``int8_a8_tile_gemv``'s tiles of 16 rows, int8
     [N / 16, K / 32, 8, 16, 4]: qt[t, b, c, j, i] = q[16t + j, 32b + 4c + i]. The same bytes, reordered."""
+    if q.dim() != 2 or q.dtype != torch.int8:
+        raise ValueError(f"q must be int8 [N, K], got {q.dtype} {list(q.shape)}")
     N, K = q.shape
     if N % 16 or K % 32:
         raise ValueError(f"tiles of 16 rows need N % 16 == 0 and K % 32 == 0, got [{N}, {K}]")

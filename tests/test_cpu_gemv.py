@@ -199,6 +199,16 @@ def test_tiles_hold_the_same_bytes_16_rows_interleaved():
     assert torch.equal(back[0], p) and torch.equal(back[1], dm)
     with pytest.raises(ValueError, match="N % 16"):
         cpu_gemv.tile_q4_rows(p[:24], dm[:24])
+    with pytest.raises(ValueError, match=r"packed must be uint8 \[N, K / 2\]"):
+        cpu_gemv.tile_q4_rows(p.to(torch.int8), dm)
+    with pytest.raises(ValueError, match=r"packed must be uint8"):
+        cpu_gemv.tile_q4_rows(p[:, :24], dm)
+    with pytest.raises(ValueError, match=r"dm must be fp16 \[N, K / 32, 2\] = \[32, 2, 2\]"):
+        cpu_gemv.tile_q4_rows(p, dm[:, :1])
+    with pytest.raises(ValueError, match=r"dm must be fp16"):
+        cpu_gemv.tile_q4_rows(p, dm.float())
+    with pytest.raises(ValueError, match=r"q must be int8 \[N, K\]"):
+        cpu_gemv.tile_int8_rows(p)
 
 
 # N: one tile, the model's fused shapes; K: one block, 7 blocks, the model's 18 and 48; M: past the pass
@@ -244,10 +254,16 @@ def test_the_tiles_avx2_and_vnni_builds_agree_bit_for_bit(op, tmp_path):
     import os
     import subprocess
     import sys
-    x, _, p, dm = _w4a8_case(7, 96, 576, seed=5)
+    x, u, _, dm = _w4a8_case(7, 96, 576, seed=5)
+    # the AVX2 forms' 16-bit sums at their largest: every code 15 (w4a8: 8 * 2 * 15 * 127 = 30480) and
+    # -128 / 127 (head: 2 * 128 * 127 = 32512) against rows whose every 8-bit value is +127 or -127
+    x[1], x[2] = 0.5, -0.5
+    u[:16], u[16:32] = 15, 0
+    p = cpu_gemv.pack_q4_rows(u)
     qt, dmt = cpu_gemv.tile_q4_rows(p, dm)
     _, hq, hs = _case(7, 64, 576, seed=6)
     hq[0, :3] = -128
+    hq[1], hq[2] = -128, 127
     ht = cpu_gemv.tile_int8_rows(hq)
     torch.save((x, qt, dmt, ht, hs), tmp_path / "in.pt")
     assert cpu_gemv.isa() == "avx512-vnni"  # else both sides would be the AVX2 build
@@ -257,6 +273,10 @@ def test_the_tiles_avx2_and_vnni_builds_agree_bit_for_bit(op, tmp_path):
     w4a8, head = torch.load(tmp_path / "out.pt")
     assert torch.equal(w4a8, torch.ops.mfs.w4a8_tile_gemv(x, qt, dmt))
     assert torch.equal(head, torch.ops.mfs.int8_a8_tile_gemv(x, ht, hs))
+    want = cpu_gemv.w4a8_gemv_reference(x, p, dm)  # and the extremes summed right, not only alike
+    assert (w4a8 - want).abs().max() <= 1e-6 * want.abs().max() + 1e-7
+    want = cpu_gemv.int8_a8_gemv_reference(x, hq, hs)
+    assert (head - want).abs().max() <= 1e-6 * want.abs().max() + 1e-7
 
 
 @pytest.mark.parametrize("bad,match", [
