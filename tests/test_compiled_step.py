@@ -192,6 +192,27 @@ def test_a_warmed_up_runner_serves_without_compiling_and_its_blocks_leak_nothing
     assert warmed == want and all(len(v) == 9 for v in warmed.values())
 
 
+def test_after_the_warm_up_a_family_mix_compiles_nothing(llama_dir):
+    """A family mix (many small, some medium, few large requests in the same steps) sends the exit
+    blocks rows that are the tail of their segment, with positions of their own -- inputs made
+    otherwise than the warm-up's, where each tier ran alone: none of it may recompile in a client's
+    step (it once cost the first mixed step ~3 s)."""
+    from torch._dynamo.utils import counters
+    model = load_family(str(llama_dir), tiers="2+2,4+1,6", dtype="float32", weights="w4a8").model
+    model.compile_decode()
+    eng = Engine(model, block_size=4, num_blocks=128)
+    assert eng.runner.warm_up() > 0
+    before = counters["stats"]["unique_graphs"]
+    tiers = [0] * 5 + [1] * 3 + [2] * 2
+    for i, t in enumerate(tiers):
+        eng.add_request(f"m{i}", [3 + i, 5, 9, 2, 7][: 2 + i % 4], t, SamplingParams(max_tokens=5, ignore_eos=True))
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+    assert steps >= 5 and counters["stats"]["unique_graphs"] == before
+
+
 def test_a_standalone_tier_worker_warms_up_under_its_global_tier(llama_dir):
     """The independent layout's worker holds one tier as its own one-segment model and is planned in
     global tiers (``tier_map``): its warm-up plans the global number (here 2 for local 0; a 2-layer

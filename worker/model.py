@@ -418,6 +418,11 @@ class NestedModel(nn.Module):
         """``layers`` over decode rows (one token each) as the compiled graph, their KV layers
         ``first_kv`` on in the pools; writes the rows' new K/V."""
         R = h.shape[0]
+        # dynamo guards on how an input was made (a view or not, its offset, an inference tensor or not):
+        # an exit's rows (the segment's tail, positions built with the step) and a segment's (a prefix of
+        # the batch) arrive either way, so each is copied here, made alike -- a few rows' copy instead of
+        # a recompile in a client's step
+        h, residual, pos = h.clone(), residual.clone(), pos.clone()
         flat, mask, _, _, _ = decode_gather(seg.block_tables, seg.ctx_lens, list(range(R)), list(range(R)),
                                             seg.ctx_lens_host, k_cache.shape[2], seg.memo)
         if "last" not in seg.memo:
