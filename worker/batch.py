@@ -91,15 +91,15 @@ def build_step(rows: list[PlanRow], num_segments: int, block_size: int,
         """The paged-KV metadata in segment s's pool of rows `which`, their tokens in that order."""
         slots: list[int] = []
         max_b = max((len(rows[i].block_tables[s]) for i in which), default=1) or 1
-        bt = torch.zeros((len(which), max_b), dtype=torch.long)
+        padded: list[list[int]] = []  # the rows' tables, zero-padded: one tensor built, not one a row
         qs = [0]
-        for k, i in enumerate(which):
+        for i in which:
             r, table = rows[i], rows[i].block_tables[s]
             assert len(table) >= -(-ctx[i] // block_size), f"row {i} segment {s}: too few blocks"
-            if table:
-                bt[k, :len(table)] = torch.tensor(table, dtype=torch.long)
+            padded.append([*table, *([0] * (max_b - len(table)))])
             slots.extend(slots_of(r, s))
             qs.append(qs[-1] + q_lens[i])
+        bt = torch.tensor(padded, dtype=torch.long).view(len(which), max_b)
         return SegmentTensors(
             num_rows=len(which), num_tokens=qs[-1], token_index=index.get("token_index"),
             enter_index=index.get("enter_index"), enter_slots=index.get("enter_slots"),
