@@ -2,11 +2,16 @@
 (torch.compiler.set_stance(skip_guard_eval_unsafe=True)), alternated over four rounds: the top tier at one
 row and the decode-bound mix (1 small, 1 medium, 4 large), median of 40 steps after 5. A measurement of
 the guards' share of a compiled call, not a setting MFS uses. usage: python tools/probes/guard_stance.py"""
+import argparse
+import statistics
+import time
+
+import torch
+
 from mfs.engine import Engine
-from worker.family import load_from_args, add_model_args
-from worker.model import standalone_tier
-from worker.quant import quantize_model
+from worker.family import add_model_args, load_from_args
 from worker.sampling import SamplingParams
+
 torch.set_num_threads(2)
 ap = argparse.ArgumentParser(); add_model_args(ap)
 fam = load_from_args(ap.parse_args(["--model", "default-raw", "--weights", "w4a8"]))
