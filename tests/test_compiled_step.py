@@ -227,3 +227,5 @@ def test_a_standalone_tier_worker_warms_up_under_its_global_tier(llama_dir):
     before = counters["stats"]["unique_graphs"]
     assert runner.warm_up() > 0 and not runner.sampling
     assert counters["stats"]["unique_graphs"] > before
+    with pytest.raises(ValueError, match="no global tier maps to this model's top tier"):
+        ModelRunner(model, [16], 4, tier_map={2: 1}).warm_up()

@@ -147,8 +147,11 @@ class ModelRunner:
         for t in local:
             if self.tier_map is None:
                 tier = t
-            else:  # the caller plans in global tiers; a local tier no global one maps to is never served
+            else:  # the caller plans in global tiers; a lower tier no global one maps to is never served
                 tier = next((g for g, lt in self.tier_map.items() if lt == t), None)
+                if tier is None and t == top:
+                    raise ValueError(f"warm_up: no global tier maps to this model's top tier {top} "
+                                     f"(tier_map {self.tier_map})")
                 if tier is None:
                     continue
             rids = [f"warm-up-{t}-0", f"warm-up-{t}-1"]
