@@ -5,8 +5,7 @@
 //
 // where K_t[p] is k_pool[flat[t * lmax + p]] for p < last[t] and k_new[t] at p = last[t] (the row's
 // own new entry, not yet written to the pool), likewise V; G = Hq / Hkv query heads share a KV head.
-// q [T, Hq, D] fp32; k_pool/v_pool [S, Hkv, D], k_new/v_new [T, Hkv, D] of one dtype, fp32 or fp16 (the KV
-// cache's: read through F16C's conversion, exact); flat int64 [T * lmax];
+// q [T, Hq, D], k_pool/v_pool [S, Hkv, D], k_new/v_new [T, Hkv, D] fp32; flat int64 [T * lmax];
 // last int64 [T]. Positions past last[t] (the padding of the gathered layout) are not read.
 //
 // Why: the compiled decode layer (worker/compiled_step.py) gathered each row's context out of the
@@ -66,22 +65,11 @@ inline __m256 exp_nonpos(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
-// Eight (sixteen) K/V values as fp32 from a pool of fp32 or fp16 (F16C's conversion: exact).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-#endif
-
-template <class E>
-inline float dot(const float* a, const E* b, int64_t D) {
+inline float dot(const float* a, const float* b, int64_t D) {
   __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b + d), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), load8(b + d + 8), s1);
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
   }
   return hsum(_mm256_add_ps(s0, s1));
 }
@@ -121,7 +109,7 @@ template <class KRow, class VRow>
 void attend(const float* q, int64_t G, int64_t D, int64_t n, float scale, KRow krow, VRow vrow, float* s,
             float* out) {
   for (int64_t p = 0; p < n; p++) {
-    const auto* k = krow(p);
+    const float* k = krow(p);
     for (int64_t g = 0; g < G; g++) s[g * n + p] = dot(q + g * D, k, D) * scale;
   }
   softmax_rows(s, G, n);
@@ -130,12 +118,12 @@ void attend(const float* q, int64_t G, int64_t D, int64_t n, float scale, KRow k
     for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
   }
   for (int64_t p = 0; p < n; p++) {
-    const auto* v = vrow(p);
+    const float* v = vrow(p);
     for (int64_t g = 0; g < G; g++) {
       const __m256 w = _mm256_set1_ps(s[g * n + p]);
       float* o = out + g * D;
       for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, load8(v + d), _mm256_loadu_ps(o + d)));
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
     }
   }
 }
@@ -150,9 +138,9 @@ void attend_zmm(const float* q, int64_t n, float scale, KRow krow, VRow vrow, fl
   for (int g = 0; g < G; g++)
     for (int d = 0; d < DV; d++) qv[g][d] = _mm512_loadu_ps(q + g * DV * 16 + d * 16);
   for (int64_t p = 0; p < n; p++) {
-    const auto* k = krow(p);
+    const float* k = krow(p);
     __m512 kv[DV];
-    for (int d = 0; d < DV; d++) kv[d] = load16(k + d * 16);
+    for (int d = 0; d < DV; d++) kv[d] = _mm512_loadu_ps(k + d * 16);
     for (int g = 0; g < G; g++) {
       __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
       for (int d = 1; d < DV; d++) a = _mm512_fmadd_ps(qv[g][d], kv[d], a);
@@ -164,9 +152,9 @@ void attend_zmm(const float* q, int64_t n, float scale, KRow krow, VRow vrow, fl
   for (int g = 0; g < G; g++)
     for (int d = 0; d < DV; d++) acc[g][d] = _mm512_setzero_ps();
   for (int64_t p = 0; p < n; p++) {
-    const auto* v = vrow(p);
+    const float* v = vrow(p);
     __m512 vv[DV];
-    for (int d = 0; d < DV; d++) vv[d] = load16(v + d * 16);
+    for (int d = 0; d < DV; d++) vv[d] = _mm512_loadu_ps(v + d * 16);
     for (int g = 0; g < G; g++) {
       const __m512 w = _mm512_set1_ps(s[g * n + p]);
       for (int d = 0; d < DV; d++) acc[g][d] = _mm512_fmadd_ps(w, vv[d], acc[g][d]);
@@ -208,12 +196,45 @@ void check_f32(const char* what, const at::Tensor& t, int64_t dim) {
               t.sizes());
 }
 
-// The rows' attention over pools of element type E (fp32 or fp16); q and out fp32.
-template <class E>
-void run_rows(const float* qp, const E* kp, const E* vp, const E* knp, const E* vnp, const int64_t* fp,
-              const int64_t* lp, float* op, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t S, int64_t lmax,
-              float sc) {
-  const int64_t G = Hq / Hkv;
+at::Tensor decode_attention(const at::Tensor& q_, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& flat, const at::Tensor& last, const at::Tensor& k_new_,
+                            const at::Tensor& v_new_, double scale) {
+  check_f32("q", q_, 3);
+  check_f32("k_pool", k_pool, 3);
+  check_f32("v_pool", v_pool, 3);
+  check_f32("k_new", k_new_, 3);
+  check_f32("v_new", v_new_, 3);
+  const int64_t T = q_.size(0), Hq = q_.size(1), D = q_.size(2), S = k_pool.size(0), Hkv = k_pool.size(1);
+  TORCH_CHECK(D % 16 == 0, "mfs::decode_attention: head_dim must be a multiple of 16, got ", D);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "mfs::decode_attention: ", Hq, " query heads for ", Hkv, " KV heads");
+  TORCH_CHECK(k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == D && k_pool.is_contiguous() &&
+                  v_pool.is_contiguous(),
+              "mfs::decode_attention: k_pool and v_pool must be contiguous [S, ", Hkv, ", ", D, "], got ",
+              k_pool.sizes(), " and ", v_pool.sizes());
+  TORCH_CHECK(k_new_.sizes() == at::IntArrayRef({T, Hkv, D}) && v_new_.sizes() == k_new_.sizes(),
+              "mfs::decode_attention: k_new and v_new must be [", T, ", ", Hkv, ", ", D, "], got ", k_new_.sizes(),
+              " and ", v_new_.sizes());
+  TORCH_CHECK(flat.dim() == 1 && flat.scalar_type() == at::kLong && last.dim() == 1 &&
+                  last.scalar_type() == at::kLong && last.size(0) == T && (T == 0 || flat.size(0) % T == 0),
+              "mfs::decode_attention: flat must be int64 [T * lmax] and last int64 [T], got ", flat.sizes(), " and ",
+              last.sizes());
+  at::Tensor out = at::empty({T, Hq, D}, q_.options());
+  if (T == 0) return out;
+  const at::Tensor q = q_.contiguous(), k_new = k_new_.contiguous(), v_new = v_new_.contiguous();
+  const at::Tensor fl = flat.contiguous(), la = last.contiguous();
+  const int64_t lmax = fl.size(0) / T, G = Hq / Hkv;
+  const int64_t* fp = fl.const_data_ptr<int64_t>();
+  const int64_t* lp = la.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; t++)
+    TORCH_CHECK(lp[t] >= 0 && lp[t] < lmax, "mfs::decode_attention: last[", t, "] = ", lp[t], " outside [0, ", lmax,
+                ")");
+  const float* qp = q.const_data_ptr<float>();
+  const float* kp = k_pool.const_data_ptr<float>();
+  const float* vp = v_pool.const_data_ptr<float>();
+  const float* knp = k_new.const_data_ptr<float>();
+  const float* vnp = v_new.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  const float sc = static_cast<float>(scale);
   // at::parallel_for runs a range shorter than the grain inline: one row's few heads stay on this thread
   const int64_t grain = std::max<int64_t>(1, GRAIN / std::max<int64_t>(1, lmax * D * G));
   at::parallel_for(0, T * Hkv, grain, [&](int64_t begin, int64_t end) {
@@ -234,55 +255,6 @@ void run_rows(const float* qp, const E* kp, const E* vp, const E* knp, const E* 
       attend(qh, G, D, n, sc, krow, vrow, s.data(), oh);
     }
   });
-}
-
-at::Tensor decode_attention(const at::Tensor& q_, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                            const at::Tensor& flat, const at::Tensor& last, const at::Tensor& k_new_,
-                            const at::Tensor& v_new_, double scale) {
-  check_f32("q", q_, 3);
-  const auto et = k_pool.scalar_type();
-  TORCH_CHECK((et == at::kFloat || et == at::kHalf) && v_pool.scalar_type() == et && k_new_.scalar_type() == et &&
-                  v_new_.scalar_type() == et,
-              "mfs::decode_attention: k_pool, v_pool, k_new and v_new must share one dtype, fp32 or fp16; got ",
-              k_pool.scalar_type(), ", ", v_pool.scalar_type(), ", ", k_new_.scalar_type(), ", ", v_new_.scalar_type());
-  TORCH_CHECK(k_pool.dim() == 3 && v_pool.dim() == 3 && k_new_.dim() == 3 && v_new_.dim() == 3 &&
-                  k_pool.device().is_cpu() && v_pool.device().is_cpu() && k_new_.device().is_cpu() &&
-                  v_new_.device().is_cpu(),
-              "mfs::decode_attention: k_pool, v_pool, k_new and v_new must be CPU tensors of 3 dims");
-  const int64_t T = q_.size(0), Hq = q_.size(1), D = q_.size(2), S = k_pool.size(0), Hkv = k_pool.size(1);
-  TORCH_CHECK(D % 16 == 0, "mfs::decode_attention: head_dim must be a multiple of 16, got ", D);
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "mfs::decode_attention: ", Hq, " query heads for ", Hkv, " KV heads");
-  TORCH_CHECK(k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == D && k_pool.is_contiguous() &&
-                  v_pool.is_contiguous(),
-              "mfs::decode_attention: k_pool and v_pool must be contiguous [S, ", Hkv, ", ", D, "], got ",
-              k_pool.sizes(), " and ", v_pool.sizes());
-  TORCH_CHECK(k_new_.sizes() == at::IntArrayRef({T, Hkv, D}) && v_new_.sizes() == k_new_.sizes(),
-              "mfs::decode_attention: k_new and v_new must be [", T, ", ", Hkv, ", ", D, "], got ", k_new_.sizes(),
-              " and ", v_new_.sizes());
-  TORCH_CHECK(flat.dim() == 1 && flat.scalar_type() == at::kLong && last.dim() == 1 &&
-                  last.scalar_type() == at::kLong && last.size(0) == T && (T == 0 || flat.size(0) % T == 0),
-              "mfs::decode_attention: flat must be int64 [T * lmax] and last int64 [T], got ", flat.sizes(), " and ",
-              last.sizes());
-  at::Tensor out = at::empty({T, Hq, D}, q_.options());
-  if (T == 0) return out;
-  const at::Tensor q = q_.contiguous(), k_new = k_new_.contiguous(), v_new = v_new_.contiguous();
-  const at::Tensor fl = flat.contiguous(), la = last.contiguous();
-  const int64_t lmax = fl.size(0) / T;
-  const int64_t* fp = fl.const_data_ptr<int64_t>();
-  const int64_t* lp = la.const_data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; t++)
-    TORCH_CHECK(lp[t] >= 0 && lp[t] < lmax, "mfs::decode_attention: last[", t, "] = ", lp[t], " outside [0, ", lmax,
-                ")");
-  const float* qp = q.const_data_ptr<float>();
-  float* op = out.mutable_data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  if (et == at::kHalf)
-    run_rows(qp, k_pool.const_data_ptr<at::Half>(), v_pool.const_data_ptr<at::Half>(),
-             k_new.const_data_ptr<at::Half>(), v_new.const_data_ptr<at::Half>(), fp, lp, op, T, Hq, Hkv, D, S, lmax,
-             sc);
-  else
-    run_rows(qp, k_pool.const_data_ptr<float>(), v_pool.const_data_ptr<float>(), k_new.const_data_ptr<float>(),
-             v_new.const_data_ptr<float>(), fp, lp, op, T, Hq, Hkv, D, S, lmax, sc);
   return out;
 }
 

@@ -66,7 +66,7 @@ def make_decode_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: flo
         k, v = k.reshape(T, num_kv_heads, head_dim), v.reshape(T, num_kv_heads, head_dim)
         q, k = rotary_torch(q, k, pos, cos_sin)
         k, v = k.to(k_pool.dtype), v.to(v_pool.dtype)  # what the pool will hold
-        if in_place is not None and k_pool.dtype in (torch.float32, torch.float16) and q.dtype == torch.float32:
+        if in_place is not None and k_pool.dtype == torch.float32 and q.dtype == torch.float32:
             # the context read where it lies in the pool, the new entry from k, v (kernels/cpu_attention.py)
             o = in_place(q, k_pool, v_pool, flat, last, k, v, scale)
             h = layer.o_proj(o.reshape(T, -1))

@@ -1,9 +1,8 @@
 """mfs::decode_attention as a decode step meets it: 30 layers' pools in turn, each call after 2.2 MB of
 "weights" streamed through the caches (a layer's w4a8 linears), each row's context in blocks of 16 slots,
 R rows at P positions; median per call over rounds, and the GB/s of the K/V bytes it reads.
-usage: python tools/probes/attn_cold.py SOURCE.cpp [POSITIONS [THREADS [cold|hot [small|huge]]]] [fp16]
-(hot: no weights streamed between the calls; huge: the pools in one mapping advised for 2 MB pages;
-fp16: pools, and the rows' new entries, in fp16 -- a 16-bit KV cache)"""
+usage: python tools/probes/attn_cold.py SOURCE.cpp [POSITIONS [THREADS [cold|hot [small|huge]]]]
+(hot: no weights streamed between the calls; huge: the pools in one mapping advised for 2 MB pages)"""
 import statistics
 import sys
 import time
@@ -15,8 +14,6 @@ from kernels.cpu_gemv import build
 
 if len(sys.argv) < 2:
     sys.exit(__doc__)
-DTYPE = torch.float16 if "fp16" in sys.argv[2:] else torch.float32
-sys.argv = [a for a in sys.argv if a != "fp16"]
 torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 2)
 torch.ops.load_library(str(build(Path(sys.argv[1]))))
 op = torch.ops.mfs.decode_attention
@@ -25,7 +22,7 @@ STREAM = len(sys.argv) <= 4 or sys.argv[4] != "hot"
 LAYERS, BLOCKS, BS, Hkv, D, Hq = 30, 128, 16, 3, 64, 9
 weights = torch.randn(LAYERS, 2_200_000 // 4)
 HUGE = len(sys.argv) > 5 and sys.argv[5] == "huge"
-if HUGE and DTYPE == torch.float32:  # every pool in one mapping the kernel may back with 2 MB pages
+if HUGE:  # every pool in one mapping the kernel may back with 2 MB pages
     import mmap
     nbytes = LAYERS * 2 * BLOCKS * BS * Hkv * D * 4
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -34,15 +31,14 @@ if HUGE and DTYPE == torch.float32:  # every pool in one mapping the kernel may 
     big.normal_()
     pools = [(big[i, 0], big[i, 1]) for i in range(LAYERS)]
 else:
-    pools = [(torch.randn(BLOCKS * BS, Hkv, D).to(DTYPE), torch.randn(BLOCKS * BS, Hkv, D).to(DTYPE))
-             for _ in range(LAYERS)]
+    pools = [(torch.randn(BLOCKS * BS, Hkv, D), torch.randn(BLOCKS * BS, Hkv, D)) for _ in range(LAYERS)]
 g = torch.Generator().manual_seed(0)
 for R in (1, 2, 4, 8):
     nb = -(-P // BS)
     blocks = torch.randperm(BLOCKS, generator=g)[:R * nb].view(R, nb)  # each row its own blocks
     flat = (blocks[:, :, None] * BS + torch.arange(BS)).reshape(R, -1)[:, :P].reshape(-1).contiguous()
     last = torch.full((R,), P - 1)
-    q, k, v = torch.randn(R, Hq, D), torch.randn(R, Hkv, D).to(DTYPE), torch.randn(R, Hkv, D).to(DTYPE)
+    q, k, v = torch.randn(R, Hq, D), torch.randn(R, Hkv, D), torch.randn(R, Hkv, D)
     per = []
     for rnd in range(40):
         tot = 0.0
@@ -54,5 +50,5 @@ for R in (1, 2, 4, 8):
             tot += time.perf_counter() - t
         per.append(tot / LAYERS)
     med = statistics.median(per[5:])
-    gbs = R * (P - 1) * Hkv * D * pools[0][0].element_size() * 2 / med / 1e9
-    print(f"{Path(sys.argv[1]).name} {str(DTYPE)[6:]} rows {R} positions {P}: {med * 1e6:.1f} us a call, {gbs:.1f} GB/s of K/V")
+    gbs = R * (P - 1) * Hkv * D * 4 * 2 / med / 1e9
+    print(f"{Path(sys.argv[1]).name} rows {R} positions {P}: {med * 1e6:.1f} us a call, {gbs:.1f} GB/s of K/V")
