@@ -1,0 +1,54 @@
+"""One compiled call's fixed cost: the nested model's 1-layer (medium) exit block and its 10-layer segments at
+1 row, called repeatedly with one step's captured inputs (cache-hot): through torch.compile (dynamo and the graph)
+and through the inductor callable alone; then torch's profile of the direct calls. usage: python tools/probes/call_cost.py"""
+import argparse, statistics, time, types
+import torch
+from torch._inductor.compile_fx import compile_fx
+from torch.profiler import ProfilerActivity, profile
+from mfs.engine import Engine
+from worker.family import add_model_args, load_from_args
+from worker.sampling import SamplingParams
+from worker import compiled_step as cs
+torch.set_num_threads(2)
+ap = argparse.ArgumentParser(); add_model_args(ap)
+fam = load_from_args(ap.parse_args(["--model", "default-raw", "--weights", "w4a8"]))
+model = fam.model
+model.compile_decode()
+mk = lambda: Engine(model, block_size=16, num_blocks=2048, max_num_batched_tokens=512, max_num_seqs=64)
+mk().runner.warm_up()
+seen = {}
+real = model._compiled_decode
+def grab(layers, *a):
+    seen.setdefault(len(layers), (layers, a))
+    return real(layers, *a)
+model._compiled_decode = grab
+eng = mk()
+eng.add_request("r0", list(range(100, 140)), 1, SamplingParams(max_tokens=200, ignore_eos=True))
+for _ in range(8): eng.step()
+model._compiled_decode = real
+cap = {}
+def backend(gm, ex):
+    fn = compile_fx(gm, ex, config_patches=dict(cs.CPU_OPTIONS))
+    cap["fn"], cap["ex"] = fn, ex
+    return fn
+def timeit(f, n=400):
+    for _ in range(20): f()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e6
+with torch.inference_mode():
+    for L in sorted(seen):
+        layers, a = seen[L]
+        fn = cs.make_decode_segment(model.cfg)
+        code = fn.__code__.replace(co_name=f"probe_{L}")
+        fn = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+        cb = torch.compile(fn, dynamic=True, backend=backend)
+        cb(layers, *a)
+        direct, ex = cap["fn"], [int(e) if isinstance(e, torch.SymInt) else e for e in cap["ex"]]
+        for rnd in range(2):
+            full = timeit(lambda: real(layers, *a)); dyn = timeit(lambda: cb(layers, *a)); dr = timeit(lambda: direct(*ex))
+            print(f"{L} layers, {a[0].shape[0]} row: torch.compile call {full:.1f} us, capture-backend call {dyn:.1f} us, inductor callable direct {dr:.1f} us ({len(ex)} inputs)")
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            for _ in range(100): direct(*ex)
+        print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=50))
