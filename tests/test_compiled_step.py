@@ -229,3 +229,28 @@ def test_a_standalone_tier_worker_warms_up_under_its_global_tier(llama_dir):
     assert counters["stats"]["unique_graphs"] > before
     with pytest.raises(ValueError, match="no global tier maps to this model's top tier"):
         ModelRunner(model, [16], 4, tier_map={2: 1}).warm_up()
+
+
+@pytest.mark.parametrize("width_one", [False, True])
+def test_the_graphs_context_slots_are_the_eager_gathers(width_one):
+    """decode_slots (the compiled segment's own) gives the slots, mask and last positions the eager
+    decode_gather gives, for rows of different lengths over scattered blocks, and for a table one block
+    wide given its column twice (as NestedModel._compiled_layers passes it)."""
+    from kernels.paged_attention import decode_gather
+    from worker.compiled_step import decode_slots
+    g = torch.Generator().manual_seed(0)
+    bs = 4
+    if width_one:
+        lens = torch.tensor([1, 3, 4])
+        tables = torch.randperm(50, generator=g)[:3].view(3, 1)
+    else:
+        lens = torch.tensor([9, 2, 17, 5])
+        tables = torch.randperm(50, generator=g)[:20].view(4, 5)
+    flat, mask, _, lmax, _ = decode_gather(tables, lens, list(range(len(lens))), list(range(len(lens))),
+                                           lens.tolist(), bs)
+    given = tables.expand(-1, 2).contiguous() if width_one else tables
+    f2, m2, last = decode_slots(given, lens, int(lens.max()), bs)
+    assert lmax == int(lens.max())
+    assert torch.equal(f2, flat) and torch.equal(m2, mask) and torch.equal(last, lens - 1)
+    assert f2.view(len(lens), lmax)[0, :int(lens[0])].tolist() == [
+        int(tables[0, p // bs]) * bs + p % bs for p in range(int(lens[0]))]

@@ -3,7 +3,8 @@
 When every row of a segment's step is a decode row (one new token each) and the torch ops serve, the
 segment's trunk layers -- per layer its norms, q/k/v, rotary, the KV write, the attention (our
 ``mfs::decode_attention`` reading the context in place where it builds, kernels/cpu_attention.py; else a
-gather and SDPA), o_proj and MLP -- run as one ``torch.compile`` graph (inductor's C++ backend) instead of ~50 eager ops
+gather and SDPA; each row's context slots computed in the graph from its block table, :func:`decode_slots`),
+o_proj and MLP -- run as one ``torch.compile`` graph (inductor's C++ backend) instead of ~50 eager ops
 and their Python per layer. One graph per segment, not per layer: dynamo's guard check and call cost
 ~60 us a call here, as much as a layer's fusions save. The layers' modules are inputs, so segments of
 equal length share a graph; batch size and context length are dynamic (one recompile going from batch
@@ -38,6 +39,7 @@ from typing import Callable
 
 import structlog
 import torch
+import torch.fx.experimental._config
 import torch.nn.functional as F
 
 from kernels.cpu_attention import decode_attention_kernel
@@ -84,15 +86,31 @@ def make_decode_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: flo
     return decode_layer
 
 
+def decode_slots(block_tables, ctx_lens, lmax, block_size):
+    """Each row's context as pool slots, padded to ``lmax``: (flat slots [T * lmax], mask [T, 1, 1, lmax],
+    last [T], each row's new position). What ``kernels.paged_attention.decode_gather`` computes eagerly,
+    written for the graph so its dozen small ops fuse into it (a padding position reads slot 0; the
+    attention never uses it)."""
+    pos = torch.arange(lmax, device=block_tables.device)
+    blk = torch.div(pos, block_size, rounding_mode="floor").clamp(max=block_tables.shape[1] - 1)
+    slots = block_tables[:, blk] * block_size + pos % block_size
+    valid = pos.unsqueeze(0) < ctx_lens.unsqueeze(1)
+    slots = torch.where(valid, slots, torch.zeros_like(slots))
+    return slots.reshape(-1), valid[:, None, None, :], ctx_lens - 1
+
+
 def make_decode_segment(cfg):
     """A segment's trunk layers over decode rows: layer j reads KV layer j of the segment's pools
-    ([kv layers, blocks * block_size, Hkv, D]). Returns (h, residual, K, V) with K, V [layers, T, Hkv, D]
-    the rows' new entries, for :func:`write_segment_kv`. (Writing them inside the graph would make
-    inductor copy the whole pool: a mutated view of an input.)"""
+    ([kv layers, blocks * block_size, Hkv, D]), each row's context found through its block table
+    ([T, max blocks]) and length ([T]; ``lmax`` the longest). Returns (h, residual, K, V) with
+    K, V [layers, T, Hkv, D] the rows' new entries, for :func:`write_segment_kv`. (Writing them inside
+    the graph would make inductor copy the whole pool: a mutated view of an input.)"""
     layer_fn = make_decode_layer(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps,
                                  cfg.head_dim ** -0.5)
 
-    def decode_segment(layers: tuple, h, residual, pos, cos_sin, k_pool, v_pool, flat, last, mask):
+    def decode_segment(layers: tuple, h, residual, pos, cos_sin, k_pool, v_pool, block_tables, ctx_lens,
+                       lmax: int, block_size: int):
+        flat, mask, last = decode_slots(block_tables, ctx_lens, lmax, block_size)
         ks, vs = [], []
         for j, layer in enumerate(layers):
             h, residual, k, v = layer_fn(layer, h, residual, pos, cos_sin, k_pool[j], v_pool[j], flat, last,
@@ -139,6 +157,11 @@ def compiled_decode_segment(cfg, layers) -> Callable:
     sigs = {layer_signature(layer) for layer in layers}
     if len(sigs) != 1:
         raise ValueError(f"--compile needs trunk layers of one structure; this model has {len(sigs)}")
+    # no "duck" sizes: a dynamic size equal to another at the first trace (a block table two wide, two KV
+    # heads; a context as long as the pools have layers) would become one symbol, and a later step where
+    # they differ a recompile. (Process-wide; the other compiled function, the int8 head, has no such
+    # pairs.)
+    torch.fx.experimental._config.use_duck_shape = False
     fn = make_decode_segment(cfg)
     code = fn.__code__.replace(co_name=f"decode_segment_{next(_instances)}")
     fn = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
@@ -187,5 +210,5 @@ def compiled_head_kernel() -> Callable | None:
     return kernel
 
 
-__all__ = ["make_decode_layer", "make_decode_segment", "compiled_decode_segment", "layer_signature",
+__all__ = ["make_decode_layer", "decode_slots", "make_decode_segment", "compiled_decode_segment", "layer_signature",
            "write_segment_kv", "int8_rows", "compiled_int8_rows", "compiled_head_kernel"]

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import TORCH_OPS, KernelOps
-from kernels.paged_attention import decode_gather
 from kernels.rotary import build_cos_sin_cache
 from worker.compiled_step import compiled_decode_segment, compiled_head_kernel, layer_signature, write_segment_kv
 from worker.config import ModelConfig
@@ -417,20 +416,20 @@ class NestedModel(nn.Module):
                          k_cache: torch.Tensor, v_cache: torch.Tensor, first_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layers`` over decode rows (one token each) as the compiled graph, their KV layers
         ``first_kv`` on in the pools; writes the rows' new K/V."""
-        R = h.shape[0]
         # dynamo guards on how an input was made (a view or not, its offset, an inference tensor or not):
         # an exit's rows (the segment's tail, positions built with the step) and a segment's (a prefix of
         # the batch) arrive either way, so each is copied here, made alike -- a few rows' copy instead of
         # a recompile in a client's step
         h, residual, pos = h.clone(), residual.clone(), pos.clone()
-        flat, mask, _, _, _ = decode_gather(seg.block_tables, seg.ctx_lens, list(range(R)), list(range(R)),
-                                            seg.ctx_lens_host, k_cache.shape[2], seg.memo)
-        if "last" not in seg.memo:
-            seg.memo["last"] = seg.ctx_lens - 1
         kp = k_cache.view(k_cache.shape[0], -1, *k_cache.shape[3:])[first_kv:]
         vp = v_cache.view(v_cache.shape[0], -1, *v_cache.shape[3:])[first_kv:]
-        h, residual, ks, vs = self._compiled_decode(layers, h, residual, pos, self.cos_sin, kp, vp, flat,
-                                                    seg.memo["last"], mask)
+        # the rows' context slots are computed in the graph (compiled_step.decode_slots) from their block
+        # tables and lengths, copied like the rows above; a table one block wide gets its column twice (the
+        # graph reads only the first), so its width never takes the size 1 dynamo specializes a graph on
+        bt = seg.block_tables
+        bt = bt.expand(-1, 2).contiguous() if bt.shape[1] == 1 else bt.clone()
+        h, residual, ks, vs = self._compiled_decode(layers, h, residual, pos, self.cos_sin, kp, vp, bt,
+                                                    seg.ctx_lens.clone(), max(seg.ctx_lens_host), k_cache.shape[2])
         write_segment_kv(kp, vp, seg.slot_mapping, ks, vs)
         return h, residual
 
