@@ -6,34 +6,16 @@ graph call is timed with its layer count L and row count R, and all calls of bot
 by least squares; the rest of each step (embedding, exits' norms, the head, gathers, KV writes, the
 engine) is kept as measured. The ratio is then recomputed with the fitted graph costs and c, r or both
 set to zero: what each kind of cost takes from the ratio. usage: python tools/probes/ratio_bound.py"""
-import argparse
 import collections
 import statistics
 import time
 
 import torch
 
-from mfs.bench_engine import make_workload
-from mfs.engine import Engine
-from worker.family import add_model_args, load_from_args
-from worker.model import standalone_tier
-from worker.quant import quantize_model
-from worker.sampling import SamplingParams
+from decode_bound import nested_and_tiers, started, workload
 
-torch.set_num_threads(2)
-ap = argparse.ArgumentParser()
-add_model_args(ap)
-fam = load_from_args(ap.parse_args(["--model", "default-raw"]))
-model = fam.model
+model, copies = nested_and_tiers("w4a8", compile=True)
 n = len(model.tiers)
-copies = [standalone_tier(model, k) for k in range(n)]
-for m in [model, *copies]:
-    quantize_model(m, "w4a8", gguf_path=fam.base.source, device="cpu", load_tokenizer=lambda: fam.tokenizer)
-
-
-def engine(m):
-    return Engine(m, block_size=16, num_blocks=2048, max_num_batched_tokens=512, max_num_seqs=64)
-
 
 calls: list[tuple[int, int, float]] = []  # (layers, rows, seconds) of the graph calls of one step
 
@@ -50,20 +32,13 @@ def timed_graph(m):
 
 
 for m in [model, *copies]:
-    m.compile_decode()
-    engine(m).runner.warm_up()
     timed_graph(m)
-work = make_workload(6, n, [1.0] * n, (16, 32), (96, 96), model.cfg.vocab_size, 0)
+work = workload(model)
 
 
 def run(m, items):
     """Median step (s), median graph time per step (s), and each call shape's median (s)."""
-    eng = engine(m)
-    for it in items:
-        eng.add_request(it.rid, it.prompt, 0 if len(m.tiers) == 1 else it.tier,
-                        SamplingParams(max_tokens=200, ignore_eos=True))
-    for _ in range(5):
-        eng.step()
+    eng = started(m, items)
     steps, graphs, shapes = [], [], collections.defaultdict(list)
     for _ in range(60):
         calls.clear()

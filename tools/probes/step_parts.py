@@ -3,41 +3,18 @@
 exits (_exit: blocks and norms), the head (_logits) and the engine around the forward; medians of
 60 steps after 5, rounds alternated; the exit blocks through the compiled graph and eager.
 usage: python tools/probes/step_parts.py WEIGHTS [ROUNDS]"""
-import argparse
 import collections
 import statistics
 import sys
 import time
 
-import torch
-
-from mfs.bench_engine import make_workload
-from mfs.engine import Engine
-from worker.family import add_model_args, load_from_args
-from worker.model import NestedModel, standalone_tier
-from worker.quant import quantize_model
-from worker.sampling import SamplingParams
+from decode_bound import nested_and_tiers, started, workload
+from worker.model import NestedModel
 
 if len(sys.argv) < 2:
     sys.exit(__doc__)
-torch.set_num_threads(2)
-ap = argparse.ArgumentParser()
-add_model_args(ap)
-fam = load_from_args(ap.parse_args(["--model", "default-raw"]))
-model = fam.model
+model, copies = nested_and_tiers(sys.argv[1], compile=True)
 n = len(model.tiers)
-copies = [standalone_tier(model, k) for k in range(n)]
-for m in [model, *copies]:
-    quantize_model(m, sys.argv[1], gguf_path=fam.base.source, device="cpu", load_tokenizer=lambda: fam.tokenizer)
-
-
-def engine(m):
-    return Engine(m, block_size=16, num_blocks=2048, max_num_batched_tokens=512, max_num_seqs=64)
-
-
-for m in [model, *copies]:
-    m.compile_decode()
-    engine(m).runner.warm_up()
 acc: collections.Counter = collections.Counter()
 for name in ("_segment", "_exit", "_logits", "forward_step"):
     def timed(*a, _f=getattr(NestedModel, name), _n=name, **k):
@@ -46,16 +23,11 @@ for name in ("_segment", "_exit", "_logits", "forward_step"):
         acc[_n] += time.perf_counter() - t
         return r
     setattr(NestedModel, name, timed)
-work = make_workload(6, n, [1.0] * n, (16, 32), (96, 96), model.cfg.vocab_size, 0)
+work = workload(model)
 
 
 def run(m, items) -> dict:
-    eng = engine(m)
-    for it in items:
-        eng.add_request(it.rid, it.prompt, 0 if len(m.tiers) == 1 else it.tier,
-                        SamplingParams(max_tokens=200, ignore_eos=True))
-    for _ in range(5):
-        eng.step()
+    eng = started(m, items)
     per = collections.defaultdict(list)
     for _ in range(60):
         acc.clear()
