@@ -15,9 +15,11 @@ import torch.nn.functional as F
 SMALL_Q = 8
 
 
-def _gather_index(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
+def gather_index(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
                   max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots [R, max_len] of each row's first max_len tokens, and the validity mask [R, max_len]."""
+    """Slots [R, max_len] of each row's first max_len tokens (slot 0 past a row's length), and the
+    validity mask [R, max_len]. Plain torch ops: the compiled decode graph traces it too
+    (worker/compiled_step.py: decode_slots)."""
     pos = torch.arange(max_len, device=block_tables.device)
     blk = torch.div(pos, block_size, rounding_mode="floor")
     blk = blk.clamp(max=block_tables.shape[1] - 1)
@@ -70,7 +72,7 @@ def _gather(kv, block_tables, ctx_lens, rows: list[int], lmax: int):
     kflat, vflat, bs = kv
     idx = torch.tensor(rows, dtype=torch.long, device=block_tables.device)
     lens = ctx_lens.index_select(0, idx)
-    slots, valid = _gather_index(block_tables.index_select(0, idx), lens, bs, lmax)
+    slots, valid = gather_index(block_tables.index_select(0, idx), lens, bs, lmax)
     B, hkv, d = len(rows), kflat.shape[1], kflat.shape[2]
     k = kflat.index_select(0, slots.reshape(-1)).view(B, lmax, hkv, d).transpose(1, 2)
     v = vflat.index_select(0, slots.reshape(-1)).view(B, lmax, hkv, d).transpose(1, 2)
@@ -85,7 +87,7 @@ def decode_gather(block_tables, ctx_lens, rows: list[int], starts: list[int], ct
     if ent is None:
         lmax = max(ctx_host[r] for r in rows)
         idx = torch.tensor(rows, dtype=torch.long, device=block_tables.device)
-        slots, valid = _gather_index(block_tables.index_select(0, idx), ctx_lens.index_select(0, idx),
+        slots, valid = gather_index(block_tables.index_select(0, idx), ctx_lens.index_select(0, idx),
                                      block_size, lmax)
         tok = torch.tensor([starts[r] for r in rows], dtype=torch.long, device=block_tables.device)
         ent = (slots.reshape(-1), valid[:, None, None, :], tok, lmax, tuple(rows))

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from kernels.cpu_attention import decode_attention_kernel
 from kernels.cpu_gemv import int8_gemv_kernel
+from kernels.paged_attention import gather_index
 from kernels.rmsnorm import fused_add_rms_norm_torch
 from kernels.rotary import rotary_torch
 
@@ -88,14 +89,10 @@ def make_decode_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: flo
 
 def decode_slots(block_tables, ctx_lens, lmax, block_size):
     """Each row's context as pool slots, padded to ``lmax``: (flat slots [T * lmax], mask [T, 1, 1, lmax],
-    last [T], each row's new position). What ``kernels.paged_attention.decode_gather`` computes eagerly,
-    written for the graph so its dozen small ops fuse into it (a padding position reads slot 0; the
-    attention never uses it)."""
-    pos = torch.arange(lmax, device=block_tables.device)
-    blk = torch.div(pos, block_size, rounding_mode="floor").clamp(max=block_tables.shape[1] - 1)
-    slots = block_tables[:, blk] * block_size + pos % block_size
-    valid = pos.unsqueeze(0) < ctx_lens.unsqueeze(1)
-    slots = torch.where(valid, slots, torch.zeros_like(slots))
+    last [T], each row's new position). What ``kernels.paged_attention.decode_gather`` computes eagerly
+    (the same :func:`~kernels.paged_attention.gather_index`), traced into the graph so its dozen small
+    ops fuse there (a padding position reads slot 0; the attention never uses it)."""
+    slots, valid = gather_index(block_tables, ctx_lens, block_size, lmax)
     return slots.reshape(-1), valid[:, None, None, :], ctx_lens - 1
 
 
