@@ -1,21 +1,20 @@
 """One compiled call's fixed cost: the nested model's 1-layer (medium) exit block and its 10-layer segments at
 1 row, called repeatedly with one step's captured inputs (cache-hot): through torch.compile (dynamo and the graph)
 and through the inductor callable alone; then torch's profile of the direct calls. usage: python tools/probes/call_cost.py"""
-import argparse, statistics, time, types
+import statistics
+import time
+import types
+
 import torch
 from torch._inductor.compile_fx import compile_fx
 from torch.profiler import ProfilerActivity, profile
-from mfs.engine import Engine
-from worker.family import add_model_args, load_from_args
-from worker.sampling import SamplingParams
+
+from decode_bound import compiled_nested, engine
 from worker import compiled_step as cs
-torch.set_num_threads(2)
-ap = argparse.ArgumentParser(); add_model_args(ap)
-fam = load_from_args(ap.parse_args(["--model", "default-raw", "--weights", "w4a8"]))
-model = fam.model
-model.compile_decode()
-mk = lambda: Engine(model, block_size=16, num_blocks=2048, max_num_batched_tokens=512, max_num_seqs=64)
-mk().runner.warm_up()
+from worker.sampling import SamplingParams
+
+model = compiled_nested("w4a8")
+mk = lambda: engine(model)  # noqa: E731
 seen = {}
 real = model._compiled_decode
 def grab(layers, *a):

@@ -1,7 +1,11 @@
-"""What the decode-bound probes share (step_parts.py, ratio_bound.py, nested_prof.py): the default family
-and one standalone copy per tier, each quantized alike, the engine they run in, and the workload of
-`mfs bench engine --regimes decode` (seed 0). Not a probe itself."""
+"""What the probes of the compiled decode step share (not a probe itself): the default family, nested and as
+one standalone copy per tier, quantized alike and compiled as `mfs bench engine --compile` does; the engine
+they run in; the workload of `mfs bench engine --regimes decode` (seed 0); an engine started on given tiers;
+a step's median; and a hook that times every compiled graph call."""
 import argparse
+import statistics
+import time
+from typing import Callable
 
 import torch
 
@@ -11,6 +15,17 @@ from worker.family import add_model_args, load_from_args
 from worker.model import standalone_tier
 from worker.quant import quantize_model
 from worker.sampling import SamplingParams
+
+
+def compiled_nested(weights: str = "w4a8"):
+    """The nested default family in ``weights`` (quantized at load), compiled and warmed up; two threads."""
+    torch.set_num_threads(2)
+    ap = argparse.ArgumentParser()
+    add_model_args(ap)
+    model = load_from_args(ap.parse_args(["--model", "default-raw", "--weights", weights])).model
+    model.compile_decode()
+    engine(model).runner.warm_up()
+    return model
 
 
 def nested_and_tiers(weights: str, compile: bool):
@@ -49,3 +64,35 @@ def started(m, items) -> Engine:
     for _ in range(5):
         eng.step()
     return eng
+
+
+def started_tiers(m, tiers: list[int], prompt_len: int = 40, max_tokens: int = 200) -> Engine:
+    """An engine on ``m`` with one request a tier in ``tiers`` (prompt_len-token prompts), five steps in."""
+    eng = engine(m)
+    for i, t in enumerate(tiers):
+        eng.add_request(f"r{i}", [100 + 7 * i + j for j in range(prompt_len)], t,
+                        SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    for _ in range(5):
+        eng.step()
+    return eng
+
+
+def median_step_ms(eng: Engine, steps: int) -> float:
+    ts = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        eng.step()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def time_graph_calls(m, record: Callable[[int, int, float], None]) -> None:
+    """Every compiled graph call of ``m`` (after compile_decode) reported as record(layers, rows, seconds)."""
+    f = m._compiled_decode
+
+    def call(layers, h, *a):
+        t = time.perf_counter()
+        out = f(layers, h, *a)
+        record(len(layers), h.shape[0], time.perf_counter() - t)
+        return out
+    m._compiled_decode = call

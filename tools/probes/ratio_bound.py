@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from decode_bound import nested_and_tiers, started, workload
+from decode_bound import nested_and_tiers, started, time_graph_calls, workload
 
 model, copies = nested_and_tiers("w4a8", compile=True)
 n = len(model.tiers)
@@ -20,19 +20,8 @@ n = len(model.tiers)
 calls: list[tuple[int, int, float]] = []  # (layers, rows, seconds) of the graph calls of one step
 
 
-def timed_graph(m):
-    f = m._compiled_decode
-
-    def call(layers, h, *a):
-        t = time.perf_counter()
-        out = f(layers, h, *a)
-        calls.append((len(layers), h.shape[0], time.perf_counter() - t))
-        return out
-    m._compiled_decode = call
-
-
 for m in [model, *copies]:
-    timed_graph(m)
+    time_graph_calls(m, lambda L, R, s: calls.append((L, R, s)))
 work = workload(model)
 
 
