@@ -12,6 +12,11 @@ COPY scheduler scheduler
 COPY worker worker
 COPY kvstore kvstore
 COPY kernels kernels
+COPY engine engine
+COPY service service
+COPY training training
+COPY evaluation evaluation
+COPY benches benches
 RUN make setup PY=python3
 ENV PATH=/app/.venv/bin:$PATH MFS_LOG_JSON=1 HF_HUB_OFFLINE=1
 # Dequantize the default family's GGUF once at build time (cached under /root/.cache/mfs).

@@ -3,17 +3,8 @@ from __future__ import annotations
 
 import sys
 
+from engine.prompts import encode_prompt
 from worker.family import add_model_args, load_from_args
-
-
-def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
-    if tokenizer is None:
-        raise ValueError("this model has no tokenizer; it can only serve token ids")
-    if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                            add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer.encode(prompt)
 
 
 def resolve_tier(model, tier: str | None) -> int:
@@ -41,7 +32,7 @@ def add_generate(sub) -> None:
 
 
 def run_generate(args) -> int:
-    from mfs.engine import Engine  # noqa: PLC0415
+    from engine import Engine  # noqa: PLC0415
     from worker.sampling import SamplingParams  # noqa: PLC0415
     fam = load_from_args(args)
     tier = resolve_tier(fam.model, args.tier)
@@ -151,5 +142,5 @@ def add_up(sub) -> None:
 
 
 def run_up(args) -> int:
-    from mfs.launch import up  # noqa: PLC0415
+    from service.launch import up  # noqa: PLC0415
     return up(args)

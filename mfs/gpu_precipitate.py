@@ -46,7 +46,7 @@ def run(args) -> int:
     import torch  # noqa: PLC0415
 
     from mfs.cli import main as mfs_main  # noqa: PLC0415
-    from mfs.evaluate import evaluate  # noqa: PLC0415
+    from evaluation.evaluate import evaluate  # noqa: PLC0415
     if not args.dry_run and not torch.cuda.is_available():
         print("mfs gpu-precipitate: no CUDA device here (torch.cuda.is_available() is False). This "
               "command is for a GPU machine; use `mfs precipitate --method exit-blocks` on a CPU, or "

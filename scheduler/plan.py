@@ -1,5 +1,5 @@
 """The one translation from a scheduled step to the rows a worker runs: the in-process engine
-(mfs/engine.py) executes them directly, the scheduler process (scheduler/service.py) sends them
+(engine/engine.py) executes them directly, the scheduler process (scheduler/service.py) sends them
 in a StepPlan."""
 from __future__ import annotations
 

@@ -44,8 +44,8 @@ def tiny_llama_with_tokenizer(path: Path, tokenizer, *, layers: int = 6, seed: i
 
 def tiny_service(path: Path, tokenizer):
     """The whole service (gateway, scheduler, one worker, redis-server) over :func:`tiny_llama_with_tokenizer`
-    at tiers 2,4,6 in float64: a context manager (``mfs.launch.Service``) for tests that talk HTTP."""
-    from mfs.launch import Service
+    at tiers 2,4,6 in float64: a context manager (``service.launch.Service``) for tests that talk HTTP."""
+    from service.launch import Service
     family = tiny_llama_with_tokenizer(path, tokenizer)
     return Service(str(family), tiers="2,4,6", workers=1, dtype="float64",
                    worker_args=["--num-blocks", "256", "--block-size", "4", "--threads", "1"])

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from worker.family import load_family
-from mfs.launch import Service
+from service.launch import Service
 from tests.factories import tiny_llama_with_tokenizer
-from mfs.engine import Engine
+from engine import Engine
 from worker.sampling import SamplingParams
 
 TIERS = "2,4,6"

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mfs.engine import Engine, InvalidRequest
+from engine import Engine, InvalidRequest
 from worker.sampling import SamplingParams, confidences
 
 BS = 4

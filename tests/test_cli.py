@@ -94,7 +94,7 @@ def test_bench_engine_compile_compiles_both_layouts_before_timing(llama_dir, tmp
     compilation is covered in tests/test_compiled_step.py and costs minutes per model)."""
     import argparse
 
-    from mfs import bench_engine
+    from benches import engine as bench_engine
     from worker.model import NestedModel
     from worker.runner import ModelRunner
     calls = []
@@ -146,7 +146,7 @@ def test_bench_peers_runs_each_contender_side_by_side(tmp_path, frontend):
 def test_bench_peers_rounds_give_medians_and_ratios_within_each_round(tmp_path):
     """--repeats: each figure is the median over rounds, and a ratio to llama.cpp pairs the runs of one
     round (neighbours in time), then takes the median."""
-    from mfs.bench_peers import merge_rounds, ratios_vs_llama_cpp
+    from benches.peers import merge_rounds, ratios_vs_llama_cpp
 
     def rec(name, tps, mix=None, rss=100):
         run_ = {"tokens_per_s": tps, "tpot_ms": 1e3 / tps, "ttft_ms": 5.0, "wall_s": 64 / tps}

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from mfs.engine import Engine
+from engine import Engine
 from worker.family import load_family
 from worker.sampling import SamplingParams
 

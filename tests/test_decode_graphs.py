@@ -20,7 +20,7 @@ if os.environ["TRITON_INTERPRET"] == "1":
 
 from kernels.common_triton import interpreted  # noqa: E402
 from kernels.paged_attention_triton import _paged_attention_kernel  # noqa: E402
-from mfs.engine import Engine  # noqa: E402
+from engine import Engine  # noqa: E402
 from worker.decode_graphs import BUCKETS, DecodeGraphs  # noqa: E402
 from worker.family import load_family  # noqa: E402
 from worker.sampling import SamplingParams  # noqa: E402
@@ -196,7 +196,7 @@ def test_the_kernel_bench_decode_step_runs_graphed():
     """`mfs bench kernels`' decode step (a one-segment random Llama over a random KV pool), at a tiny
     shape: eager and through the graphs, the same logits. The bench itself times it only on CUDA."""
     from kernels import select_backend  # noqa: PLC0415
-    from mfs.bench_kernels import _decode_batch, _graphed_step, _random_llama  # noqa: PLC0415
+    from benches.kernels import _decode_batch, _graphed_step, _random_llama  # noqa: PLC0415
     torch.manual_seed(0)
     shape = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
                  vocab_size=256)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from mfs.engine import Engine, InvalidRequest
+from engine import Engine, InvalidRequest
 from worker.sampling import SamplingParams
 
 

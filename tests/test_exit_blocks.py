@@ -26,7 +26,7 @@ def exit_family(llama_dir):
 
 
 def test_the_block_has_its_own_kv_layer_in_its_boundary_segment(exit_family):
-    from mfs.engine import Engine
+    from engine import Engine
     m = exit_family.model
     assert [m.segment_kv_layers(s) for s in range(3)] == [3, 3, 2]
     eng = Engine(m, block_size=4, num_blocks=16)

@@ -119,7 +119,7 @@ def test_a_warm_start_with_an_added_layer_begins_where_the_artifact_ended(tiny, 
 
 
 def test_answer_sources_take_what_they_have_and_text_sources_share_the_rest():
-    from mfs.exit_features import training_windows  # noqa: PLC0415
+    from training.exit_features import training_windows  # noqa: PLC0415
 
     class Tok:  # encode_docs needs only encode for plain texts
         def encode(self, text, add_special_tokens=False):
@@ -144,7 +144,7 @@ def test_answer_sources_take_what_they_have_and_text_sources_share_the_rest():
 
 
 def test_the_feature_cache_key_follows_the_answer_prompt_lists(monkeypatch):
-    from mfs import data as D  # noqa: PLC0415
+    from training import data as D  # noqa: PLC0415
     assert D.answer_prompts_digest("stdlib,/some/file.txt") == ""
     a = D.answer_prompts_digest("self,chat,stdlib")
     assert a == D.answer_prompts_digest("chat, self") and a != D.answer_prompts_digest("self")
@@ -155,7 +155,7 @@ def test_the_feature_cache_key_follows_the_answer_prompt_lists(monkeypatch):
 def test_vocab_prompts_are_seeded_distinct_and_avoid_the_evaluation_words(frontend):
     import re  # noqa: PLC0415
 
-    from mfs import data as D  # noqa: PLC0415
+    from training import data as D  # noqa: PLC0415
     tok = frontend.tokenizer
     ps = D.vocab_prompts(tok, 300)
     assert len(ps) == len(set(ps)) == 300 and ps == D.vocab_prompts(tok, 300)
@@ -180,7 +180,7 @@ def test_vocab_prompts_are_seeded_distinct_and_avoid_the_evaluation_words(fronte
 def test_names_prompts_ask_about_proper_names_never_evaluation_words(frontend):
     import re  # noqa: PLC0415
 
-    from mfs import data as D  # noqa: PLC0415
+    from training import data as D  # noqa: PLC0415
     tok = frontend.tokenizer
     ps = D.names_prompts(tok, 300)
     assert len(ps) == len(set(ps)) == 300 and ps == D.names_prompts(tok, 300)
@@ -208,7 +208,7 @@ def test_names_prompts_ask_about_proper_names_never_evaluation_words(frontend):
 
 
 def test_answers_are_saved_batch_by_batch_and_a_stopped_run_resumes(tiny, tmp_path, monkeypatch):  # noqa: F811
-    from mfs import data as D  # noqa: PLC0415
+    from training import data as D  # noqa: PLC0415
     base, _ = tiny
     fam = load_family(str(base), tiers="2,3,4", dtype="float64")  # batch-invariant greedy answers
     prompts = [f"say {c}" for c in "abcdefg"]

@@ -17,11 +17,11 @@ import redis
 from core import protocol as P
 from scheduler.housekeeping import GATEWAY_LOST, GONE_STREAM_TTL_S
 from worker.family import load_family
-from mfs.launch import Service
+from service.launch import Service
 from tests.redis_group import server_argv, wait_for
 from tests.redis_server import free_port
 from tests.test_pipeline import Reader, stats, submit, wait_kv_idle
-from mfs.engine import Engine
+from engine import Engine
 from worker.sampling import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -1,6 +1,6 @@
 """Issue 7, the gateway's part: a broken token stream or a Redis outage never leaves a client hanging.
 
-Each test gets its own redis-server (``mfs.launch.EmbeddedRedis``, AOF on) and a real gateway; the
+Each test gets its own redis-server (``service.launch.EmbeddedRedis``, AOF on) and a real gateway; the
 test plays scheduler + worker by hand (:class:`Peer`): it reads the Submit/Cancel records on
 ``mfs:req`` and XADDs TokenEvents to ``mfs:out:{gateway}``. A Redis restart is ``stop()`` then
 ``start()`` on the same port and data directory.
@@ -17,7 +17,7 @@ import redis
 
 from core import protocol as P
 from gateway.config import GatewayConfig
-from mfs.launch import EmbeddedRedis
+from service.launch import EmbeddedRedis
 from tests.test_gateway import CHAT, ServerThread, _err, register_worker
 
 pytestmark = pytest.mark.timeout(40)  # each test; a hang is a failure, never a stuck run

@@ -240,7 +240,7 @@ def _tiny_family_dir(directory) -> str:
 
 def test_engine_greedy_tokens_match_torch_ops(tmp_path):
     from worker.family import load_family  # noqa: PLC0415
-    from mfs.engine import Engine  # noqa: PLC0415
+    from engine import Engine  # noqa: PLC0415
     from worker.sampling import SamplingParams  # noqa: PLC0415
     d = _tiny_family_dir(tmp_path)
     outs = {}
@@ -299,7 +299,7 @@ def test_kernels_compile_for_hopper():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernels_on_gpu():
     """Each kernel on CUDA at serving shapes against its reference (the bench's verification)."""
-    code = "from mfs.bench_kernels import verify; import sys; sys.exit(0 if verify('cuda')['ok'] else 1)"
+    code = "from benches.kernels import verify; import sys; sys.exit(0 if verify('cuda')['ok'] else 1)"
     res = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="0"),
                          capture_output=True, text=True, timeout=600,
                          cwd=os.path.dirname(os.path.dirname(__file__)))

@@ -8,10 +8,10 @@ import redis
 from core import protocol as P
 from core.keyrecords import StatsSnapshot
 from kvstore.directory import BlockDirectory, common_blocks
-from mfs.launch import Service
+from service.launch import Service
 from tests.redis_server import redis_url  # noqa: F401 - the session fixture
 from tests.test_pipeline import Reader, submit
-from mfs.engine import Engine
+from engine import Engine
 from worker.sampling import SamplingParams
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mfs.engine import Engine
+from engine import Engine
 from worker.sampling import SamplingParams
 
 PROMPTS = [[5, 9, 23, 77, 101, 3, 44], [11, 12, 13], list(range(20, 58))]

@@ -6,7 +6,7 @@ import torch
 
 from worker.family import load_family
 from tests.factories import tiny_llama, tiny_mistral, tiny_qwen2
-from mfs.engine import Engine
+from engine import Engine
 from worker.model import _LAYER_KEYS
 from worker.sampling import SamplingParams
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from core.sampling import SamplingParams
-from mfs.engine import Engine
+from engine import Engine
 from worker.sampling import probs_for, process_logits
 
 V = 40  # vocabulary of the logits-only tests

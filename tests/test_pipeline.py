@@ -9,8 +9,8 @@ import redis
 from core import protocol as P
 from core.keyrecords import StatsSnapshot, decode_progress
 from worker.family import load_family
-from mfs.launch import Service
-from mfs.engine import Engine
+from service.launch import Service
+from engine import Engine
 from worker.sampling import SamplingParams
 
 GW = "gw-test"

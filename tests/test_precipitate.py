@@ -84,7 +84,7 @@ def test_precipitation_lowers_every_exit_loss(tiny, tmp_path, rank):
 @pytest.mark.parametrize("kind", ["full", "delta"])
 def test_checkpoint_round_trip(tiny, tmp_path, kind):
     """save -> load_family -> the same logits at every tier as the in-memory trained model."""
-    from mfs.precipitate import export  # noqa: PLC0415
+    from training.precipitate import export  # noqa: PLC0415
     base, _ = tiny
     bw = load_base(base)
     tiers = parse_tiers("2,3,4", 4)
@@ -133,7 +133,7 @@ def test_resume_continues_same_step_and_data(tiny, tmp_path):
 
 
 def test_batch_order_is_a_function_of_seed_and_step():
-    from mfs.data import BatchSampler, Source  # noqa: PLC0415
+    from training.data import BatchSampler, Source  # noqa: PLC0415
     s = [Source("a", torch.arange(1000)), Source("b", torch.arange(1000, 3000))]
     x, y = BatchSampler(s, 16, seed=5), BatchSampler(s, 16, seed=5)
     assert torch.equal(x.batch(7, 1, 4), y.batch(7, 1, 4))
@@ -142,15 +142,15 @@ def test_batch_order_is_a_function_of_seed_and_step():
 
 
 def test_heldout_is_disjoint_from_training_data():
-    from mfs import data as D  # noqa: PLC0415
+    from training import data as D  # noqa: PLC0415
     D.check_disjoint()
     assert set(D.STDLIB_HELDOUT).isdisjoint(D.STDLIB_TRAIN)
 
 
 @pytest.mark.slow
 def test_default_family_is_precipitated_and_top_tier_knows_paris():
-    from mfs.data import chat_ids  # noqa: PLC0415
-    from mfs.engine import Engine  # noqa: PLC0415
+    from training.data import chat_ids  # noqa: PLC0415
+    from engine import Engine  # noqa: PLC0415
     from worker.sampling import SamplingParams  # noqa: PLC0415
     fam = load_family("default")
     if fam.manifest.weights is not None:
@@ -182,7 +182,7 @@ def test_repair_phase_trains_only_the_top_segment(tiny, tmp_path):
 
 def test_eval_compares_with_the_untouched_original(tiny, tmp_path):
     """The original top tier in `mfs eval` of a checkpoint is the base model, not the checkpoint."""
-    from mfs.evaluate import evaluate, format_table  # noqa: PLC0415
+    from evaluation.evaluate import evaluate, format_table  # noqa: PLC0415
     base, txt = tiny
     _precipitate(base, txt, tmp_path / "out", "--steps", "3", "--lora-rank", "4", "--lr", "5e-2")
     kw = dict(seq_len=32, heldout_tokens=256, max_tokens=4, log=lambda *_: None)

@@ -2,7 +2,7 @@
 order under pressure, segment-0 blocks shared across tiers, TTL reclamation. Outputs always equal a
 cold engine's (float64)."""
 
-from mfs.engine import Engine
+from engine import Engine
 from worker.sampling import SamplingParams
 
 BS = 4

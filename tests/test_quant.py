@@ -186,7 +186,7 @@ def tied_llama(tmp_path_factory):
 
 
 def _greedy(model, prompts, tiers, n=8):
-    from mfs.engine import Engine
+    from engine import Engine
     from worker.sampling import SamplingParams
     return Engine(model, max_model_len=64).generate(prompts, tiers, SamplingParams(max_tokens=n,
                                                                                    ignore_eos=True))
@@ -249,7 +249,7 @@ def test_w8a8_family_serves_mixed_batches_as_solo_runs(tied_llama):
     mixed = _greedy(w8, prompts, tiers, n=10)
     assert mixed == [_greedy(w8, [p], [t], n=10)[0] for p, t in zip(prompts, tiers)]
     # and so self-speculation stays exact: drafts by tier 0, verified by tier 2, equal plain greedy
-    from mfs.engine import Engine
+    from engine import Engine
     from worker.sampling import SamplingParams
     eng = Engine(w8, max_model_len=64, spec_min_acceptance=0.0)
     spec = eng.generate(prompts[:2], [2, 2], SamplingParams(max_tokens=12, ignore_eos=True, spec_draft_tier=0,
@@ -264,7 +264,7 @@ def test_w8a8_family_serves_mixed_batches_as_solo_runs(tied_llama):
 def test_fused_projections_compute_what_the_separate_ones_did(llama_dir, mode):
     """q/k/v and gate/up joined into one quantized linear each: the same logits bit for bit, in the
     dense forward and in served steps (the engine's greedy tokens and every step's logits)."""
-    from mfs.engine import Engine
+    from engine import Engine
     from worker.sampling import SamplingParams
     fused, sep = _family(llama_dir, "fp32").model, _family(llama_dir, "fp32").model
     n_fused = quantize_model(fused, mode).fused
@@ -313,8 +313,8 @@ def test_a_w8a8_worker_serves_what_the_offline_w8a8_engine_does(llama_dir):
     exactly as the offline engine over ``load_family(..., weights="w8a8")``."""
     import redis
     from core import protocol as P
-    from mfs.engine import Engine
-    from mfs.launch import Service
+    from engine import Engine
+    from service.launch import Service
     from tests.test_pipeline import Reader, submit
     from worker.sampling import SamplingParams
     with Service(str(llama_dir), tiers="2,4,6", gateway=False, dtype="float32",
@@ -338,9 +338,9 @@ def test_independent_workers_quantize_their_standalone_tier(llama_dir):
     """A standalone-tier worker cuts its copy from the fp32 family, then quantizes it: the tokens
     equal the offline engine's over the quantized nested family."""
     import redis
-    from mfs.launch import Service
+    from service.launch import Service
     from tests.test_pipeline import Reader, submit
-    from mfs.engine import Engine
+    from engine import Engine
     from worker.sampling import SamplingParams
     with Service(str(llama_dir), tiers="2,4,6", layout="independent", gateway=False, dtype="float32",
                  worker_args=["--num-blocks", "64", "--block-size", "4", "--threads", "1",

@@ -106,7 +106,7 @@ def test_a_family_in_the_gpu_layout_tracks_fp32_and_serves(llama_dir):
     """layout="groups" (what CUDA gets), int4 (8-bit head: both code widths): every linear becomes a GroupQuantLinear and q/k/v, gate/up fuse
     (rows concatenate); logits track the fp32 model; the engine's greedy tokens with a batch equal
     those of each request alone (the kernel's rows do not depend on their batch)."""
-    from mfs.engine import Engine
+    from engine import Engine
     from worker.family import load_family
     from worker.quant import Int8Embedding, quantize_model
     from worker.sampling import SamplingParams

@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from core.redisconn import RedisTarget, add_redis_args, connect, connect_async, target_from_args
-from mfs.launch import free_port
+from service.launch import free_port
 from tests.redis_group import MASTER, master_of, sentinel_argv, sentinels_ready, server_argv, wait_for
 
 pytestmark = [pytest.mark.timeout(120)]

@@ -10,9 +10,9 @@ import aiohttp
 import openai
 import pytest
 
-from mfs.commands import encode_prompt
-from mfs.launch import Service
-from mfs.engine import Engine
+from engine.prompts import encode_prompt
+from service.launch import Service
+from engine import Engine
 from worker.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow

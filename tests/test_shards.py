@@ -16,8 +16,8 @@ import redis
 from core import protocol as P
 from core.keyrecords import StatsSnapshot
 from gateway.backend import LiveWorker, choose_shard, merge_stats
-from mfs.engine import Engine
-from mfs.launch import Service
+from engine import Engine
+from service.launch import Service
 from tests.factories import tiny_llama_with_tokenizer
 from tests.redis_group import wait_for
 from worker.family import load_family

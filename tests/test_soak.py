@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from core import protocol as P
-from mfs.launch import Service
+from service.launch import Service
 from tests.redis_group import wait_for
 from tests.test_pipeline import stats, wait_kv_idle
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from mfs.engine import Engine, InvalidRequest
+from engine import Engine, InvalidRequest
 from worker.sampling import SamplingParams, accept_greedy, accept_sampled, probs_for
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from core.sampling import SamplingParams
-from mfs.engine import Engine
+from engine import Engine
 from tests.factories import tiny_llama_with_tokenizer
 from worker.family import load_family
 from core.grammar import GrammarError, grammar_of

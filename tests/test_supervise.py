@@ -19,7 +19,7 @@ import redis
 
 from core import protocol as P
 from core.keyrecords import StatsSnapshot, WorkerInfo
-from mfs.launch import RestartPolicy, free_port
+from service.launch import RestartPolicy, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MODEL = "smollm2-135m-medium"

@@ -9,8 +9,8 @@ from typing import Callable
 
 import torch
 
-from mfs.bench_engine import make_workload
-from mfs.engine import Engine
+from benches.engine import make_workload
+from engine import Engine
 from worker.family import add_model_args, load_from_args
 from worker.model import standalone_tier
 from worker.quant import quantize_model

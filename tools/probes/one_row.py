@@ -3,7 +3,7 @@ usage: python tools/probes/one_row.py WEIGHTS [TIER]   (default-raw; TIER defaul
 MFS_CPU_ATTENTION=0 takes the graph's gather + SDPA instead of mfs::decode_attention)"""
 import sys, time, torch
 from torch.profiler import profile, ProfilerActivity
-from mfs.engine import Engine
+from engine import Engine
 from worker.family import load_from_args, add_model_args
 from worker.sampling import SamplingParams
 import argparse

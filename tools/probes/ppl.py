@@ -9,7 +9,7 @@ import torch
 if len(sys.argv) < 2:
     sys.exit(__doc__)
 torch.set_num_threads(2)
-from mfs.bench_peers import _ppl, make_spec  # noqa: E402
+from benches.peers import _ppl, make_spec  # noqa: E402
 from worker.family import load_family  # noqa: E402
 
 tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 1024

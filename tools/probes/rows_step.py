@@ -10,7 +10,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mfs.engine import Engine
+from engine import Engine
 from worker.family import add_model_args, load_from_args
 from worker.model import NestedModel, standalone_tier
 from worker.quant import quantize_model

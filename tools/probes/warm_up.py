@@ -8,7 +8,7 @@ import time
 import torch
 from torch._dynamo.utils import counters
 
-from mfs.engine import Engine
+from engine import Engine
 from worker.family import add_model_args, load_from_args
 
 torch.set_num_threads(2)

@@ -22,7 +22,7 @@ import time
 
 import aiohttp
 
-from mfs.runtime import write_json
+from engine.runtime import write_json
 
 WORDS = ("the a of to and in that it is was for on with as his they be at one have this from or had by "
          "word but what some we can out other were all there when up use your how said an each she which "
@@ -208,14 +208,14 @@ def _reuse_metrics(url: str) -> list[str]:
 
 
 def _summ(rs: list[dict], key: str = "ttft") -> dict:
-    from mfs.bench_serve import summarize  # noqa: PLC0415
+    from benches.lib import summarize  # noqa: PLC0415
     xs = [r[key] for r in rs if r.get(key) is not None]
     return {"n": len(xs), **summarize(xs)}
 
 
 def run_mode(args, mode: str, plan: dict, tok, replay: list | None) -> dict:
-    from mfs.bench_serve import _model_ids  # noqa: PLC0415
-    from mfs.launch import Service  # noqa: PLC0415
+    from benches.lib import model_ids  # noqa: PLC0415
+    from service.launch import Service  # noqa: PLC0415
     svc = None
     url, redis_url = args.url, args.redis_url
     if not args.url:
@@ -224,7 +224,7 @@ def run_mode(args, mode: str, plan: dict, tok, replay: list | None) -> dict:
                       scheduler_args=[] if mode == "on" else ["--no-prefix-caching"]).start()
         url, redis_url = svc.url, svc.redis_url
     try:
-        ids = _model_ids(url)
+        ids = model_ids(url)
         turns, wall = asyncio.run(_workload(url, ids, plan, args, tok, mode))
         stats = _scheduler_stats(redis_url) if redis_url else {}
         probes = asyncio.run(_probes(url, ids, plan, args, tok, mode, replay))

@@ -3,7 +3,7 @@
 Sources (``--data``, comma-separated, mixed with equal weight per source):
 
 * ``self``: the base model's own greedy answers (top tier, chat template) to :data:`SELF_PROMPTS`, a
-  broad built-in prompt set. Generated once with :class:`mfs.engine.Engine`, cached as JSONL.
+  broad built-in prompt set. Generated once with :class:`engine.Engine`, cached as JSONL.
 * ``chat``: the same, for :data:`CHAT_PROMPTS` (short factual questions and small instructions).
 * ``vocab`` or ``vocab:N``: the same, for N (default :data:`VOCAB_PROMPTS_DEFAULT`) prompts about whole
   English words of the tokenizer's own vocabulary (:func:`vocab_prompts`): thousands of chat answers
@@ -402,12 +402,12 @@ def generate_answers(model, tokenizer, prompts: list[str], max_tokens: int = 160
                      batch: int = 32, tier: int | None = None, on_batch=None) -> list[tuple[str, bool]]:
     """Greedy (answer, finished) of one tier (default: the top) through the serving engine;
     ``on_batch(prompts, answers)`` is called after every batch (the caller saves them)."""
-    from mfs.engine import Engine  # noqa: PLC0415
+    from engine import Engine  # noqa: PLC0415
     from worker.sampling import SamplingParams  # noqa: PLC0415
     tier = model.num_segments - 1 if tier is None else tier
     eng = Engine(model, num_blocks=batch * (max_tokens + 256) // 16 + 16,
                  max_num_batched_tokens=2048, max_num_seqs=batch)
-    from mfs.runtime import progress  # noqa: PLC0415
+    from engine.runtime import progress  # noqa: PLC0415
     out = []
     bar = progress(total=len(prompts), desc="answers", unit="prompt")
     for i in range(0, len(prompts), batch):
@@ -562,3 +562,10 @@ def read_sources(spec: str, model, tokenizer, cache_dir: Path, self_max_tokens: 
                     "or a path")
             out.append((p.name, file_texts(p)))
     return out
+
+
+def make_windows(stream: torch.Tensor, seq_len: int, max_tokens: int) -> torch.Tensor:
+    n = min(stream.numel(), max_tokens) // seq_len
+    if n == 0:
+        raise ValueError(f"held-out text has fewer than {seq_len} tokens")
+    return stream[: n * seq_len].view(n, seq_len)

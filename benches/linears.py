@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from kernels.cpu_gemv import int8_gemv_kernel, isa, load as load_cpu_gemv
 from worker.quant import Int4Linear, Int8Linear, Q4A8Linear
 from worker.quant_w8a8 import Int8DynamicLinear
-from mfs.runtime import write_json
+from engine.runtime import write_json
 
 # (name, in, out, per-step count in the 30-layer model)
 SMOLLM2_SHAPES = [("q/o 576->576", 576, 576, 60), ("k/v 576->192", 576, 192, 60),

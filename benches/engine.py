@@ -22,10 +22,10 @@ from datetime import datetime, timezone
 import torch
 from tqdm import tqdm
 
-from mfs.engine import Engine
+from engine import Engine
 from worker.model import standalone_tier, weight_bytes
 from worker.sampling import SamplingParams
-from mfs.runtime import write_json
+from engine.runtime import write_json
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-# What a correct answer to each of mfs.data.EVAL_QUESTIONS must contain (any of the words, whole
+# What a correct answer to each of training.data.EVAL_QUESTIONS must contain (any of the words, whole
 # words, case-insensitive), in order: Paris, 4, a primary colour, da Vinci, honey, a sentence about dogs.
 FIXED_KEYS: list[tuple[str, ...]] = [
     ("paris",), ("4", "four"), ("red", "blue", "yellow"), ("vinci", "leonardo"), ("honey",),

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from mfs.runtime import write_json
+from engine.runtime import write_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +191,7 @@ def verify(device: str) -> dict:
 
 
 def _verify_in_interpreter() -> dict:
-    code = "import json; from mfs.bench_kernels import verify; print(json.dumps(verify('cpu')))"
+    code = "import json; from benches.kernels import verify; print(json.dumps(verify('cpu')))"
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent.parent)

@@ -19,13 +19,13 @@ from datetime import datetime, timezone
 
 import torch
 
-from mfs.runtime import write_json
+from engine.runtime import write_json
 
 
 def measure(model: str, weights: str, batch: int, steps: int, tier: int | None, fuse: bool,
             profile: bool = False, compile: bool = False, exit_kv: tuple[str, ...] = ("lazy",)) -> list[dict]:
     """One point per `exit_kv` mode: an engine each over the same loaded model, their steps alternated."""
-    from mfs.engine import Engine  # noqa: PLC0415
+    from engine import Engine  # noqa: PLC0415
     from worker.family import load_family  # noqa: PLC0415
     from worker.quant import linear_bytes_per_step  # noqa: PLC0415
     from worker.sampling import SamplingParams  # noqa: PLC0415

@@ -1,8 +1,8 @@
 """`mfs bench route`: quality against cost of the family id's routing policies (RouteLLM-style).
 
-On the larger fixed question set (:data:`mfs.data.EVAL_QUESTIONS_LARGE`, greedy, chat template) every
+On the larger fixed question set (:data:`training.data.EVAL_QUESTIONS_LARGE`, greedy, chat template) every
 policy picks a tier per prompt; its *quality* is the share of answers whose first sentence equals the
-top tier's answer (:func:`mfs.eval_questions.first_sentence`), its *cost* the mean decoder layers run
+top tier's answer (:func:`evaluation.eval_questions.first_sentence`), its *cost* the mean decoder layers run
 per generated token (trunk layers + exit-block layers of the tier that produced each token, plus the
 upper layers a cascade escalation runs over the history, spread over the tokens). Policies:
 
@@ -19,11 +19,11 @@ from datetime import datetime, timezone
 
 import torch
 
-from mfs import data as D
-from mfs.runtime import save_figure, write_json
-from mfs import eval_questions as Q
+from training import data as D
+from engine.runtime import save_figure, write_json
+from evaluation import eval_questions as Q
 from worker.family import load_family
-from mfs.engine import Engine
+from engine import Engine
 from worker.sampling import SamplingParams, confidences
 
 CONF_TAUS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)

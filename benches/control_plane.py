@@ -39,7 +39,7 @@ from core import protocol as P
 from core.keyrecords import StatsSnapshot
 from core.redisconn import connect
 from core.sampling import SamplingParams
-from mfs.runtime import write_json
+from engine.runtime import write_json
 
 WORKERS_PER_PROCESS = 32
 GATEWAY_ID = "bench-cp"
@@ -134,7 +134,7 @@ def _snapshots(r: redis.Redis) -> list[StatsSnapshot]:
 def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, max_tokens: int,
                   warmup_s: float, seconds: float, log_dir: Path, say, profile: Path | None = None,
                   shards: int = 1) -> dict:
-    from mfs.launch import EmbeddedRedis  # noqa: PLC0415
+    from service.launch import EmbeddedRedis  # noqa: PLC0415
     tag = f"{shards}x{workers}"
     rs = EmbeddedRedis(data_dir=str(log_dir / f"redis-{tag}")).start()
     procs: list[subprocess.Popen] = []
@@ -260,7 +260,7 @@ def plot(out: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    from mfs.runtime import save_figure  # noqa: PLC0415
+    from engine.runtime import save_figure  # noqa: PLC0415
     pts = out["points"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ideal = sorted({(p["workers"], p["ideal_steps_per_s"]) for p in pts})

@@ -1,9 +1,9 @@
 """``mfs eval``: how good each tier of a nested model is, next to the original model's top tier.
 
-Per tier: perplexity on the held-out text (:func:`mfs.data.heldout_docs`: pydoc of modules no
+Per tier: perplexity on the held-out text (:func:`training.data.heldout_docs`: pydoc of modules no
 training source uses, and the original model's answers to held-out prompts), greedy top-1 agreement
 with the same model's top tier and with the original top tier, and greedy answers (chat template) to
-:data:`mfs.data.EVAL_QUESTIONS`. The *original* is the base weights cut the same way with no
+:data:`training.data.EVAL_QUESTIONS`. The *original* is the base weights cut the same way with no
 precipitated weights applied: its top tier is the unmodified model. Writes JSON, prints a table,
 optionally plots a PNG.
 """
@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mfs import data as D
-from mfs.runtime import save_figure, write_json
-from mfs import eval_questions as Q
+from training import data as D
+from training.data import make_windows
+from engine.runtime import save_figure, write_json
+from evaluation import eval_questions as Q
 from worker.family import build_model
 from family.manifest import manifest_for, resolve_base
 from worker.loader import load_base
@@ -36,7 +37,7 @@ class TierResult:
     agree_original: float = 0.0  # ... with the original model's top tier
     answers: list[str] = field(default_factory=list)
     block: int = 0               # exit-block layers
-    fixed_correct: int = 0        # of the six fixed questions (mfs.eval_questions.FIXED_KEYS)
+    fixed_correct: int = 0        # of the six fixed questions (evaluation.eval_questions.FIXED_KEYS)
     answers_large: list[str] = field(default_factory=list)
     agree_first_sentence: float = 0.0  # larger question set: first sentence equals the top tier's
 
@@ -65,17 +66,10 @@ def heldout_pass(model: NestedModel, windows: torch.Tensor, batch: int = 4) -> H
     return HeldoutStats(nll, count, [torch.cat(a) for a in arg])
 
 
-def make_windows(stream: torch.Tensor, seq_len: int, max_tokens: int) -> torch.Tensor:
-    n = min(stream.numel(), max_tokens) // seq_len
-    if n == 0:
-        raise ValueError(f"held-out text has fewer than {seq_len} tokens")
-    return stream[: n * seq_len].view(n, seq_len)
-
-
 def answer_all(model: NestedModel, tok, questions: list[str], max_tokens: int,
                tiers: list[int] | None = None) -> list[list[str]]:
     """Greedy answers [tier][question], every tier in one group batch through the engine."""
-    from mfs.engine import Engine  # noqa: PLC0415
+    from engine import Engine  # noqa: PLC0415
     from worker.sampling import SamplingParams  # noqa: PLC0415
     tiers = list(range(model.num_segments)) if tiers is None else tiers
     prompts = [D.chat_ids(tok, q) for q in questions]

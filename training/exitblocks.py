@@ -4,7 +4,7 @@ The trunk (the base model) never changes, so the top tier stays the original bit
 tier shares the trunk's KV. Each lower tier ``s`` gets its own exit block (decoder layers initialised
 as copies of the model's last layers) and its own norm before the shared LM head. Two stages:
 
-1. **cache** (mfs/exit_features.py) — one pass of the frozen model over the training windows stores, per window, the trunk's
+1. **cache** (training/exit_features.py) — one pass of the frozen model over the training windows stores, per window, the trunk's
    residual stream at every lower tier's boundary (bf16) and the top tier's top-k log-probabilities
    (fp16 values, int32 ids) in memory-mapped files under ``OUT/cache/``. Resumable window by window.
    The held-out text of ``mfs eval`` (pydoc of held-out modules + the original's answers to held-out
@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels import TORCH_OPS
-from mfs import data as D
-from mfs.exit_features import (FeatureCache, fill_cache, from_bf16_bits, heldout_windows,
+from training import data as D
+from training.exit_features import (FeatureCache, fill_cache, from_bf16_bits, heldout_windows,
                                 training_windows)
 from family.manifest import DEFAULT_FLOOR, Manifest, TierSpec, parse_tiers, resolve_base_arg
 from worker.family import build_model
-from mfs.runtime import autocast_dtype, progress
+from engine.runtime import autocast_dtype, progress
 from worker.loader import load_base
 from worker.model import NestedModel
 
@@ -371,7 +371,7 @@ def run(args) -> int:
 
 
 def add_arguments(p):
-    """The exit-block options of ``mfs precipitate`` (shared ones live in mfs.precipitate)."""
+    """The exit-block options of ``mfs precipitate`` (shared ones live in training.precipitate)."""
     g = p.add_argument_group("--method exit-blocks")
     g.add_argument("--block-layers", default="1",
                    help="decoder layers per exit block: one count, or one per lower tier (e.g. 2,1)")

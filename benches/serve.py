@@ -7,7 +7,7 @@ latency; per run: throughput, goodput under a TTFT/TPOT target, the workers' pea
 plan-to-result round trip against the worker's own step time, from ``mfs:stats``).
 
 ``--multi-turn`` runs the multi-turn session workload instead, with prefix reuse on and off
-(``mfs/bench_multiturn.py``)."""
+(``benches/multiturn.py``)."""
 from __future__ import annotations
 
 import asyncio
@@ -23,21 +23,8 @@ from pathlib import Path
 import aiohttp
 import msgpack
 
-from mfs.runtime import write_json
-
-
-def _pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * p / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def summarize(xs: list[float]) -> dict:
-    return {"mean": statistics.mean(xs) if xs else float("nan"), "p50": _pct(xs, 50),
-            "p90": _pct(xs, 90), "p99": _pct(xs, 99)}
+from benches.lib import model_ids, summarize
+from engine.runtime import write_json
 
 
 def make_requests(args, model_ids: list[str], vocab_lo: int = 300, vocab_hi: int = 40000) -> list[dict]:
@@ -136,15 +123,8 @@ def _transport(redis_url: str) -> dict:
             "transport_share": (rt - fw) / fw if fw else float("nan")}
 
 
-def _model_ids(url: str) -> list[str]:
-    import urllib.request  # noqa: PLC0415
-    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
-        ids = [m["id"] for m in json.loads(r.read())["data"]]
-    return ids[:-1]  # the last entry is the family id
-
-
 def run_layout(args, layout: str | None) -> dict:
-    from mfs.launch import Service  # noqa: PLC0415
+    from service.launch import Service  # noqa: PLC0415
     svc = None
     url, redis_url = args.url, args.redis_url
     if layout is not None:
@@ -152,7 +132,7 @@ def run_layout(args, layout: str | None) -> dict:
                       worker_args=["--threads", str(args.threads), "--num-blocks", str(args.num_blocks)]).start()
         url, redis_url = svc.url, svc.redis_url
     try:
-        reqs = make_requests(args, _model_ids(url))
+        reqs = make_requests(args, model_ids(url))
         if args.warmup:
             asyncio.run(drive(url, [dict(r, at=0.0, max_tokens=2) for r in reqs[:args.warmup]]))
         before = _transport(redis_url) if redis_url else None
@@ -193,14 +173,14 @@ def add_parser(sub) -> None:
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None)
-    from mfs.bench_multiturn import add_args  # noqa: PLC0415
+    from benches.multiturn import add_args  # noqa: PLC0415
     add_args(p)  # --multi-turn and its options
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     if getattr(args, "multi_turn", False):
-        from mfs import bench_multiturn  # noqa: PLC0415
+        from benches import multiturn as bench_multiturn  # noqa: PLC0415
         return bench_multiturn.run(args)
     layouts = [None] if args.url else [x.strip() for x in args.layout.split(",") if x.strip()]
     out = {"benchmark": "serve", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

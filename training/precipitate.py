@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from kernels import TORCH_OPS
 from worker import checkpoint as ckpt
-from mfs import data as D
+from training import data as D
 from family.manifest import Manifest, parse_tiers, resolve_base_arg
 from worker.family import build_model
 from worker.loader import BaseWeights, load_base
@@ -180,7 +180,7 @@ def prepare(args, log=print) -> tuple[NestedModel, BaseWeights, D.BatchSampler, 
 def run(args) -> int:
     check_method_options(args, args.method)
     if args.method == "exit-blocks":
-        from mfs import exitblocks  # noqa: PLC0415
+        from training import exitblocks  # noqa: PLC0415
         return exitblocks.run(args)
     lora_defaults(args)
     torch.set_num_threads(args.threads)
@@ -339,7 +339,7 @@ def check_method_options(args, method: str) -> None:
 
 def lora_defaults(args) -> None:
     """Fills the options whose default depends on --method (None on the command line)."""
-    from mfs.runtime import autocast_dtype  # noqa: PLC0415
+    from engine.runtime import autocast_dtype  # noqa: PLC0415
     args.lr = 5e-4 if args.lr is None else args.lr
     args.ce = "0.2" if args.ce is None else args.ce
     args.steps = 400 if args.steps is None else args.steps
@@ -352,7 +352,7 @@ def add_parser(sub) -> None:
     p.add_argument("--method", default="lora", choices=["lora", "exit-blocks"],
                    help="lora: low-rank updates of the whole model with a loss at every exit; "
                         "exit-blocks: a frozen trunk and a private exit block per lower tier, "
-                        "trained on cached trunk features (see mfs/exitblocks.py)")
+                        "trained on cached trunk features (see training/exitblocks.py)")
     p.add_argument("--base", default="default", help="HF directory, .gguf file, or 'default'")
     p.add_argument("--tiers", default="10,20,30", help="LAYERS,... or NAME=LAYERS,...")
     p.add_argument("--data", default="self,stdlib",
@@ -403,7 +403,7 @@ def add_parser(sub) -> None:
                         "weights stay float32/float16")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--bar-interval", type=float, default=1.0, help="progress bar refresh (s)")
-    from mfs import exitblocks  # noqa: PLC0415
+    from training import exitblocks  # noqa: PLC0415
     grp = exitblocks.add_arguments(p)
     _EXIT_BLOCK_DEFAULTS.update({a.dest: a.default for a in grp._group_actions})
     _LORA_DEFAULTS.update({a.dest: a.default for a in p._actions if a.dest in _LORA_ONLY})

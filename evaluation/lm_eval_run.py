@@ -1,7 +1,7 @@
 """`mfs lm-eval`: the family scored by lm-evaluation-harness (a client no one here wrote), through the
 service as a user runs it, and the same task in-process through transformers for comparison.
 
-1. `mfs up`'s processes serve the family (`mfs.launch.Service`);
+1. `mfs up`'s processes serve the family (`service.launch.Service`);
 2. for every tier, `lm_eval --model local-completions` against `/v1/completions`: a multiple-choice task
    scored by log-likelihood, i.e. `echo` with `logprobs` on prompt + choice (issue 15);
 3. the service stops; `lm_eval --model hf` loads the family's base weights (the GGUF's dequantized
@@ -21,7 +21,7 @@ import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
-from mfs.runtime import write_json
+from engine.runtime import write_json
 
 TASK_DIR = Path(__file__).resolve().parents[1] / "evals" / "capitals"
 TASK = "mfs_capitals"
@@ -88,7 +88,7 @@ def run(args) -> int:
                          "'lm-eval==0.4.13')") from None
     from family.manifest import manifest_for, resolve_base  # noqa: PLC0415
     from family.source import resolve_cached  # noqa: PLC0415
-    from mfs.launch import Service  # noqa: PLC0415
+    from service.launch import Service  # noqa: PLC0415
     from worker.family import load_family  # noqa: PLC0415
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mfs-lm-eval-"))

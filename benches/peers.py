@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mfs.runtime import write_json
+from engine.runtime import write_json
 
 LLAMA_CPP_MISSING = ("llama-cpp-python is not installed: llama.cpp skipped (`pip install "
                      "llama-cpp-python` builds it from source, about 12 minutes on 2 cores)")
@@ -69,7 +69,7 @@ def _release() -> None:
 
 def _engine(model, n: int):
     """One engine per run, all alike: a compiled graph is specialized to the KV pool it was built on."""
-    from mfs.engine import Engine  # noqa: PLC0415
+    from engine import Engine  # noqa: PLC0415
     return Engine(model, max_num_seqs=max(64, n), num_blocks=1024)
 
 
@@ -227,8 +227,8 @@ def child_main(argv: list[str]) -> int:
 
 # ---- the parent ----------------------------------------------------------------------------------
 def make_spec(args) -> Spec:
-    from mfs import data as D  # noqa: PLC0415
-    from mfs.evaluate import make_windows  # noqa: PLC0415
+    from training import data as D  # noqa: PLC0415
+    from training.data import make_windows  # noqa: PLC0415
     from family.manifest import load_frontend, manifest_for, resolve_base  # noqa: PLC0415
     fe = load_frontend(args.model)
     tok = fe.tokenizer
@@ -252,7 +252,7 @@ def make_spec(args) -> Spec:
 
 def _child(kind: str, mode: str, spec_path: Path, out: Path, log_dir: Path) -> dict:
     with open(log_dir / f"{kind}-{mode}.log", "w") as logf:
-        r = subprocess.run([sys.executable, "-m", "mfs.bench_peers", kind, mode, str(spec_path), str(out)],
+        r = subprocess.run([sys.executable, "-m", "benches.peers", kind, mode, str(spec_path), str(out)],
                            stdout=logf, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if r.returncode != 0:
         tail = (log_dir / f"{kind}-{mode}.log").read_text()[-2000:]

@@ -1,4 +1,4 @@
-"""Stage 1 of ``mfs precipitate --method exit-blocks`` (mfs/exitblocks.py): the training and held-out
+"""Stage 1 of ``mfs precipitate --method exit-blocks`` (training/exitblocks.py): the training and held-out
 windows, and the feature cache — one pass of the frozen model stores, per window, the trunk's residual
 stream at every lower tier's boundary (bf16) and the top tier's top-k log-probabilities, memory-mapped
 under ``OUT/cache/``, resumable window by window."""
@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mfs import data as D
-from mfs.runtime import progress
+from training import data as D
+from engine.runtime import progress
 from worker.model import NestedModel
 
 # ---- the feature cache -------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def training_windows(docs: list[tuple[str, list]], tok, eos: int, seq_len: int, 
 def heldout_windows(original: NestedModel, tok, eos: int, seq_len: int, heldout_tokens: int,
                     cache_dir: Path, log=print) -> torch.Tensor:
     """The held-out text of ``mfs eval`` (same sources, same budgets) as windows."""
-    from mfs.evaluate import make_windows  # noqa: PLC0415
+    from training.data import make_windows  # noqa: PLC0415
     pydoc = D.encode_docs(tok, D.stdlib_texts(D.STDLIB_HELDOUT), eos)
     chat = D.encode_docs(tok, D.self_records(original, tok, D.HELDOUT_PROMPTS,
                                              cache_dir / "heldout_chat.jsonl", 160, log), eos)

@@ -8,9 +8,9 @@ from datetime import datetime, timezone
 
 import torch
 
-from mfs.engine import Engine
+from engine import Engine
 from worker.sampling import SamplingParams
-from mfs.runtime import write_json
+from engine.runtime import write_json
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -63,7 +63,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from mfs.commands import encode_prompt  # noqa: PLC0415
+    from engine.prompts import encode_prompt  # noqa: PLC0415
     from worker.family import load_from_args  # noqa: PLC0415
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -142,7 +142,7 @@ def add_parser(sub) -> None:
 
 def cli(a) -> int:
     from family.manifest import load_frontend  # noqa: PLC0415
-    from mfs.runtime import write_json  # noqa: PLC0415
+    from engine.runtime import write_json  # noqa: PLC0415
     torch.set_num_threads(a.threads)
     tok = load_frontend("default").tokenizer
     vocab = len(tok)

@@ -1,0 +1,1 @@
+"""The benchmarks behind `mfs bench ...`; shared helpers in benches/lib.py."""

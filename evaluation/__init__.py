@@ -1,0 +1,1 @@
+"""Evaluating a family: perplexity, agreement, fixed and hidden questions, lm-eval tasks."""

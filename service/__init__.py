@@ -1,0 +1,1 @@
+"""Starting the service's processes (Redis, scheduler, gateway, workers) and supervising them."""

@@ -1,0 +1,1 @@
+"""Training the family's lower tiers: data, precipitation recipes, exit-block features."""
