@@ -12,6 +12,7 @@ numbers, ``/status.json``, are guarded like ``/metrics``).
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
 from aiohttp import web
@@ -26,7 +27,8 @@ from gateway.auth import auth_middleware, on_prepare
 from gateway.backend import Backend, stop_tasks
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
-from gateway.keys import CONFIG, KEYS, SERVICE
+from gateway.history import History
+from gateway.keys import CONFIG, HISTORY, KEYS, SERVICE
 from gateway.metrics import Metrics
 from gateway.ratelimit import RateLimiter
 from gateway.routes import setup_routes
@@ -96,6 +98,25 @@ async def redis_ctx(app: web.Application):
     await client.aclose()
 
 
+async def history_ctx(app: web.Application):
+    """Samples the metrics every ``history_period_s`` for the status page's charts (gateway.history),
+    the scheduler's gauges refreshed first, as ``/metrics`` does."""
+    svc, hist = app[SERVICE], app[HISTORY]
+
+    async def loop():
+        while True:
+            try:
+                svc.metrics.refresh_scheduler(await svc.backend.scheduler_stats(), svc.tier_names)
+            except RedisError:
+                pass  # this gateway's own numbers are still worth a point
+            hist.record(svc.metrics.registry, time.time())
+            await asyncio.sleep(hist.period_s)
+
+    task = asyncio.create_task(loop(), name="mfs-gateway-history")
+    yield
+    await stop_tasks([task])
+
+
 def init_app(config: GatewayConfig | None = None) -> web.Application:
     cfg = config or GatewayConfig()
     frontend = cfg.frontend
@@ -119,7 +140,10 @@ def init_app(config: GatewayConfig | None = None) -> web.Application:
                            max_tokens_cap=cfg.limits.max_tokens_cap, spec_draft_tier=cfg.spec_draft_tier,
                            spec_gamma=cfg.spec_gamma, cascade_threshold=cfg.cascade_threshold,
                            cascade_window=cfg.cascade_window)
+    app[HISTORY] = History(app[SERVICE].tier_names, app[SERVICE].tier_ids, period_s=cfg.history_period_s,
+                           span_s=cfg.history_span_s)
     app.cleanup_ctx.append(redis_ctx)
+    app.cleanup_ctx.append(history_ctx)  # after redis_ctx: it reads the scheduler's stats through the backend
     app.on_response_prepare.append(on_prepare)
     setup_routes(app)
     return app

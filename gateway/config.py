@@ -55,5 +55,8 @@ class GatewayConfig:
                                                 "the last --cascade-window tokens falls below this (0 < P < 1; "
                                                 "default: off)", group="multi-level sampling")
     cascade_window: int = opt(4, "tokens the cascade averages over (1..64)", group="multi-level sampling")
+    history_period_s: float = opt(2.0, "the status page's charts: seconds between two samples of this gateway's "
+                                       "metrics", flag="--history-period")
+    history_span_s: float = opt(300.0, "the status page's charts: seconds of samples kept", flag="--history-span")
     reader_block_ms: int = opt(1000, cli=False)
     frontend: object | None = opt(None, cli=False)  # a loaded family.manifest.Frontend (tests share one)

@@ -16,7 +16,7 @@ from gateway import openapi, responses, status
 from gateway.auth import admit
 from gateway.errors import APIError, invalid, model_not_found
 from gateway.generation import ClientGone, Generation, Piece
-from gateway.keys import CONFIG, KEYS, SERVICE
+from gateway.keys import CONFIG, HISTORY, KEYS, SERVICE
 
 
 async def read_json(request: web.Request):
@@ -91,6 +91,7 @@ async def status_json(request: web.Request) -> web.Response:
     doc = status.snapshot(svc.metrics.registry, tier_names=svc.tier_names, tier_ids=svc.tier_ids,
                           gateway_id=request.app[CONFIG].gateway_id, workers=workers, heartbeats=beats,
                           shards=shards, now=time.time())
+    doc["history"] = request.app[HISTORY].series()
     return web.json_response(doc, headers={"Cache-Control": "no-store"})
 
 

@@ -1,6 +1,7 @@
 """The gateway's status page (GET /) rendered by headless Chromium while requests run through the whole
 service (gateway, scheduler and worker processes, a tiny float64 model over a real tokenizer): its
-script fills the tables from /status.json, and two renders a few seconds apart show the numbers moving.
+script fills the tables from /status.json, and two renders a few seconds apart show the numbers moving;
+the charts of the last minutes are drawn (in the DOM, and as pixels in a screenshot).
 
 No selenium: ``chromium --headless=new --dump-dom`` prints the DOM after ``--virtual-time-budget``
 milliseconds of page time (virtual time waits for pending fetches, so the script's polls complete).
@@ -17,7 +18,7 @@ import time
 import httpx2 as httpx
 import pytest
 
-from tests.factories import tiny_service
+from tests.support.factories import tiny_service
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian: apt-get install "
@@ -26,7 +27,9 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not instal
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory, frontend):
-    with tiny_service(tmp_path_factory.mktemp("tinytok"), frontend.tokenizer) as svc:
+    svc = tiny_service(tmp_path_factory.mktemp("tinytok"), frontend.tokenizer)
+    svc.gateway_args += ["--history-period", "0.5"]  # chart points every half second
+    with svc:
         yield svc
 
 
@@ -88,3 +91,23 @@ def test_status_page_numbers_move_while_requests_run(service, tmp_path):
     assert float(worker[3]) < 10                                      # a fresh heartbeat
     (leader,) = cells(second, "schedulers")
     assert leader[1] and float(leader[4]) < 10
+    # the charts: a line of the small tier with several points in tokens/s, TTFT and TPOT
+    for chart in ("chart-tok", "chart-ttft", "chart-tpot", "chart-req"):
+        svg = re.search(rf'<svg id="{chart}".*?</svg>', second, re.S).group(0)
+        lines = re.findall(r'<polyline points="([^"]*)"[^>]*data-tier="small"', svg)
+        assert lines and max(len(pts.split()) for pts in lines) >= 2, (chart, svg[:400])
+    shot = tmp_path / "status.png"
+    out = subprocess.run([CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                          f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=2500",
+                          "--window-size=1200,900", f"--screenshot={shot}", service.url + "/"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and shot.exists(), out.stderr[-2000:]
+    assert tier_pixels(shot, (0x1F, 0x77, 0xB4)) > 300  # the small tier's lines drawn, not only its legend
+
+
+def tier_pixels(png, rgb, tol: int = 40) -> int:
+    """Pixels of the screenshot within ``tol`` of a tier's colour (the legend's square is ~100)."""
+    from PIL import Image
+    raw = Image.open(png).convert("RGB").tobytes()
+    return sum(1 for i in range(0, len(raw), 3)
+               if abs(raw[i] - rgb[0]) + abs(raw[i + 1] - rgb[1]) + abs(raw[i + 2] - rgb[2]) <= tol)
