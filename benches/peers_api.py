@@ -1,0 +1,157 @@
+"""`mfs bench peers`' contender "api": what `make up` serves, measured the way a user meets it.
+
+It starts the real `mfs up --model M` (no other flag: the defaults are the product), waits for its
+"serving at" line, and sends through HTTP what the in-process contenders run: one streamed greedy
+request on the top tier, then the concurrent family mix; the top tier's perplexity comes from the
+served logprobs (``echo`` + ``logprobs``, ``max_tokens`` 0) over the same held-out windows. Every
+request goes gateway -> Redis -> scheduler -> worker, as in production. It also times the start:
+seconds from launching `mfs up` to its first served token, and records the ``mfs`` field of each
+answer (the tiers, and the execution path where the worker names it).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from benches.lib import model_ids
+
+SERVING = re.compile(r"serving at (http://\S+?)/v1")
+
+
+def start_mfs_up(model: str, start_timeout_s: float) -> tuple[subprocess.Popen, str, Path, float]:
+    """``mfs up --model MODEL --port 0`` as a child; returns it, its URL, its log and the launch time."""
+    log = Path(tempfile.mkdtemp(prefix="mfs-peers-api-")) / "mfs-up.log"
+    launched = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "mfs.cli", "up", "--model", model, "--port", "0"],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = launched + start_timeout_s
+    while time.perf_counter() < deadline:
+        m = SERVING.search(log.read_text())
+        if m:
+            return proc, m.group(1), log, launched
+        if proc.poll() is not None:
+            raise RuntimeError(f"mfs up exited with {proc.returncode} before serving:\n{log.read_text()[-2000:]}")
+        time.sleep(0.2)
+    stop_mfs_up(proc)
+    raise RuntimeError(f"mfs up did not serve within {start_timeout_s:.0f} s:\n{log.read_text()[-2000:]}")
+
+
+def group_rss_bytes(pgid: int) -> int:
+    """Resident memory of every process in the group `mfs up` leads (its Redis, scheduler, gateway and
+    workers): what serving costs the machine."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:  # pgrp, after the state and the ppid
+                total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")  # rss in pages
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended meanwhile
+    return total
+
+
+def stop_mfs_up(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()  # mfs up stops its processes on SIGTERM
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+async def stream_one(session, url: str, model: str, prompt: list[int], new_tokens: int) -> dict:
+    """One streamed greedy completion of exactly ``new_tokens`` tokens: its stamps and ``mfs`` field."""
+    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start, stamps, served, usage = time.perf_counter(), [], None, None
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{model}: HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            ch = json.loads(line[6:])
+            if ch.get("choices") and ch["choices"][0].get("text") is not None:
+                stamps.append(time.perf_counter())
+            served = ch.get("mfs", served)
+            usage = ch.get("usage") or usage
+    tokens = (usage or {}).get("completion_tokens", len(stamps))
+    if tokens != new_tokens:
+        raise RuntimeError(f"{model}: {tokens} tokens served, {new_tokens} asked")
+    return {"start": start, "first": stamps[0], "end": time.perf_counter(), "tokens": tokens, "mfs": served}
+
+
+def summarize_runs(runs: list[dict], wall: float, new_tokens: int) -> dict:
+    tok = sum(r["tokens"] for r in runs)
+    return {"requests": len(runs), "tokens": tok, "wall_s": wall, "tokens_per_s": tok / wall,
+            "tpot_ms": 1e3 * sum((r["end"] - r["first"]) / (new_tokens - 1) for r in runs) / len(runs),
+            "ttft_ms": 1e3 * sum(r["first"] - r["start"] for r in runs) / len(runs)}
+
+
+async def measure(session, url: str, models: list[str], prompts: list[list[int]], new_tokens: int) -> dict:
+    t = time.perf_counter()
+    runs = await asyncio.gather(*(stream_one(session, url, m, p, new_tokens) for m, p in zip(models, prompts)))
+    res = summarize_runs(list(runs), time.perf_counter() - t, new_tokens)
+    res["served"] = sorted({json.dumps(r["mfs"], sort_keys=True) for r in runs if r["mfs"] is not None})
+    return res
+
+
+async def served_ppl(session, url: str, model: str, windows: list[list[int]]) -> float:
+    """exp(mean NLL) of each window's tokens after its first, from the served prompt logprobs."""
+    nll, n = 0.0, 0
+    for w in windows:
+        body = {"model": model, "prompt": w, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            doc = await resp.json()
+            if resp.status != 200:
+                raise RuntimeError(f"perplexity: HTTP {resp.status}: {json.dumps(doc)[:300]}")
+        lps = doc["choices"][0]["logprobs"]["token_logprobs"]
+        got = [lp for lp in lps[1:] if lp is not None]
+        nll -= sum(got)
+        n += len(got)
+    return math.exp(nll / n)
+
+
+async def _run(spec, url: str, launched: float, singles: int) -> dict:
+    ids = model_ids(url)  # tier ids, lowest first
+    top = ids[-1]
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
+        first = await stream_one(s, url, top, spec.prompts[0], 2)
+        out = {"first_token_after_launch_s": first["first"] - launched, "first_answer_mfs": first["mfs"]}
+        tries = [await measure(s, url, [top], spec.prompts[:1], spec.new_tokens) for _ in range(singles)]
+        out["single"] = max(tries, key=lambda r: r["tokens_per_s"])  # best of N, as the issue's figures
+        out["single"]["tries_tokens_per_s"] = [r["tokens_per_s"] for r in tries]
+        out["concurrent"] = await measure(s, url, [top] * len(spec.prompts), spec.prompts, spec.new_tokens)
+        out["family_mix"] = await measure(s, url, [ids[t] for t in spec.mix], spec.prompts, spec.new_tokens)
+        out["ppl_top"] = await served_ppl(s, url, top, spec.windows)
+        after = await stream_one(s, url, top, spec.prompts[0], 2)
+        out["last_answer_mfs"] = after["mfs"]
+    return out
+
+
+def run_api(spec, *, singles: int = 3, start_timeout_s: float = 600.0) -> dict:
+    """The contender's record, in the in-process contenders' shape (``single``, ``concurrent``,
+    ``family_mix``, ``ppl_top``), named so `ratios_vs_llama_cpp` counts it as MFS."""
+    if not spec.device.startswith("cpu"):
+        raise ValueError("the api contender serves what `mfs up` picks on this machine: run it with --device cpu")
+    proc, url, log, launched = start_mfs_up(spec.model, start_timeout_s)
+    try:
+        res = asyncio.run(_run(spec, url, launched, singles))
+        res["rss_bytes"] = group_rss_bytes(proc.pid)
+        res["start_log"] = [ln for ln in log.read_text().splitlines() if ln.startswith("mfs up")][:8]
+    finally:
+        stop_mfs_up(proc)
+    return {"name": "mfs api (mfs up defaults)", **res}
