@@ -11,7 +11,10 @@ Two shapes, one flag set (``add_redis_args``) and one URL form for passing it on
 A command unanswered for ``timeout_s`` (5 s) fails (the socket timeout; a blocking read must ask for
 less: the processes block for at most a second), and TCP keepalive probes with ``TCP_USER_TIMEOUT`` drop
 an idle pooled connection to a peer silent that long, so a process whose Redis host is cut off sees a
-connection error within about ``timeout_s``. Synchronous clients do not retry inside redis-py (its
+connection error within about ``timeout_s``. An asyncio client may be given a bounded, *blocking* pool
+(``connect_async(..., max_connections=N)``): a command that finds every connection busy waits for one
+(up to ``pool_timeout_s``) instead of failing with redis-py's "Too many connections", which a burst of
+requests would otherwise turn into false "Redis unreachable" answers (issue 46). Synchronous clients do not retry inside redis-py (its
 default is ten retries, hiding a failover): each process's own loop backs off and decides what a lost
 connection means (the scheduler leader steps down and resumes; docs/RELIABILITY.md).
 """
@@ -25,7 +28,9 @@ from urllib.parse import quote, unquote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.connection import BlockingConnectionPool
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import Sentinel
@@ -127,12 +132,23 @@ def _sentinel_kwargs(target: RedisTarget) -> dict:
     return {"socket_timeout": 1.0, "socket_connect_timeout": 1.0, "retry": Retry(NoBackoff(), 0)}
 
 
-def _client(target: RedisTarget | str, overrides: dict, client_cls, sentinel_cls):
+class BlockingSentinelPool(AsyncSentinelPool, BlockingConnectionPool):
+    """A Sentinel master's pool that, when all ``max_connections`` are busy, waits up to ``timeout``
+    seconds for one (BlockingConnectionPool's ``get_connection``/``release``), and asks the sentinels
+    for the master on each new connection (SentinelConnectionPool's connection class)."""
+
+
+def _client(target: RedisTarget | str, overrides: dict, client_cls, sentinel_cls, pool: dict | None = None):
     t = target if isinstance(target, RedisTarget) else RedisTarget.parse(target)
     kw = connection_kwargs(t) | overrides
     if not t.sentinel:
+        if pool:
+            return client_cls.from_pool(BlockingConnectionPool.from_url(t.url, **pool, **kw))
         return client_cls.from_url(t.url, **kw)
     s = sentinel_cls(list(t.sentinels), sentinel_kwargs=_sentinel_kwargs(t))
+    if pool:
+        return s.master_for(t.master, db=t.db, password=t.password, connection_pool_class=BlockingSentinelPool,
+                            **pool, **kw)
     return s.master_for(t.master, db=t.db, password=t.password, **kw)
 
 
@@ -141,9 +157,23 @@ def connect(target: RedisTarget | str, **overrides) -> redis.Redis:
     return _client(target, overrides, redis.Redis, Sentinel)
 
 
-def connect_async(target: RedisTarget | str, **overrides) -> aioredis.Redis:
-    """An asyncio client (the gateway); ``overrides`` win (the gateway retries twice, quickly)."""
-    return _client(target, overrides, aioredis.Redis, AsyncSentinel)
+def connect_async(target: RedisTarget | str, max_connections: int | None = None,
+                  pool_timeout_s: float | None = None, **overrides) -> aioredis.Redis:
+    """An asyncio client (the gateway); ``overrides`` win (the gateway retries twice, quickly).
+
+    ``max_connections``: a blocking pool of at most that many connections, where a command waits up to
+    ``pool_timeout_s`` (default: the target's ``timeout_s``) for a free one; None: redis-py's default
+    pool, which fails a command when its connections are all in use."""
+    pool = None
+    if max_connections is not None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, not {max_connections}")
+        t = target if isinstance(target, RedisTarget) else RedisTarget.parse(target)
+        timeout = t.timeout_s if pool_timeout_s is None else pool_timeout_s
+        if timeout <= 0:
+            raise ValueError(f"pool_timeout_s must be > 0, not {timeout}")
+        pool, target = {"max_connections": max_connections, "timeout": timeout}, t
+    return _client(target, overrides, aioredis.Redis, AsyncSentinel, pool)
 
 
 def add_redis_args(p: argparse.ArgumentParser, url_default: str | None = DEFAULT_URL) -> None:

@@ -80,10 +80,13 @@ async def redis_ctx(app: web.Application):
     # dead, and each would fail one command (a user's request among them). Two quick retries on a
     # connection error reconnect instead; while Redis is down they fail within a few hundredths of a s.
     target = RedisTarget.parse(cfg.redis_url, timeout_s=cfg.redis_timeout_s)
-    client = connect_async(target, health_check_interval=30,
-                           retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), 2))
+    # A blocking pool (issue 46): a burst waits for a connection instead of failing with "Too many
+    # connections"; the token-event reader has a connection of its own.
+    retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), 2)
+    client = connect_async(target, max_connections=cfg.redis_pool, health_check_interval=30, retry=retry)
+    reader = connect_async(target, max_connections=1, health_check_interval=30, retry=retry)
     backend = Backend(client, cfg.gateway_id, block_ms=cfg.reader_block_ms,
-                      stall_timeout_s=cfg.stall_timeout_s, metrics=svc.metrics)
+                      stall_timeout_s=cfg.stall_timeout_s, metrics=svc.metrics, reader_client=reader)
     svc.backend = backend
     svc.limiter = RateLimiter(client, rpm=cfg.rpm, tpm=cfg.tpm)
     tasks = [asyncio.create_task(backend.run_reader(), name="mfs-gateway-reader"),
@@ -96,6 +99,7 @@ async def redis_ctx(app: web.Application):
     except RedisError:
         pass
     await client.aclose()
+    await reader.aclose()
 
 
 async def history_ctx(app: web.Application):
@@ -139,7 +143,8 @@ def init_app(config: GatewayConfig | None = None) -> web.Application:
                            default_max_tokens=cfg.default_max_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
                            max_tokens_cap=cfg.limits.max_tokens_cap, spec_draft_tier=cfg.spec_draft_tier,
                            spec_gamma=cfg.spec_gamma, cascade_threshold=cfg.cascade_threshold,
-                           cascade_window=cfg.cascade_window)
+                           cascade_window=cfg.cascade_window, max_waiting=cfg.max_waiting,
+                           max_waiting_per_tier=cfg.max_waiting_per_tier)
     app[HISTORY] = History(app[SERVICE].tier_names, app[SERVICE].tier_ids, period_s=cfg.history_period_s,
                            span_s=cfg.history_span_s)
     app.cleanup_ctx.append(redis_ctx)

@@ -19,7 +19,7 @@ import json
 import os
 import socket
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import msgpack
 import redis.asyncio as aioredis
@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from core import protocol as P
+from gateway.shards import LiveWorker, choose_shard, merge_stats  # noqa: F401 - re-exported
 
 log = structlog.get_logger("gateway.backend")
 
@@ -38,51 +39,6 @@ MAX_PENDING_CANCELS = 10_000  # kept while Redis is down; the oldest go first pa
 # Errors that mean "Redis is unreachable" (BusyLoadingError, a restarted server loading its AOF, is a
 # ConnectionError); any other RedisError is an answer from a live server.
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
-
-
-@dataclass(slots=True)
-class LiveWorker:
-    """What the gateway reads of a registration (core.protocol.WorkerInfo): one HMGET per worker."""
-    worker_id: str
-    max_model_len: int | None
-    shard: str = P.DEFAULT_SHARD
-    tiers: tuple[int, ...] = ()
-
-
-def choose_shard(tier: int, workers: list[LiveWorker], load: dict[str, float], known: list[str],
-                 session_shard: str | None = None) -> str:
-    """The shard for a new request: among the shards with a live worker serving ``tier`` (else any shard
-    with a live worker, else the ``known`` ones: the scheduler answers what is wrong), the session's
-    shard if it is one of them, else the least loaded (ties: the first by name)."""
-    cands = sorted({w.shard for w in workers if tier in w.tiers}) or sorted({w.shard for w in workers})
-    cands = cands or sorted(known) or [P.DEFAULT_SHARD]
-    if session_shard in cands:
-        return session_shard
-    return min(cands, key=lambda s: (load.get(s, 0.0), s))
-
-
-def merge_stats(parts: list[dict]) -> dict:
-    """The shards' ``mfs:stats`` snapshots as one: numbers summed, maps merged key by key, lists summed
-    element by element; text (leader, shard) from the first."""
-    out: dict = {}
-    for part in parts:
-        for k, v in part.items():
-            out[k] = _merge(out[k], v) if k in out else v
-    return out
-
-
-def _merge(a, b):
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return a + b
-    if isinstance(a, dict) and isinstance(b, dict):
-        return merge_stats([a, b])
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        n = max(len(a), len(b))
-        return [_merge(a[i], b[i]) if i < len(a) and i < len(b) else (a[i] if i < len(a) else b[i])
-                for i in range(n)]
-    return a
 
 
 class Backoff:
@@ -102,8 +58,11 @@ class Backoff:
 class Backend:
     def __init__(self, client: aioredis.Redis, gateway_id: str, block_ms: int = 1000,
                  heartbeat_s: float = P.HEARTBEAT_S, heartbeat_ttl_s: int = P.WORKER_TTL_S,
-                 stall_timeout_s: float = 15.0, metrics=None):
+                 stall_timeout_s: float = 15.0, metrics=None, reader_client: aioredis.Redis | None = None):
         self.redis = client
+        # the reader's XREAD BLOCK holds its connection for up to block_ms: a client of its own, so it
+        # neither waits behind a burst's commands nor takes one of their connections
+        self.reader_redis = reader_client or client
         self.gateway_id = gateway_id
         self.stream = P.out_stream(gateway_id)
         self.block_ms = block_ms
@@ -118,6 +77,8 @@ class Backend:
         self._shard_of: dict[str, str] = {}          # request_id -> the shard its submit went to
         self._workers: list[LiveWorker] = []         # the last live_workers() answer
         self._shard_load: dict[str, float] = {}      # published waiting + running, + sent since
+        self._on_first: dict[str, Callable[[], None]] = {}  # request_id -> called on its first event
+        self._workers_query: asyncio.Future | None = None   # the live_workers() query in flight
         self.events_routed = 0
         self.events_dropped = 0
         self.down_since: float | None = None        # monotonic start of the current outage
@@ -156,8 +117,14 @@ class Backend:
             session_shard = raw.decode() if isinstance(raw, bytes) else raw
         return choose_shard(sub.tier, self._workers, self._shard_load, self.shards, session_shard)
 
+    def on_first_event(self, request_id: str, fn: Callable[[], None]) -> None:
+        """Calls ``fn`` when the first token event of ``request_id`` arrives (it has left the
+        scheduler's queue); forgotten on ``release``."""
+        self._on_first[request_id] = fn
+
     def release(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self._on_first.pop(request_id, None)
         self._suspect.pop(request_id, None)
         self._shard_of.pop(request_id, None)
 
@@ -252,7 +219,7 @@ class Backend:
 
     # ---- the reader task -----------------------------------------------------------------------
     async def _tail_id(self) -> str:
-        last = await self.redis.xrevrange(self.stream, count=1)
+        last = await self.reader_redis.xrevrange(self.stream, count=1)
         return last[0][0].decode() if last else "0-0"
 
     async def run_reader(self, trim_every_s: float = 5.0) -> None:
@@ -264,11 +231,11 @@ class Backend:
                     last_id = await self._tail_id()  # skip what a previous life of this id left
                 if time.monotonic() - trimmed_at > trim_every_s and last_id != "0-0":
                     # only this gateway reads its stream: what it has read can go
-                    await self.redis.xtrim(self.stream, minid=last_id, approximate=True)
+                    await self.reader_redis.xtrim(self.stream, minid=last_id, approximate=True)
                     trimmed_at = time.monotonic()
                 # After a restart the stream may have lost its last second, but new entries get ids
                 # past last_id (they are time-based), so reading on from last_id misses nothing new.
-                resp = await self.redis.xread({self.stream: last_id}, count=512, block=self.block_ms)
+                resp = await self.reader_redis.xread({self.stream: last_id}, count=512, block=self.block_ms)
             except asyncio.CancelledError:
                 raise
             except UNREACHABLE as e:
@@ -299,6 +266,9 @@ class Backend:
                 continue
             self.events_routed += 1
             self._suspect.pop(ev.request_id, None)  # its stream is alive again
+            started = self._on_first.pop(ev.request_id, None)
+            if started is not None:
+                started()
             q.put_nowait(ev)
 
     # ---- heartbeat, workers, stats -------------------------------------------------------------
@@ -345,7 +315,14 @@ class Backend:
 
     async def live_workers(self) -> list[LiveWorker]:
         """Registered workers (of every known shard) whose key still exists (it expires without their
-        heartbeat)."""
+        heartbeat). Callers that ask while a query is in flight share its answer: a burst of a thousand
+        requests costs a few rounds of commands, not a thousand."""
+        task = self._workers_query
+        if task is None or task.done():
+            task = self._workers_query = asyncio.ensure_future(self._query_workers())
+        return await asyncio.shield(task)  # one caller cancelled does not cancel the others' query
+
+    async def _query_workers(self) -> list[LiveWorker]:
         pipe = self.redis.pipeline(transaction=False)
         for s in self.shards:
             pipe.smembers(P.Shard(s).workers_set)

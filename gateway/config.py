@@ -24,7 +24,14 @@ class GatewayConfig:
     redis_timeout_s: float = opt(DEFAULT_TIMEOUT_S, cli=False)  # a silent Redis peer is dropped after this long
     gateway_id: str = opt(default_factory=lambda: f"gw-{uuid.uuid4().hex[:8]}",
                           help="names this gateway's stream mfs:out:{ID}")
-    max_inflight: int = opt(256, "in-flight requests before 429")
+    max_inflight: int = opt(4096, "requests in flight (waiting + running) before 429 too_many_requests: a memory "
+                                  "guard; --max-waiting is the admission policy")
+    # Admission (gateway/admission.py): a request waits from acceptance to its first token; past a bound, 429
+    max_waiting: int | None = opt(None, "requests waiting for their first token at this gateway, all tiers, "
+                                        "before 429 queue_full with Retry-After (default: 64 per CPU core)")
+    max_waiting_per_tier: int = opt(0, "...and per tier (0: only the total bound)")
+    redis_pool: int = opt(64, "Redis connections this gateway's requests share; when all are busy a command "
+                              "waits for one (up to --redis-timeout) rather than failing")
     max_body_bytes: int = opt(4 << 20, "larger bodies get 413")
     request_timeout_s: float = opt(600.0, "per-request deadline (s)", flag="--request-timeout")  # then Cancel, 504
     stall_timeout_s: float = opt(15.0, "after a Redis outage or restart, fail (503, retryable) a request in "

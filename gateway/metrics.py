@@ -82,6 +82,17 @@ class Metrics:
                                    registry=r)
         for reason in ("gap", "redis"):
             self.interrupted.labels(reason)  # present (at 0) before the first one
+        # Admission (issue 46, gateway.admission): requests accepted and waiting for their first token,
+        # the bounds, and the requests shed with 429 queue_full by the bound that was full.
+        self.queue_depth = Gauge("mfs_gateway_queue_depth", "Requests this gateway accepted that wait for "
+                                 "their first token (all tiers)", registry=r)
+        self.queue_depth_by_tier = Gauge("mfs_gateway_queue_depth_by_tier", "...of which per tier (a request "
+                                         "counts in its tier once its prompt is scored)", ["tier"], registry=r)
+        self.queue_limit = Gauge("mfs_gateway_queue_limit", "The waiting bounds: scope total "
+                                 "(--max-waiting) or per_tier (--max-waiting-per-tier)", ["scope"], registry=r)
+        self.shed = Counter("mfs_requests_shed", "Requests answered 429 queue_full, by tier ('all' before "
+                            "the tier is known) and the bound that was full (total | tier)", ["tier", "bound"],
+                            registry=r)
         self.cached_tokens = Counter("mfs_cached_prompt_tokens", "Prompt tokens reported as cached "
                                      "(usage.prompt_tokens_details.cached_tokens)", ["model"], registry=r)
         # Multi-level sampling (issue 6). This gateway's requests submitted with self-speculation (per
@@ -94,6 +105,14 @@ class Metrics:
         # ...and the scheduler's cumulative per-pair counters from mfs:stats (see MultiLevelCollector).
         self.multilevel = MultiLevelCollector()
         r.register(self.multilevel)
+
+    def set_admission_bounds(self, total: int, per_tier: int, tier_names: list[str]) -> None:
+        self.queue_limit.labels("total").set(total)
+        self.queue_limit.labels("per_tier").set(per_tier)
+        self.shed.labels("all", "total")  # present (at 0) before the first shed
+        for name in tier_names:
+            self.shed.labels(name, "tier")
+            self.queue_depth_by_tier.labels(name).set(0)
 
     def observe_request(self, model: str, finish: str, prompt_tokens: int, completion_tokens: int,
                         ttft: float | None, tpot: float | None, e2e: float, cached_tokens: int = 0) -> None:

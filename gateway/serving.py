@@ -19,6 +19,7 @@ import structlog
 from core import protocol as P
 from core.grammar import GrammarError, grammar_of
 from gateway import complexity
+from gateway.admission import Admission, default_max_waiting
 from gateway.backend import Backend, max_context
 from gateway.errors import APIError, context_overflow, invalid, model_not_found
 from gateway.generation import DEFAULT_PARAMS, Generation, Job, never_gone
@@ -39,7 +40,8 @@ class Service:
                  gateway_id: str, max_inflight: int = 256, request_timeout_s: float = 600.0,
                  default_max_tokens: int | None = None, max_prompt_tokens: int = 0,
                  max_tokens_cap: int = 0, poll_s: float = 0.25, spec_draft_tier: str | int | None = None,
-                 spec_gamma: int = 4, cascade_threshold: float | None = None, cascade_window: int = 4):
+                 spec_gamma: int = 4, cascade_threshold: float | None = None, cascade_window: int = 4,
+                 max_waiting: int | None = None, max_waiting_per_tier: int = 0):
         self.frontend = frontend
         self.tok = frontend.tokenizer
         self.metrics = metrics
@@ -61,6 +63,8 @@ class Service:
         self.eos_ids = _eos_ids(self.tok)
         self.vocab_size = len(self.tok)
         self._token_texts: dict[int, str] = {}
+        self.admission = Admission(default_max_waiting() if max_waiting is None else max_waiting,
+                                   max_waiting_per_tier, self.tier_names, metrics)
         self._set_multilevel_defaults(spec_draft_tier, spec_gamma, cascade_threshold, cascade_window)
 
     def _set_multilevel_defaults(self, draft, gamma, threshold, window) -> None:
@@ -165,17 +169,27 @@ class Service:
     @asynccontextmanager
     async def job(self, req: ChatRequest | CompletionRequest) -> AsyncIterator[Job]:
         """One of this gateway's in-flight slots, held until the caller is done, and the request
-        prepared in it (model resolved, prompt tokenized, context checked) as a :class:`Job`."""
+        prepared in it (model resolved, prompt tokenized, context checked) as a :class:`Job`; it counts
+        as waiting (``gateway.admission``) until its first token event, and is shed (429) past a bound."""
         tier = self.resolve_model(req.model)
         if self.inflight >= self.max_inflight:
             raise APIError(429, f"This gateway is at its limit of {self.max_inflight} requests in "
                                 "flight; retry shortly.", code="too_many_requests",
                            headers={"Retry-After": "1"})
+        ticket = self.admission.enter()
         self.inflight += 1
         self.metrics.inflight.set(self.inflight)
+        rid = None
         try:
-            yield await self._prepare(req, tier)
+            job = await self._prepare(req, tier)
+            self.admission.place(ticket, job.tier)
+            rid = job.request_id
+            self.backend.on_first_event(rid, lambda: self.admission.started(ticket))
+            yield job
         finally:
+            self.admission.leave(ticket)
+            if rid is not None:
+                self.backend.release(rid)  # (again: a no-op after the generation's own release)
             self.inflight -= 1
             self.metrics.inflight.set(self.inflight)
 

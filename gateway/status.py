@@ -158,4 +158,17 @@ def snapshot(registry: CollectorRegistry, *, tier_names: list[str], tier_ids: li
         "preemptions": _scalar(smp, "mfs_scheduler_preemptions"),
         "workers": _workers(smp, workers, heartbeats, tier_names, now),
         "schedulers": _schedulers(shards, now),
+        "admission": _admission(smp, tier_names),
     }
+
+
+def _admission(smp: Samples, tier_names: list[str]) -> dict:
+    """This gateway's queue (gateway.admission): requests waiting for their first token, the bounds,
+    and the requests shed with 429 queue_full (cumulative; the page makes a rate of it)."""
+    depth = by_label(smp, "mfs_gateway_queue_depth_by_tier", "tier")
+    limit = by_label(smp, "mfs_gateway_queue_limit", "scope")
+    shed = by_label(smp, "mfs_requests_shed_total", "tier")
+    return {"queue_depth": _scalar(smp, "mfs_gateway_queue_depth"),
+            "queue_depth_by_tier": {n: depth.get(n, 0.0) for n in tier_names},
+            "max_waiting": limit.get("total"), "max_waiting_per_tier": limit.get("per_tier"),
+            "shed": sum(shed.values()), "shed_by_tier": {n: shed.get(n, 0.0) for n in ["all", *tier_names]}}

@@ -28,6 +28,8 @@ BENCHES = [
     ("benches.route", "add_parser"),
     ("benches.control_plane", "add_parser"),
     ("benches.grammar", "add_parser"),
+    ("benches.load", "add_parser"),
+    ("benches.chaos", "add_parser"),
 ]
 
 
