@@ -7,7 +7,7 @@ configure(level="WARNING")
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
-    from tests.factories import tiny_llama
+    from tests.support.factories import tiny_llama
     return tiny_llama(tmp_path_factory.mktemp("llama"))
 
 
@@ -15,6 +15,17 @@ def llama_dir(tmp_path_factory):
 def llama_family(llama_dir):
     from worker.family import load_family
     return load_family(str(llama_dir), tiers="2,4,6", dtype="float64")
+
+
+@pytest.fixture(scope="module")
+def exit_family(llama_dir):
+    """The tiny Llama with an exit block under tiers 0 and 1, perturbed to look trained: tests of the
+    plain nested model take it as a second family (test_exit_blocks.py says why)."""
+    from tests.support.factories import perturb_exits
+    from worker.family import load_family
+    fam = load_family(str(llama_dir), tiers="2+1,4+1,6", dtype="float64")
+    perturb_exits(fam, 5)
+    return fam
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ import torch
 
 from worker.family import load_family
 from service.launch import Service
-from tests.factories import tiny_llama_with_tokenizer
+from tests.support.factories import tiny_llama_with_tokenizer
 from engine import Engine
 from worker.sampling import SamplingParams
 

@@ -6,39 +6,9 @@ import random
 
 import pytest
 
-from engine import Engine, InvalidRequest
-from worker.sampling import SamplingParams, confidences
-
-BS = 4
-WINDOW = 3
-N = 16
-
-
-def make_engine(fam, **kw):
-    kw.setdefault("block_size", BS)
-    kw.setdefault("num_blocks", 128)
-    return Engine(fam.model, **kw)
-
-
-def greedy(n, **kw):
-    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
-
-
-def greedy_with_confidence(fam, prompt, tier, n):
-    """Plain greedy decoding at one tier: the tokens and each step's max softmax probability."""
-    eng = make_engine(fam, keep_logits=True)
-    eng.add_request("x", prompt, tier, greedy(n))
-    toks, confs = [], []
-    while eng.has_unfinished():
-        for o in eng.step():
-            toks += o.new_token_ids
-            confs += confidences(o.logits[None])
-    return toks, confs
-
-
-def window_means(confs, w):
-    """means[j]: the mean of the window ending at output j (None before the window is full)."""
-    return [None if j < w - 1 else sum(confs[j - w + 1:j + 1]) / w for j in range(len(confs))]
+from engine import InvalidRequest
+from worker.sampling import SamplingParams
+from tests.support.cascade import BS, N, WINDOW, find_case, greedy, make_engine
 
 
 def run(eng, rid):
@@ -56,31 +26,15 @@ def case(llama_family):
     return find_case(llama_family)
 
 
-def find_case(fam):
-    """A prompt and threshold whose tier-0 confidence window first averages below the threshold at a
-    known output index k (found offline with plain tier-0 greedy decoding), and whose tier-1
-    continuation never does (so the cascade is exactly tier 0 then tier 1)."""
-    rng = random.Random(0)
-    for _ in range(40):
-        prompt = [rng.randrange(3, 160) for _ in range(rng.randint(5, 11))]
-        low, confs = greedy_with_confidence(fam, prompt, 0, N)
-        means = window_means(confs, WINDOW)
-        # k: a new strict minimum of the window mean, past the first full window, leaving a tail
-        for k in range(N - 4, WINDOW - 1, -1):
-            before = min(means[WINDOW - 1:k])
-            if means[k] < before - 1e-6:
-                break
-        else:
-            continue
-        threshold = (means[k] + before) / 2
-        cont, cconfs = greedy_with_confidence(fam, prompt + low[:k], 1, N - k)
-        if all(m is None or m >= threshold + 1e-9 for m in window_means(cconfs, WINDOW)):
-            return dict(prompt=prompt, k=k, threshold=threshold, low=low, cont=cont)
-    pytest.fail("no prompt with a clean single escalation found")
+@pytest.fixture(scope="module")
+def exit_case(exit_family):
+    return find_case(exit_family)
 
 
-def test_escalation_happens_exactly_where_the_window_mean_first_drops(llama_family, case):
-    eng = make_engine(llama_family)
+@pytest.mark.parametrize("family,found", [("llama_family", "case"), ("exit_family", "exit_case")])
+def test_escalation_happens_exactly_where_the_window_mean_first_drops(request, family, found):
+    fam, case = request.getfixturevalue(family), request.getfixturevalue(found)
+    eng = make_engine(fam)
     eng.add_request("c", case["prompt"], 0, greedy(N, cascade_threshold=case["threshold"],
                                                    cascade_window=WINDOW))
     toks, last = run(eng, "c")
@@ -145,11 +99,14 @@ def test_cascade_requests_are_validated(llama_family):
         small.add_request("e", [5, 6], 0, greedy(12, cascade_threshold=0.3))
 
 
-@pytest.mark.parametrize("budget,num_blocks", [(512, 256), (8, [20, 20, 10])])
-def test_mixed_batch_with_cascade_and_speculation_equals_solo_runs(llama_family, case, budget, num_blocks):
+@pytest.mark.parametrize("family,found,budget,num_blocks", [("llama_family", "case", 512, 256),
+                                                          ("llama_family", "case", 8, [20, 20, 10]),
+                                                          ("exit_family", "exit_case", 8, [20, 20, 10])])
+def test_mixed_batch_with_cascade_and_speculation_equals_solo_runs(request, family, found, budget, num_blocks):
     """Cascade requests (greedy and seeded sampling), speculating requests and plain ones of every tier
     in one engine; a small step budget chunks the catch-ups and a small pool preempts. Every request
     equals its run alone, and every block comes back."""
+    fam, case = request.getfixturevalue(family), request.getfixturevalue(found)
     rng = random.Random(4)
     thr = case["threshold"]
     work = [("casc", case["prompt"], 0, greedy(N, cascade_threshold=thr, cascade_window=WINDOW)),
@@ -164,9 +121,9 @@ def test_mixed_batch_with_cascade_and_speculation_equals_solo_runs(llama_family,
               greedy(15, spec_draft_tier=t, spec_gamma=3)) for t in (0, 1)]
     work += [(f"plain{t}", [rng.randrange(3, 160) for _ in range(rng.randint(3, 14))], t,
               greedy(rng.randint(5, 15))) for t in (0, 1, 2)]
-    solo = {rid: make_engine(llama_family, num_blocks=256).generate([p], [t], sp)[0]
+    solo = {rid: make_engine(fam, num_blocks=256).generate([p], [t], sp)[0]
             for rid, p, t, sp in work}
-    eng = make_engine(llama_family, max_num_batched_tokens=budget, num_blocks=num_blocks)
+    eng = make_engine(fam, max_num_batched_tokens=budget, num_blocks=num_blocks)
     got = {rid: [] for rid, *_ in work}
     last = {}
     for i, (rid, p, t, sp) in enumerate(work):

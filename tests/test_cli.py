@@ -1,19 +1,10 @@
 """The commands a new user runs first, as subprocesses of the installed `mfs` script."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-MFS = [sys.executable, "-m", "mfs.cli"]
+from tests.support.procs import run_mfs as run
 
-
-def run(*args, timeout=300, env=None):
-    env = dict(os.environ, MFS_LOG_LEVEL="WARNING", **(env or {}))
-    return subprocess.run(MFS + list(args), capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=Path(__file__).resolve().parents[1])
 
 
 @pytest.mark.slow
@@ -120,7 +111,7 @@ def test_bench_engine_compile_compiles_both_layouts_before_timing(llama_dir, tmp
 def test_bench_peers_runs_each_contender_side_by_side(tmp_path, frontend):
     """A tiny model over the real tokenizer (an HF folder: llama.cpp is skipped with the reason):
     every MFS mode and transformers answer the same prompts, with perplexities that agree in fp32."""
-    from tests.factories import tiny_llama_with_tokenizer
+    from tests.support.factories import tiny_llama_with_tokenizer
     from family.manifest import manifest_for
     family = tiny_llama_with_tokenizer(tmp_path / "fam", frontend.tokenizer)
     tiers = len(manifest_for(str(family))[0].tiers)

@@ -8,7 +8,7 @@ from typing import Literal
 import pytest
 
 from core.cli import add_args, from_args, opt
-from tests.redis_server import redis_url  # noqa: F401 - the session fixture
+from tests.support.redis_server import redis_url  # noqa: F401 - the session fixture
 
 
 def _pair(spec: str) -> tuple[int, int]:

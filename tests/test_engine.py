@@ -32,12 +32,14 @@ def all_blocks_free(eng):
     return all(p.num_free == p.num_blocks for p in eng.pools)
 
 
-def test_mixed_batch_equals_each_request_alone(llama_family):
+@pytest.mark.parametrize("family", ["llama_family", "exit_family"])
+def test_mixed_batch_equals_each_request_alone(request, family):
     """All tiers, prompts of different lengths, prefill chunked across steps (budget 16 tokens),
     requests joining while others run and leaving at different times."""
+    fam = request.getfixturevalue(family)
     work = workload()
-    expected = {rid: solo(llama_family, p, t, sp) for rid, p, t, sp in work}
-    eng = make_engine(llama_family, max_num_batched_tokens=16)
+    expected = {rid: solo(fam, p, t, sp) for rid, p, t, sp in work}
+    eng = make_engine(fam, max_num_batched_tokens=16)
     got = {rid: [] for rid, *_ in work}
     pending = list(work)
     steps = 0

@@ -11,7 +11,7 @@ import torch
 from mfs.cli import main as mfs_main
 from family.manifest import Manifest
 from worker.family import load_family
-from tests.test_precipitate import tiny  # noqa: F401 - the module fixture
+from tests.support.precipitate import tiny  # noqa: F401 - the module fixture
 
 
 def _run(base, data, out, *extra):

@@ -3,7 +3,6 @@ model) while it streams greedy requests: a worker SIGKILLed, the leading schedul
 SIGKILLed and restarted, a gateway that disappears. Every stream completes (or, for Redis, fails with a
 clear error), no token is duplicated with a different value or missing, and outputs equal a fault-free
 run. Each test prints what it observed; docs/RELIABILITY.md records the figures."""
-import random
 import signal
 import socket
 import subprocess
@@ -16,53 +15,20 @@ import redis
 
 from core import protocol as P
 from scheduler.housekeeping import GATEWAY_LOST, GONE_STREAM_TTL_S
-from worker.family import load_family
 from service.launch import Service
-from tests.redis_group import server_argv, wait_for
-from tests.redis_server import free_port
-from tests.test_pipeline import Reader, stats, submit, wait_kv_idle
-from engine import Engine
+from tests.support.faults import TIERS, assert_complete_and_equal, by_seq, expected, workload
+from tests.support.pipeline import Reader, stats, submit, wait_kv_idle
+from tests.support.redis_group import server_argv
+from tests.support.redis_server import free_port
+from tests.support.wait import wait_for
 from worker.sampling import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-TIERS = "2,4,6"
-
-
-def workload(n, seed, max_tokens=60):
-    rng = random.Random(seed)
-    return [(f"k{seed}-{i}", [rng.randrange(3, 160) for _ in range(rng.randint(3, 20))], i % 3, max_tokens)
-            for i in range(n)]
 
 
 def service(llama_dir, **kw):
     return Service(str(llama_dir), tiers=TIERS, workers=2, gateway=False, dtype="float64",
                    worker_args=["--num-blocks", "256", "--block-size", "4", "--threads", "1"], **kw)
-
-
-def by_seq(rd, rid):
-    """seq -> token over every event of the request; a duplicate must repeat the same token (the
-    gateway drops it by its sequence number)."""
-    out: dict[int, int] = {}
-    for e in rd.events.get(rid, []):
-        for i, t in enumerate(e.token_ids):
-            assert out.setdefault(e.seq + i, t) == t, (rid, e.seq + i)
-    return out
-
-
-def expected(llama_dir, work):
-    fam = load_family(str(llama_dir), tiers=TIERS, dtype="float64")
-    eng = Engine(fam.model, block_size=4, num_blocks=256)
-    return {rid: eng.generate([p], [t], SamplingParams(max_tokens=n, ignore_eos=True))[0]
-            for rid, p, t, n in work}
-
-
-def assert_complete_and_equal(rd, work, want):
-    for rid, _, _, n in work:
-        assert not any(e.error for e in rd.events[rid]), (rid, [e.error for e in rd.events[rid] if e.error])
-        got = by_seq(rd, rid)
-        assert sorted(got) == list(range(n)), f"{rid}: missing sequence numbers"
-        assert [got[i] for i in range(n)] == want[rid], rid
 
 
 def test_worker_killed_mid_generation_32_streams_complete_on_the_other(llama_dir):

@@ -22,8 +22,8 @@ from gateway.app import init_app
 from gateway.config import GatewayConfig
 from gateway.openai_api import Limits
 from gateway.ratelimit import RateLimiter, duration
-from tests.redis_server import redis_url  # noqa: F401 - the session fixture (this module's own server)
-from tests.test_gateway import rds_worker, CHAT, PARIS, FakeBackend, ServerThread, _err, register_worker
+from tests.support.redis_server import redis_url  # noqa: F401 - the session fixture (this module's own server)
+from tests.support.gateway import rds_worker, CHAT, PARIS, FakeBackend, ServerThread, _err, register_worker
 
 
 @pytest.fixture(scope="module")

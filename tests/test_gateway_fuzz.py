@@ -38,8 +38,8 @@ from referencing.jsonschema import DRAFT202012
 
 from gateway.config import GatewayConfig
 from gateway.openai_api import Limits
-from tests.redis_server import redis_url  # noqa: F401 - the session fixture (this module's own server)
-from tests.test_gateway import rds_worker, FakeBackend, ServerThread, register_worker
+from tests.support.redis_server import redis_url  # noqa: F401 - the session fixture (this module's own server)
+from tests.support.gateway import rds_worker, FakeBackend, ServerThread, register_worker
 
 KEY = "sk-fuzz"
 MODELS = ["smollm2-135m-small", "smollm2-135m-medium", "smollm2-135m-large", "smollm2-135m", "auto"]

@@ -18,7 +18,7 @@ import redis
 from core import protocol as P
 from gateway.config import GatewayConfig
 from service.launch import EmbeddedRedis
-from tests.test_gateway import CHAT, ServerThread, _err, register_worker
+from tests.support.gateway import CHAT, ServerThread, _err, register_worker
 
 pytestmark = pytest.mark.timeout(40)  # each test; a hang is a failure, never a stuck run
 

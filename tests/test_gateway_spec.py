@@ -21,8 +21,8 @@ from core import protocol as P
 from core.sampling import SamplingParams
 from gateway.app import init_app
 from gateway.config import GatewayConfig
-from tests.redis_server import redis_url  # noqa: F401 - the session fixture
-from tests.test_gateway import PARIS, ServerThread, _err, backend, rds, register_worker  # noqa: F401
+from tests.support.redis_server import redis_url  # noqa: F401 - the session fixture
+from tests.support.gateway import PARIS, ServerThread, _err, backend, rds, register_worker  # noqa: F401
 
 SMALL, MEDIUM, LARGE, FAMILY = ("smollm2-135m-small", "smollm2-135m-medium", "smollm2-135m-large",
                                 "smollm2-135m")

@@ -20,11 +20,12 @@ import redis
 
 from core import protocol as P
 from scheduler.housekeeping import GATEWAY_LOST
-from tests.factories import tiny_llama_with_tokenizer
-from tests.hosts import net  # noqa: F401 - the fixture
-from tests.redis_group import server_argv, wait_for
-from tests.test_faults import TIERS, assert_complete_and_equal, expected, workload
-from tests.test_pipeline import Reader, stats, submit, wait_kv_idle
+from tests.support.factories import tiny_llama_with_tokenizer
+from tests.support.hosts import net  # noqa: F401 - the fixture
+from tests.support.faults import TIERS, assert_complete_and_equal, expected, workload
+from tests.support.pipeline import Reader, stats, submit, wait_kv_idle
+from tests.support.redis_group import server_argv
+from tests.support.wait import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

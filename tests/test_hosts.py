@@ -9,9 +9,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tests.hosts import Net, ip, reap_leftovers, why_not
-from tests.hosts import net  # noqa: F401 - the fixture
-from tests.redis_server import find_redis_server
+from tests.support.hosts import Net, ip, reap_leftovers, why_not
+from tests.support.hosts import net  # noqa: F401 - the fixture
+from tests.support.redis_server import find_redis_server
 
 pytestmark = [pytest.mark.timeout(120)]
 

@@ -6,11 +6,10 @@ import pytest
 import redis
 
 from core import protocol as P
-from core.keyrecords import StatsSnapshot
 from kvstore.directory import BlockDirectory, common_blocks
 from service.launch import Service
-from tests.redis_server import redis_url  # noqa: F401 - the session fixture
-from tests.test_pipeline import Reader, submit
+from tests.support.redis_server import redis_url  # noqa: F401 - the session fixture
+from tests.support.pipeline import Reader, submit, wait_idle
 from engine import Engine
 from worker.sampling import SamplingParams
 
@@ -65,22 +64,6 @@ def cold(llama_family):
         eng = Engine(llama_family.model, block_size=4, num_blocks=64)
         return eng.generate([prompt], [tier], SamplingParams(max_tokens=n, ignore_eos=True))[0]
     return run
-
-
-def stats(r) -> StatsSnapshot | None:
-    return StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
-
-
-def wait_idle(r, timeout=10):
-    """Until the scheduler's published gauges show no request left (they refresh every 0.5 s)."""
-    t0 = time.time()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = stats(r)
-        if s and s.updated > t0 and not s.running and not s.waiting:
-            return s
-        time.sleep(0.1)
-    raise AssertionError(f"the scheduler is still busy: {stats(r)}")
 
 
 def turn(r, rd, rid, prompt, tier, n, session):
@@ -150,8 +133,8 @@ def test_a_restarted_worker_loses_its_directory_entries_and_sessions_still_work(
 def gateway(tmp_path_factory):
     from gateway.config import GatewayConfig
     from family.manifest import load_frontend
-    from tests.redis_server import redis_server
-    from tests.test_gateway import FakeBackend, ServerThread, register_worker
+    from tests.support.redis_server import redis_server
+    from tests.support.gateway import FakeBackend, ServerThread, register_worker
     frontend = load_frontend("default")
     frontend.manifest.quality = None  # every tier routable, as in the other gateway tests
     with redis_server(tmp_path_factory.mktemp("redis-gw")) as url:

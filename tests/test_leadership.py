@@ -7,7 +7,7 @@ import redis
 from core import protocol as P
 from scheduler.config import SchedulerProcessConfig
 from scheduler.service import SchedulerService
-from tests.redis_server import redis_url  # noqa: F401 - the session fixture
+from tests.support.redis_server import redis_url  # noqa: F401 - the session fixture
 
 
 class Clock:

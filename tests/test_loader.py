@@ -11,7 +11,7 @@ import torch
 from family.manifest import manifest_for, resolve_base
 from family.source import resolve_cached, split_source
 from worker.config import ModelConfig
-from tests.factories import tiny_llama, tiny_qwen2
+from tests.support.factories import tiny_llama, tiny_qwen2
 from worker.loader import _config_cache, _read_fast, load_base
 
 PROBE = """

@@ -102,7 +102,7 @@ def test_speculation_reports_the_target_tiers_logprobs(llama_family):
 
 
 def test_a_cascades_tokens_carry_their_own_tiers_logprobs(llama_family):
-    from tests.test_cascade import WINDOW, find_case
+    from tests.support.cascade import WINDOW, find_case
     case = find_case(llama_family)
     model = llama_family.model
     outs = run(Engine(model, block_size=4, num_blocks=64), case["prompt"], 0,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from worker.family import load_family
-from tests.factories import tiny_llama, tiny_mistral, tiny_qwen2
+from tests.support.factories import tiny_llama, tiny_mistral, tiny_qwen2
 from engine import Engine
 from worker.model import _LAYER_KEYS
 from worker.sampling import SamplingParams

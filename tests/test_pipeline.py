@@ -7,13 +7,12 @@ import pytest
 import redis
 
 from core import protocol as P
-from core.keyrecords import StatsSnapshot, decode_progress
+from core.keyrecords import decode_progress
 from worker.family import load_family
 from service.launch import Service
 from engine import Engine
+from tests.support.pipeline import Reader, submit, wait_kv_idle
 from worker.sampling import SamplingParams
-
-GW = "gw-test"
 
 
 @pytest.fixture(scope="module")
@@ -21,58 +20,6 @@ def nested_service(llama_dir):
     with Service(str(llama_dir), tiers="2,4,6", workers=2, gateway=False, dtype="float64",
                  worker_args=["--num-blocks", "64", "--block-size", "4", "--threads", "1"]) as svc:
         yield svc
-
-
-def submit(r, rid, prompt, tier, session_id=None, **params):
-    sub = P.Submit(rid, GW, prompt, tier, SamplingParams(**params), arrival=time.time(), session_id=session_id)
-    r.xadd(P.REQ_STREAM, sub.encode())
-
-
-class Reader:
-    def __init__(self, r, gw=GW):
-        self.r, self.stream, self.last = r, P.out_stream(gw), "0"
-        self.events: dict[str, list[P.TokenEvent]] = {}
-
-    def until(self, pred, timeout=60.0):
-        deadline = time.monotonic() + timeout
-        while not pred():
-            assert time.monotonic() < deadline, f"timed out; got {self.summary()}"
-            for _, entries in self.r.xread({self.stream: self.last}, block=500) or []:
-                for eid, f in entries:
-                    self.last = eid
-                    for ev in P.token_events(f):
-                        self.events.setdefault(ev.request_id, []).append(ev)
-
-    def finished(self, rid):
-        return any(e.finished for e in self.events.get(rid, []))
-
-    def tokens(self, rid):
-        evs = sorted(self.events.get(rid, []), key=lambda e: e.seq)
-        seqs = [e.seq + i for e in evs for i in range(len(e.token_ids))]
-        toks = [t for e in evs for t in e.token_ids]
-        assert seqs == list(range(len(toks))), f"{rid}: sequence numbers {seqs}"
-        return toks
-
-    def summary(self):
-        return {k: (len(v), v[-1].finish_reason) for k, v in self.events.items()}
-
-
-def stats(r) -> StatsSnapshot | None:
-    return StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
-
-
-def wait_kv_idle(r, timeout=10):
-    """The first stats snapshot written after this call that shows every KV block free and nothing
-    running. (The scheduler writes one every half second: an older one may predate the work just done
-    — a fast test's requests can all finish within one interval — and look idle with none of it.)"""
-    since = time.time()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = stats(r)
-        if s and s.updated >= since and all(sum(v) == 0 for v in s.kv_blocks_used.values()) and not s.running:
-            return s
-        time.sleep(0.2)
-    raise AssertionError(f"KV blocks still in use: {stats(r)}")
 
 
 def test_outputs_equal_the_offline_engine_across_two_workers(nested_service, llama_dir):
@@ -169,7 +116,7 @@ def test_speculation_and_cascade_over_the_protocol(nested_service, llama_dir):
     decoding for every draft/target pair (mixed with plain requests), a cascade escalates exactly where
     the offline engine does, sampled speculation completes; draft counts reach the token events and the
     scheduler's per-pair gauges; drafts and escalated tokens are never streamed."""
-    from tests.test_cascade import WINDOW, find_case
+    from tests.support.cascade import WINDOW, find_case
     fam = load_family(str(llama_dir), tiers="2,4,6", dtype="float64")
     r = redis.Redis.from_url(nested_service.redis_url)
     rng = random.Random(5)

@@ -2,24 +2,9 @@
 order under pressure, segment-0 blocks shared across tiers, TTL reclamation. Outputs always equal a
 cold engine's (float64)."""
 
-from engine import Engine
-from worker.sampling import SamplingParams
+import pytest
 
-BS = 4
-
-
-def make_engine(fam, **kw):
-    kw.setdefault("block_size", BS)
-    kw.setdefault("num_blocks", 64)
-    return Engine(fam.model, **kw)
-
-
-def greedy(n):
-    return SamplingParams(max_tokens=n, ignore_eos=True)
-
-
-def cold(fam, prompt, tier, n):
-    return make_engine(fam).generate([prompt], [tier], greedy(n))[0]
+from tests.support.engines import BS, cold, greedy, make_engine
 
 
 def deltas(eng, before):
@@ -104,10 +89,12 @@ def test_cached_blocks_are_evicted_in_lru_order_tail_first_and_in_use_blocks_nev
     assert eng.stats.evictions[0] == 3 and eng.stats.evictions[1] == 0
 
 
-def test_lower_tiers_reuse_segment_blocks_of_a_higher_tier_request(llama_family):
-    eng = make_engine(llama_family)
+@pytest.mark.parametrize("family", ["llama_family", "exit_family"])
+def test_lower_tiers_reuse_segment_blocks_of_a_higher_tier_request(request, family):
+    fam = request.getfixturevalue(family)
+    eng = make_engine(fam)
     x = [7, 3, 99, 45, 12, 88, 23, 64, 5, 150, 33, 71, 2]   # 13 tokens
-    assert eng.generate([x], [2], greedy(3))[0] == cold(llama_family, x, 2, 3)  # 15 tokens: 3 blocks
+    assert eng.generate([x], [2], greedy(3))[0] == cold(fam, x, 2, 3)  # 15 tokens: 3 blocks
     for tier, tail in ((0, [20, 21, 22, 23]), (1, [30, 31, 32])):
         p = x[:12] + tail
         before = snapshot(eng)
@@ -115,14 +102,14 @@ def test_lower_tiers_reuse_segment_blocks_of_a_higher_tier_request(llama_family)
         d = deltas(eng, before)
         assert d["prefill_reused"][:tier + 1] == [12] * (tier + 1), (tier, d)
         assert d["prefill_reused"][tier + 1:] == [0] * (2 - tier)
-        assert out == cold(llama_family, p, tier, 5)
+        assert out == cold(fam, p, tier, 5)
     # The other way round (cross-tier): a tier-0 history has KV only in segment 0. A top-tier request
     # of the same prompt reuses it there and computes segments 1 and 2 for those positions from the
     # hidden state stored at exit 0 — segment 0 computes only the last token.
     y = [40, 41, 42, 43, 44, 45, 46, 47, 48]
     eng.generate([y], [0], greedy(2))
     before = snapshot(eng)
-    assert eng.generate([y], [2], greedy(4))[0] == cold(llama_family, y, 2, 4)
+    assert eng.generate([y], [2], greedy(4))[0] == cold(fam, y, 2, 4)
     d = deltas(eng, before)
     assert d["prefill_reused"] == [8, 0, 0]
     assert d["prefill_computed"] == [1, 9, 9]

@@ -5,7 +5,7 @@ import redis
 from core import protocol as P
 from core.keyrecords import StatsSnapshot, WorkerInfo, decode_progress, encode_progress
 from core.sampling import SamplingParams
-from tests.redis_server import redis_url  # noqa: F401 - the session fixture
+from tests.support.redis_server import redis_url  # noqa: F401 - the session fixture
 
 
 def roundtrip(rec):

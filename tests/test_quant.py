@@ -181,7 +181,7 @@ def _family(path: Path, weights: str):
 
 @pytest.fixture(scope="module")
 def tied_llama(tmp_path_factory):
-    from tests.factories import tiny_llama
+    from tests.support.factories import tiny_llama
     return tiny_llama(tmp_path_factory.mktemp("tied"), tie=True)
 
 
@@ -315,7 +315,7 @@ def test_a_w8a8_worker_serves_what_the_offline_w8a8_engine_does(llama_dir):
     from core import protocol as P
     from engine import Engine
     from service.launch import Service
-    from tests.test_pipeline import Reader, submit
+    from tests.support.pipeline import Reader, submit
     from worker.sampling import SamplingParams
     with Service(str(llama_dir), tiers="2,4,6", gateway=False, dtype="float32",
                  worker_args=["--num-blocks", "64", "--block-size", "4", "--threads", "1",
@@ -339,7 +339,7 @@ def test_independent_workers_quantize_their_standalone_tier(llama_dir):
     equal the offline engine's over the quantized nested family."""
     import redis
     from service.launch import Service
-    from tests.test_pipeline import Reader, submit
+    from tests.support.pipeline import Reader, submit
     from engine import Engine
     from worker.sampling import SamplingParams
     with Service(str(llama_dir), tiers="2,4,6", layout="independent", gateway=False, dtype="float32",
@@ -363,7 +363,7 @@ def test_independent_workers_quantize_their_standalone_tier(llama_dir):
 @pytest.mark.slow
 def test_generate_with_int4_weights_answers_paris():
     """The real default family served int4 (its precipitated weights, quantized at load) still answers."""
-    from tests.test_cli import run
+    from tests.support.procs import run_mfs as run
     r = run("generate", "--model", "default", "--weights", "int4", "--chat", "--max-tokens", "12",
             "What is the capital of France? Answer briefly.")
     assert r.returncode == 0, r.stderr

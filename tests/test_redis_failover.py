@@ -15,10 +15,11 @@ import redis
 from core import protocol as P
 from core.keyrecords import decode_progress
 from core.redisconn import connect
-from tests.hosts import net  # noqa: F401 - the fixture
-from tests.redis_group import MASTER, client, master_of, sentinel_argv, sentinels_ready, server_argv, wait_for
-from tests.test_faults import TIERS, assert_complete_and_equal, by_seq, expected, workload
-from tests.test_pipeline import Reader, stats, submit
+from tests.support.hosts import net  # noqa: F401 - the fixture
+from tests.support.faults import TIERS, assert_complete_and_equal, by_seq, expected, workload
+from tests.support.pipeline import Reader, stats, submit
+from tests.support.redis_group import MASTER, client, master_of, sentinel_argv, sentinels_ready, server_argv
+from tests.support.wait import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -9,7 +9,8 @@ import redis
 
 from core.redisconn import RedisTarget, add_redis_args, connect, connect_async, target_from_args
 from service.launch import free_port
-from tests.redis_group import MASTER, master_of, sentinel_argv, sentinels_ready, server_argv, wait_for
+from tests.support.redis_group import MASTER, master_of, sentinel_argv, sentinels_ready, server_argv
+from tests.support.wait import wait_for
 
 pytestmark = [pytest.mark.timeout(120)]
 

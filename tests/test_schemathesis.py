@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.factories import tiny_service
+from tests.support.factories import tiny_service
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

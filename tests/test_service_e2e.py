@@ -22,7 +22,7 @@ TIERS = ["smollm2-135m-small", "smollm2-135m-medium", "smollm2-135m-large"]
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     # the default family, every tier routable (the family id and the cascade reach the lower tiers)
-    from tests.factories import default_family_every_tier_routable
+    from tests.support.factories import default_family_every_tier_routable
     model = default_family_every_tier_routable(tmp_path_factory.mktemp("family"))
     with Service(str(model), workers=1, worker_args=["--threads", "1", "--num-blocks", "512"]) as svc:
         yield svc

@@ -14,8 +14,8 @@ from gateway.metrics import Metrics
 from gateway.openai_api import parse_chat
 from gateway.generation import ClientGone
 from gateway.serving import Service
-from tests.redis_server import redis_url  # noqa: F401 - the session fixture
-from tests.test_gateway import PARIS, backend, rds, register_worker  # noqa: F401 - fixtures
+from tests.support.redis_server import redis_url  # noqa: F401 - the session fixture
+from tests.support.gateway import PARIS, backend, rds, register_worker  # noqa: F401 - fixtures
 
 CHAT = {"model": "smollm2-135m-medium", "messages": [{"role": "user", "content": "Capital of France?"}],
         "max_tokens": 40, "n": 2, "session_id": "from-the-body"}

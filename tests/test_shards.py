@@ -18,8 +18,8 @@ from core.keyrecords import StatsSnapshot
 from gateway.backend import LiveWorker, choose_shard, merge_stats
 from engine import Engine
 from service.launch import Service
-from tests.factories import tiny_llama_with_tokenizer
-from tests.redis_group import wait_for
+from tests.support.factories import tiny_llama_with_tokenizer
+from tests.support.wait import wait_for
 from worker.family import load_family
 from worker.sampling import SamplingParams
 

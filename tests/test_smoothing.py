@@ -15,13 +15,13 @@ from worker.smoothing import calibration_windows, input_amax, smooth
 
 @pytest.fixture(scope="module")
 def qwen2_dir(tmp_path_factory):
-    from tests.factories import tiny_qwen2
+    from tests.support.factories import tiny_qwen2
     return tiny_qwen2(tmp_path_factory.mktemp("qwen2s"))
 
 
 @pytest.fixture(scope="module")
 def tied_dir(tmp_path_factory):
-    from tests.factories import tiny_llama
+    from tests.support.factories import tiny_llama
     return tiny_llama(tmp_path_factory.mktemp("tieds"), tie=True)
 
 

@@ -14,8 +14,8 @@ import redis
 
 from core import protocol as P
 from service.launch import Service
-from tests.redis_group import wait_for
-from tests.test_pipeline import stats, wait_kv_idle
+from tests.support.pipeline import stats, wait_kv_idle
+from tests.support.wait import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MODELS = ["smollm2-135m-small", "smollm2-135m-medium", "smollm2-135m-large", "smollm2-135m"]

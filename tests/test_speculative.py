@@ -24,19 +24,20 @@ def plain(fam, prompt, tier, n):
 
 
 @pytest.mark.parametrize("draft,target", [(0, 1), (0, 2), (1, 2)])
-@pytest.mark.parametrize("gamma", [2, 4])
-def test_greedy_speculation_equals_plain_decoding_in_mixed_batches(llama_family, draft, target, gamma):
+@pytest.mark.parametrize("family,gamma", [("llama_family", 2), ("llama_family", 4), ("exit_family", 4)])
+def test_greedy_speculation_equals_plain_decoding_in_mixed_batches(request, family, draft, target, gamma):
+    fam = request.getfixturevalue(family)
     rng = random.Random(draft * 10 + target + gamma)
     spec = [[rng.randrange(3, 160) for _ in range(rng.randint(2, 12))] for _ in range(3)]
     others = [([rng.randrange(3, 160) for _ in range(rng.randint(2, 12))], t) for t in (0, 1, 2)]
-    eng = make_engine(llama_family)
+    eng = make_engine(fam)
     sp = SamplingParams(max_tokens=17, ignore_eos=True, spec_draft_tier=draft, spec_gamma=gamma)
     outs = eng.generate(spec + [p for p, _ in others], [target] * 3 + [t for _, t in others],
                         [sp] * 3 + [SamplingParams(max_tokens=9, ignore_eos=True)] * 3)
     for p, o in zip(spec, outs[:3]):
-        assert o == plain(llama_family, p, target, 17)
+        assert o == plain(fam, p, target, 17)
     for (p, t), o in zip(others, outs[3:]):
-        assert o == plain(llama_family, p, t, 9)
+        assert o == plain(fam, p, t, 9)
     st = eng.stats
     assert st.spec_rounds > 0 and 0 <= st.spec_accepted <= st.spec_proposed
     assert all(p.num_free == p.num_blocks for p in eng.pools)  # freed (some still findable in cache)
@@ -168,9 +169,22 @@ def small_vocab_family(tmp_path_factory):
     """A tiny model over 12 tokens whose head is scaled up, so its tiers' distributions are peaked and
     differ from each other (a raw random head is nearly uniform)."""
     from worker.family import load_family
-    from tests.factories import tiny_llama
+    from tests.support.factories import tiny_llama
     d = tiny_llama(tmp_path_factory.mktemp("llama_v12"), vocab=12, seed=3)
     fam = load_family(str(d), tiers="2,4,6", dtype="float64")
+    with torch.no_grad():
+        fam.model.lm_head.weight.mul_(15.0)
+    return fam
+
+
+@pytest.fixture(scope="module")
+def small_vocab_exit_family(tmp_path_factory):
+    """The same with an exit block under tiers 0 and 1, perturbed to look trained."""
+    from worker.family import load_family
+    from tests.support.factories import perturb_exits, tiny_llama
+    d = tiny_llama(tmp_path_factory.mktemp("llama_v12_exit"), vocab=12, seed=3)
+    fam = load_family(str(d), tiers="2+1,4+1,6", dtype="float64")
+    perturb_exits(fam, 6)
     with torch.no_grad():
         fam.model.lm_head.weight.mul_(15.0)
     return fam
@@ -193,12 +207,14 @@ def exact_marginals(model, prompt, tier, params) -> tuple[torch.Tensor, torch.Te
     return m2, m3
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_k=8, top_p=0.95)])
-def test_speculative_sampling_keeps_the_target_distribution(small_vocab_family, sampling):
+@pytest.mark.parametrize("family,sampling", [("small_vocab_family", dict(temperature=1.0)),
+                                             ("small_vocab_family", dict(temperature=0.8, top_k=8, top_p=0.95)),
+                                             ("small_vocab_exit_family", dict(temperature=1.0))])
+def test_speculative_sampling_keeps_the_target_distribution(request, family, sampling):
     """Many seeded requests of one prompt, three tokens each: the empirical distributions of output
     tokens #2 and #3 under speculation (draft tier 0, target tier 2) match the target tier's exact
     marginals, as plain sampling's do; the draft tier's marginals are told apart by the same test."""
-    fam, N, prompt = small_vocab_family, 2000, [3, 7, 1, 4, 9]
+    fam, N, prompt = request.getfixturevalue(family), 2000, [3, 7, 1, 4, 9]
     m_target = exact_marginals(fam.model, prompt, 2, SamplingParams(**sampling))
     m_draft = exact_marginals(fam.model, prompt, 0, SamplingParams(**sampling))
     V = fam.model.cfg.vocab_size
@@ -222,11 +238,12 @@ def test_speculative_sampling_keeps_the_target_distribution(small_vocab_family, 
     assert chi2_pvalue(got["spec"][0], m_draft[0]) < 1e-3  # the test has the power to fail
 
 
-@pytest.mark.parametrize("num_blocks", [256, 24])
-def test_sampled_speculation_with_many_rejections_returns_every_block(llama_family, num_blocks):
+@pytest.mark.parametrize("family,num_blocks", [("llama_family", 256), ("llama_family", 24), ("exit_family", 24)])
+def test_sampled_speculation_with_many_rejections_returns_every_block(request, family, num_blocks):
     """Raw random tiers disagree often: many rejections, rolled-back draft positions, and (small pool)
     preemptions mid-round. Every request ends with its length and every block comes back."""
-    eng = make_engine(llama_family, num_blocks=num_blocks)
+    fam = request.getfixturevalue(family)
+    eng = make_engine(fam, num_blocks=num_blocks)
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 160) for _ in range(6)] for _ in range(4)]
     sps = [SamplingParams(max_tokens=60, ignore_eos=True, spec_draft_tier=0, spec_gamma=4,

@@ -14,7 +14,7 @@ import torch
 
 from core.sampling import SamplingParams
 from engine import Engine
-from tests.factories import tiny_llama_with_tokenizer
+from tests.support.factories import tiny_llama_with_tokenizer
 from worker.family import load_family
 from core.grammar import GrammarError, grammar_of
 

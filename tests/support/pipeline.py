@@ -1,0 +1,71 @@
+"""The gateway's side of the protocol, for tests that drive the scheduler and workers over a real Redis:
+submitting requests, reading their token events, and waiting on the scheduler's published stats."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from core import protocol as P
+from core.keyrecords import StatsSnapshot
+from tests.support.wait import wait_for
+from worker.sampling import SamplingParams
+
+GW = "gw-test"
+
+
+def submit(r, rid, prompt, tier, session_id=None, **params):
+    sub = P.Submit(rid, GW, prompt, tier, SamplingParams(**params), arrival=time.time(), session_id=session_id)
+    r.xadd(P.REQ_STREAM, sub.encode())
+
+
+class Reader:
+    def __init__(self, r, gw=GW):
+        self.r, self.stream, self.last = r, P.out_stream(gw), "0"
+        self.events: dict[str, list[P.TokenEvent]] = {}
+
+    def until(self, pred, timeout=60.0):
+        deadline = time.monotonic() + timeout
+        while not pred():
+            assert time.monotonic() < deadline, f"timed out; got {self.summary()}"
+            for _, entries in self.r.xread({self.stream: self.last}, block=500) or []:
+                for eid, f in entries:
+                    self.last = eid
+                    for ev in P.token_events(f):
+                        self.events.setdefault(ev.request_id, []).append(ev)
+
+    def finished(self, rid):
+        return any(e.finished for e in self.events.get(rid, []))
+
+    def tokens(self, rid):
+        evs = sorted(self.events.get(rid, []), key=lambda e: e.seq)
+        seqs = [e.seq + i for e in evs for i in range(len(e.token_ids))]
+        toks = [t for e in evs for t in e.token_ids]
+        assert seqs == list(range(len(toks))), f"{rid}: sequence numbers {seqs}"
+        return toks
+
+    def summary(self):
+        return {k: (len(v), v[-1].finish_reason) for k, v in self.events.items()}
+
+
+def stats(r) -> StatsSnapshot | None:
+    return StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
+
+
+def stats_after(r, pred: Callable[[StatsSnapshot], bool], timeout: float, what: str) -> StatsSnapshot:
+    """The first stats snapshot written after this call for which pred holds. (The scheduler writes one
+    every half second: an older one may predate the work just done — a fast test's requests can all
+    finish within one interval — and look idle with none of it.)"""
+    since = time.time()
+    return wait_for(lambda: (s := stats(r)) is not None and s.updated >= since and pred(s) and s, timeout, what,
+                    poll=0.1)
+
+
+def wait_kv_idle(r, timeout=10) -> StatsSnapshot:
+    """Every KV block free and nothing running."""
+    return stats_after(r, lambda s: all(sum(v) == 0 for v in s.kv_blocks_used.values()) and not s.running,
+                       timeout, "every KV block free and nothing running")
+
+
+def wait_idle(r, timeout=10) -> StatsSnapshot:
+    """No request left, running or waiting."""
+    return stats_after(r, lambda s: not s.running and not s.waiting, timeout, "the scheduler to be idle")
