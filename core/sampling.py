@@ -2,12 +2,14 @@
 worker, so it imports nothing heavy (the sampling math itself is worker/sampling.py)."""
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (OpenAI's bound)
+from core.params import PARAMS
+
+MAX_LOGPROBS = int(PARAMS["logprobs"].hi)  # most likely alternatives per token (OpenAI's bound)
 MAX_LOGIT_BIAS = 1024  # token ids a request may bias
+MAX_BIAS = 100.0  # a logit_bias value is in [-MAX_BIAS, MAX_BIAS] (OpenAI's bound)
 # Structured output: a grammar the worker masks every sampled row with (worker/grammar.py, xgrammar).
 # The spec travels as (kind, text), never compiled: "json" (text: a JSON schema), "regex" (text: a
 # regular expression), "choice" (text: a JSON list of the strings allowed).
@@ -17,9 +19,11 @@ MAX_GRAMMAR_CHARS = 1 << 16
 
 @dataclass(slots=True)
 class SamplingParams:
+    """A request's sampling. The bounds, types and docs of its scalar fields are declared once, in
+    core/params.py (each field here has its default there; tests/test_params.py checks they agree)."""
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0            # 0 = off
+    top_k: int = 0            # 0 or -1 = off
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -68,38 +72,20 @@ class SamplingParams:
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        for name in ("top_p", "typical_p"):  # 0 keeps only the first token of the order (as OpenAI's top_p)
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.spec_draft_tier is not None and self.spec_gamma < 1:
-            raise ValueError(f"spec_gamma must be >= 1, got {self.spec_gamma}")
-        if self.cascade_threshold is not None:
-            if self.spec_draft_tier is not None:
-                raise ValueError("a request either cascades or speculates, not both")
-            if not 0.0 <= self.cascade_threshold <= 1.0:
-                raise ValueError(f"cascade_threshold must be in [0, 1], got {self.cascade_threshold}")
-            if not isinstance(self.cascade_window, int) or self.cascade_window < 1:
-                raise ValueError(f"cascade_window must be a positive integer, got {self.cascade_window!r}")
-        if not 0.0 <= self.spec_stop_confidence <= 1.0:
-            raise ValueError(f"spec_stop_confidence must be in [0, 1], got {self.spec_stop_confidence}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        """Every declared parameter within its declaration (core/params.py: the gateway's parser and
+        schema read the same), then what no single declaration says."""
+        for p in PARAMS.values():
+            v = getattr(self, p.name)
+            if (why := p.problem(v)) is not None:
+                raise ValueError(f"{p.name} {why}, got {v!r}")
+        if self.cascade_threshold is not None and self.spec_draft_tier is not None:
+            raise ValueError("a request either cascades or speculates, not both")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
         for t, b in self.logit_bias.items():
-            if t < 0 or not -100.0 <= b <= 100.0:
-                raise ValueError(f"logit_bias maps token ids >= 0 to values in [-100, 100], got {t}: {b}")
+            if t < 0 or not -MAX_BIAS <= b <= MAX_BIAS:
+                raise ValueError(f"logit_bias maps token ids >= 0 to values in [-{MAX_BIAS:g}, {MAX_BIAS:g}], "
+                                 f"got {t}: {b}")
         if self.grammar is not None:
             kind, text = self.grammar if len(self.grammar) == 2 else (None, None)
             if kind not in GRAMMAR_KINDS or not isinstance(text, str) or not text:
@@ -108,10 +94,6 @@ class SamplingParams:
                 raise ValueError(f"a grammar may have at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
             if self.ignore_eos:
                 raise ValueError("a grammar ends the output with EOS: it cannot be combined with ignore_eos")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}")
 
     def resumed(self, done: int) -> SamplingParams:
         """The parameters of this request resumed elsewhere after `done` output tokens were streamed

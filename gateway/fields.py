@@ -3,11 +3,8 @@ or raises a 400 that names the field. Shared by the request parsers (``gateway.o
 ``mfs`` extension, structured output and the refused-parameter table)."""
 from __future__ import annotations
 
-import math
-
+from core.params import INT32_MAX  # noqa: F401 (the parsers read it here)
 from gateway.errors import invalid
-
-INT32_MAX = (1 << 31) - 1
 
 
 def int_field(body: dict, name: str, lo: int | None = None, hi: int | None = None,
@@ -29,17 +26,6 @@ def int_field(body: dict, name: str, lo: int | None = None, hi: int | None = Non
 def short(v, n: int = 80) -> str:
     r = repr(v)
     return r if len(r) <= n else r[:n] + "..."
-
-
-def float_field(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise invalid(f"'{name}' must be a number, got {v!r}.", name)
-    if not lo <= v <= hi:
-        raise invalid(f"'{name}' must be between {lo} and {hi}, got {v}.", name)
-    return float(v)
 
 
 def bool_field(body: dict, name: str, default: bool = False) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
@@ -48,12 +48,6 @@ class Serving(Protocol):
     def token_text(self, token: int) -> str: ...
 
     def token_info(self, lp: P.TokenLogprob, top: int) -> TokenInfo: ...
-
-
-# The SamplingParams fields a request body sets, by name (GenParams spells them the same): a new sampling
-# parameter is a SamplingParams field, a GenParams field with its parser line, and its OpenAPI entry.
-BODY_SAMPLING_FIELDS = tuple(sorted({f.name for f in fields(SamplingParams)} & {f.name for f in fields(GenParams)}
-                                    - {"max_tokens", "seed", "stop_token_ids", "logit_bias", "grammar"}))
 
 
 class ClientGone(Exception):
@@ -143,6 +137,7 @@ class Generation:
         self.stop_ids = set(job.params.stop_token_ids) | (set() if job.params.ignore_eos else set(svc.eos_ids))
         self.tier = job.tier              # the tier of the last token: the response's `model`
         self.tiers: list[int] = []        # distinct tiers that produced tokens, in order of first appearance
+        self.paths: list[str] = []        # execution paths of the steps that produced them (TokenEvent.path)
         self.draft_proposed = 0           # self-speculation (cumulative, from the token events)
         self.draft_accepted = 0
         self.next_seq = 0
@@ -190,10 +185,10 @@ class Generation:
         if seed is not None and self.index:  # choice i: seed + i (within int64)
             seed = (seed + self.index + (1 << 63)) % (1 << 64) - (1 << 63)
         first = self.index == 0
-        # Every sampling field the body sets (a GenParams field of the same name) passes as it is; the
-        # rest come from the job (limits, stop ids, tier-level defaults) or the choice (its seed).
-        params = SamplingParams(**{name: getattr(p, name) for name in BODY_SAMPLING_FIELDS},
-                                max_tokens=max(1, j.max_tokens), seed=seed, stop_token_ids=tuple(sorted(self.stop_ids)),
+        # Every declared parameter the body carries (core/params.py) passes as it is; the rest come from
+        # the job (limits, stop ids, tier-level defaults) or the choice (its seed).
+        params = SamplingParams(**(p.sampling | {"seed": seed}),
+                                max_tokens=max(1, j.max_tokens), stop_token_ids=tuple(sorted(self.stop_ids)),
                                 spec_draft_tier=j.spec_draft, spec_gamma=j.spec_gamma,
                                 spec_stop_confidence=j.spec_stop_confidence,
                                 cascade_threshold=j.cascade_threshold, cascade_window=j.cascade_window,
@@ -271,6 +266,8 @@ class Generation:
                 self.tier = ev.tier
                 if ev.tier not in self.tiers:
                     self.tiers.append(ev.tier)
+            if ids and ev.path and ev.path not in self.paths:
+                self.paths.append(ev.path)
             self.draft_proposed = max(self.draft_proposed, ev.draft_proposed or 0)
             self.draft_accepted = max(self.draft_accepted, ev.draft_accepted or 0)
             self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)

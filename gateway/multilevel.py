@@ -6,11 +6,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from core.params import PARAMS
 from gateway.errors import invalid
 from gateway.fields import int_field, only_fields, short
 
-MAX_SPEC_GAMMA = 16      # draft tokens per verification round
-MAX_CASCADE_WINDOW = 64  # tokens the cascade's confidence is averaged over
+MAX_SPEC_GAMMA = int(PARAMS["spec_gamma"].hi)          # draft tokens per verification round
+MAX_CASCADE_WINDOW = int(PARAMS["cascade_window"].hi)  # tokens the cascade's confidence is averaged over
 
 
 @dataclass(slots=True, frozen=True)

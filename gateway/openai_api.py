@@ -14,17 +14,17 @@ import math
 from dataclasses import dataclass, field
 
 from core.cli import opt
-from core.sampling import MAX_LOGIT_BIAS
+from core.params import Param, body_params
+from core.sampling import MAX_BIAS, MAX_LOGIT_BIAS
 from core.sampling import MAX_LOGPROBS as _MAX_LOGPROBS
 from gateway.errors import invalid
-from gateway.fields import INT32_MAX, bool_field, float_field, int_field, short
+from gateway.fields import INT32_MAX, bool_field, int_field, short
 from gateway.multilevel import MultiLevel, parse_multilevel
 from gateway.refused import check_refused
 from gateway.structured import Grammar, parse_grammar
 
 ROLES = ("system", "user", "assistant")
 MAX_LOGPROBS = _MAX_LOGPROBS  # top_logprobs (chat) / logprobs (completions) at most
-MAX_REPETITION = 10.0  # repetition_penalty at most (HF: > 0; 1 is off)
 MAX_N = 16             # choices per request
 
 
@@ -48,27 +48,28 @@ DEFAULT_LIMITS = Limits()
 @dataclass(slots=True)
 class GenParams:
     max_tokens: int | None = None     # None: the rest of the context (chat) / 16 (completions)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    # Every declared body parameter (core/params.py) by name, as the body set it or its body default:
+    # the Submit's SamplingParams takes them as they are (gateway.generation)
+    sampling: dict[str, object] = field(default_factory=dict)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
     session_id: str | None = None
     multilevel: MultiLevel = field(default_factory=MultiLevel)
     logprobs: int | None = None       # alternatives per token (0: the chosen token's only); None: off
-    min_p: float = 0.0
-    typical_p: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias (ids checked later)
     echo: bool = False                # completions: the prompt first (with its logprobs when asked)
     n: int = 1                        # choices, each its own request (seed + i when seeded)
     grammar: Grammar | None = None    # structured output (response_format, guided_*)
+
+    @property
+    def seed(self) -> int | None:
+        return self.sampling.get("seed")
+
+    @property
+    def ignore_eos(self) -> bool:
+        return bool(self.sampling.get("ignore_eos", False))
 
 
 @dataclass(slots=True)
@@ -165,14 +166,21 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if on else None
 
 
-def _repetition_penalty(body: dict) -> float:
-    v = body.get("repetition_penalty")
+def read_param(body: dict, p: Param):
+    """One declared parameter from a body: its value, or its body default when absent or null."""
+    v = body.get(p.name)
     if v is None:
-        return 1.0
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= MAX_REPETITION:
-        raise invalid(f"'repetition_penalty' must be a number > 0 and at most {MAX_REPETITION:g} (1: off), "
-                      f"got {short(v)}.", "repetition_penalty")
-    return float(v)
+        return p.wire_default
+    if p.kind is int and isinstance(v, float) and v.is_integer() and math.isfinite(v):
+        v = int(v)  # JSON 4.0 is the integer 4 (as JSON Schema reads it)
+    if (why := p.problem(v)) is not None:
+        raise invalid(f"'{p.name}' {why}, got {short(v)}.", p.name)
+    return float(v) if p.kind is float else v
+
+
+def sampling_fields(body: dict, endpoint: str) -> dict[str, object]:
+    """Every parameter `endpoint`'s body carries as declared (core/params.py), by name."""
+    return {p.name: read_param(body, p) for p in body_params(endpoint)}
 
 
 def _logit_bias(body: dict) -> dict[int, float]:
@@ -189,9 +197,10 @@ def _logit_bias(body: dict) -> dict[int, float]:
         if not (k.isascii() and k.isdigit() and len(k) <= 10 and k == str(int(k)) and int(k) <= INT32_MAX):
             raise invalid(f"'logit_bias' keys must be token ids (decimal strings, no leading zeros), got "
                           f"{short(k, 40)}.", "logit_bias")
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
-            raise invalid(f"'logit_bias' values must be numbers between -100 and 100, got {short(b, 40)} for "
-                          f"token {k}.", "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) \
+                or not -MAX_BIAS <= b <= MAX_BIAS:
+            raise invalid(f"'logit_bias' values must be numbers between -{MAX_BIAS:g} and {MAX_BIAS:g}, got "
+                          f"{short(b, 40)} for token {k}.", "logit_bias")
         out[int(k)] = float(b)
     return out
 
@@ -209,31 +218,21 @@ def parse_params(body: dict, lim: Limits = DEFAULT_LIMITS, chat: bool = True) ->
     check_refused(body)
     echo = _echo(body, chat)
     max_tokens = _max_tokens(body, lim, echo)
-    top_k = int_field(body, "top_k", lo=-1, hi=INT32_MAX)
     stream = bool_field(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise invalid("'stream_options' must be an object.", "stream_options")
     include_usage = bool_field(opts or {}, "include_usage") if stream else False
-    seed = int_field(body, "seed", lo=-(1 << 63), hi=(1 << 63) - 1)
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                  and 0 <= t <= INT32_MAX for t in stop_ids):
         raise invalid("'stop_token_ids' must be a list of token ids.", "stop_token_ids")
     if len(stop_ids) > lim.max_stop_token_ids:
         raise invalid(f"'stop_token_ids' may list at most {lim.max_stop_token_ids} ids.", "stop_token_ids")
-    return GenParams(max_tokens=max_tokens,
-                     temperature=float_field(body, "temperature", 1.0, 0.0, 2.0),
-                     top_p=float_field(body, "top_p", 1.0, 0.0, 1.0),
-                     top_k=max(0, top_k or 0), seed=seed, stop=_stop(body, lim), stop_token_ids=stop_ids,
-                     ignore_eos=bool_field(body, "ignore_eos"), stream=stream, include_usage=include_usage,
+    return GenParams(max_tokens=max_tokens, sampling=sampling_fields(body, "chat" if chat else "completions"),
+                     stop=_stop(body, lim), stop_token_ids=stop_ids, stream=stream, include_usage=include_usage,
                      session_id=_session(body, lim), multilevel=parse_multilevel(body),
-                     logprobs=_logprobs(body, chat), echo=echo, n=_n(body),
-                     min_p=float_field(body, "min_p", 0.0, 0.0, 1.0),
-                     typical_p=float_field(body, "typical_p", 1.0, 0.0, 1.0),
-                     presence_penalty=float_field(body, "presence_penalty", 0.0, -2.0, 2.0),
-                     frequency_penalty=float_field(body, "frequency_penalty", 0.0, -2.0, 2.0),
-                     repetition_penalty=_repetition_penalty(body), logit_bias=_logit_bias(body),
+                     logprobs=_logprobs(body, chat), echo=echo, n=_n(body), logit_bias=_logit_bias(body),
                      grammar=parse_grammar(body))
 
 

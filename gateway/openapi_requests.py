@@ -3,15 +3,14 @@
 beside it validate them."""
 from __future__ import annotations
 
-from core.sampling import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, SamplingParams
-from gateway.fields import INT32_MAX
+from core.params import INT32_MAX, Param, body_params
+from core.sampling import MAX_BIAS, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, SamplingParams
 from gateway.multilevel import MAX_CASCADE_WINDOW, MAX_SPEC_GAMMA
-from gateway.openai_api import MAX_LOGPROBS, MAX_N, MAX_REPETITION, ROLES
+from gateway.openai_api import MAX_LOGPROBS, MAX_N, ROLES
 from gateway.openapi_base import Facts, nullable, obj, ref
 from gateway.refused import REFUSED
 from gateway.structured import MAX_CHOICES
 
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 FALSY = [None, False, 0, "", [], {}]  # what `body.get(x) or ...` reads as "not given"
 
 
@@ -111,6 +110,24 @@ def _per_model(f: Facts) -> list[dict]:
 
 
 # ---- requests ---------------------------------------------------------------------------------
+def param_schema(p: Param) -> dict:
+    """A declared parameter (core/params.py) as the parser reads it: its type and bounds, or null."""
+    s: dict = {"type": p.json_type}
+    if p.lo is not None:
+        s["exclusiveMinimum" if p.lo_open else "minimum"] = _num(p.lo)
+    if p.hi is not None:
+        s["exclusiveMaximum" if p.hi_open else "maximum"] = _num(p.hi)
+    return nullable({**s, "description": p.doc})
+
+
+def _num(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x  # 2, not 2.0, in the document
+
+
+def _declared(endpoint: str) -> dict:
+    return {p.name: param_schema(p) for p in body_params(endpoint)}
+
+
 def _common_params(f: Facts) -> dict:
     lim = f.limits
     cap = lim.max_tokens_cap or INT32_MAX
@@ -123,11 +140,6 @@ def _common_params(f: Facts) -> dict:
     return {
         "max_tokens": max_tokens,
         "max_completion_tokens": {**max_tokens, "description": "Like max_tokens, and wins over it."},
-        "temperature": nullable({"type": "number", "minimum": 0, "maximum": 2}),
-        "top_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
-        "top_k": nullable({"type": "integer", "minimum": -1, "maximum": INT32_MAX,
-                            "description": "MFS extension: sample from the k most likely tokens (0 or -1: all)."}),
-        "seed": nullable({"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}),
         "stream": nullable({"type": "boolean", "description": "Answer as server-sent events."}),
         "stream_options": nullable(obj({"include_usage": nullable({"type": "boolean"})}, closed=False,
                                          description="Read only when streaming.")),
@@ -137,7 +149,6 @@ def _common_params(f: Facts) -> dict:
         "stop_token_ids": nullable({"type": "array", "maxItems": lim.max_stop_token_ids,
                                      "items": {"type": "integer", "minimum": 0, "maximum": INT32_MAX},
                                      "description": "MFS extension: token ids that end the generation."}),
-        "ignore_eos": nullable({"type": "boolean", "description": "MFS extension: keep going past eos."}),
         "session_id": {**session, "description": "MFS extension: KV-cache affinity key (wins over 'user')."},
         "user": session,
         "mfs": {"description": "MFS multi-level sampling; what it takes depends on 'model': see anyOf."},
@@ -148,26 +159,10 @@ def _common_params(f: Facts) -> dict:
                                        "prompt once and every choice's tokens; streamed chunks carry each "
                                        "choice's index."}),
         "best_of": {"enum": [None, 1], "description": "Only 1."},
-        "frequency_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2,
-                                        "description": "Subtracted from a token's logit once per time it occurs "
-                                                       "in the output so far."}),
-        "presence_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2,
-                                       "description": "Subtracted from the logit of every token in the output "
-                                                      "so far."}),
-        "repetition_penalty": nullable({"type": "number", "exclusiveMinimum": 0, "maximum": MAX_REPETITION,
-                                         "description": "MFS/vLLM extension (Hugging Face semantics): the logit of "
-                                                        "a token in the prompt or the output is divided by it when "
-                                                        "positive, multiplied when not (1: off)."}),
-        "min_p": nullable({"type": "number", "minimum": 0, "maximum": 1,
-                            "description": "MFS/vLLM extension: sample only tokens whose probability is at least "
-                                           "min_p times the most likely token's (after temperature)."}),
-        "typical_p": nullable({"type": "number", "minimum": 0, "maximum": 1,
-                                "description": "MFS/Hugging Face extension (locally typical sampling): sample only "
-                                               "the tokens whose surprisal is closest to the distribution's "
-                                               "entropy, as many as reach this probability mass (1: off)."}),
         "logit_bias": nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
                                  "propertyNames": {"pattern": id_pattern(f.vocab - 1)},
-                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                                 "additionalProperties": {"type": "number", "minimum": _num(-MAX_BIAS),
+                                                           "maximum": _num(MAX_BIAS)},
                                  "description": "Token id (a decimal string) -> a bias added to its logit before "
                                                 "penalties and sampling."}),
         **_structured(),
@@ -263,8 +258,9 @@ def _completion_params(f: Facts) -> dict:
     }
 
 
-def _request(f: Facts, required: str, first: dict, description: str, extra: dict, **rules) -> dict:
-    props = {"model": ref("ModelId"), required: first, **_common_params(f), **extra}
+def _request(f: Facts, endpoint: str, required: str, first: dict, description: str, extra: dict,
+             **rules) -> dict:
+    props = {"model": ref("ModelId"), required: first, **_common_params(f), **_declared(endpoint), **extra}
     # Every OpenAI field is described (honoured, or refused unless off); a field the description does not
     # name is not read (the object stays open, as before: clients and SDKs add their own)
     return obj(props, ["model", required], closed=False, anyOf=_per_model(f), description=description,
@@ -283,7 +279,7 @@ def _chat_request(f: Facts) -> dict:
     ], "description": "Text only: a string or text parts (joined with newlines). Other fields are ignored."}
     messages = {"type": "array", "minItems": 1, "maxItems": lim.max_messages, "items": message,
                 "description": f"All contents together at most {lim.max_prompt_chars} characters."}
-    return _request(f, "messages", messages, "OpenAI's chat completion request, text only.",
+    return _request(f, "chat", "messages", messages, "OpenAI's chat completion request, text only.",
                     _chat_params(), **_TOP_NEEDS_LOGPROBS)
 
 
@@ -296,7 +292,7 @@ def _completion_request(f: Facts) -> dict:
     prompt = {"anyOf": [text, ids, {"type": "array", "minItems": 1, "maxItems": 1,
                                     "items": {"anyOf": [text, ids]}}],
               "description": "Text or token ids; a batch of one is accepted, larger batches are not."}
-    return _request(f, "prompt", prompt, "OpenAI's (legacy) completion request, one prompt.",
+    return _request(f, "completions", "prompt", prompt, "OpenAI's (legacy) completion request, one prompt.",
                     _completion_params(f), **_ZERO_NEEDS_ECHO)
 
 

@@ -75,7 +75,7 @@ def probs_for(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         ps = p[order]
         drop = torch.cumsum(ps, -1) - ps > params.typical_p
         x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if params.top_k and params.top_k < x.shape[-1]:
+    if 0 < params.top_k < x.shape[-1]:  # 0 or -1: off (core/params.py)
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
