@@ -29,12 +29,16 @@ class TierSample:
     waiting: float
     kv_blocks_used: float
     kv_blocks_total: float
+    queue: float   # this gateway's requests of the tier waiting for their first token (gateway.admission)
+    shed: float    # of the tier answered 429 queue_full (cumulative)
 
 
 @dataclass(slots=True)
 class Sample:
     time: float
     tiers: list[TierSample]
+    queue: float   # the gateway's whole queue
+    shed: float    # every 429 queue_full, those shed before a tier was chosen among them
 
 
 def _buckets(smp: Samples, histogram: str, model: str) -> list[tuple[float, float]]:
@@ -59,6 +63,8 @@ class History:
 
     def record(self, registry: CollectorRegistry, now: float) -> None:
         smp = samples(registry)
+        depth = by_label(smp, "mfs_gateway_queue_depth_by_tier", "tier")
+        shed = by_label(smp, "mfs_requests_shed_total", "tier")
         tiers = []
         for i, (name, model) in enumerate(zip(self.tier_names, self.tier_ids)):
             tiers.append(TierSample(
@@ -67,13 +73,15 @@ class History:
                 ttft_buckets=_buckets(smp, TTFT, model), tpot_buckets=_buckets(smp, TPOT, model),
                 waiting=by_label(smp, "mfs_scheduler_waiting", "tier").get(name, 0.0),
                 kv_blocks_used=by_label(smp, "mfs_kv_blocks_used", "segment").get(str(i), 0.0),
-                kv_blocks_total=by_label(smp, "mfs_kv_blocks_total", "segment").get(str(i), 0.0)))
-        self._ring.append(Sample(now, tiers))
+                kv_blocks_total=by_label(smp, "mfs_kv_blocks_total", "segment").get(str(i), 0.0),
+                queue=depth.get(name, 0.0), shed=shed.get(name, 0.0)))
+        self._ring.append(Sample(now, tiers, queue=sum(v for _, v in smp.get("mfs_gateway_queue_depth", ())),
+                                 shed=sum(shed.values())))
 
     def series(self) -> dict:
         """``{"period_s", "tiers": [names], "points": [{"time", "tiers": [{tok_s, req_s, ttft_p50_s,
-        ttft_p99_s, tpot_p50_s, tpot_p99_s, waiting, kv_used}]}]}``; a latency is None for an
-        interval that finished no request of that tier."""
+        ttft_p99_s, tpot_p50_s, tpot_p99_s, waiting, kv_used, kv_total, queue, shed_s}], "total": {queue,
+        shed_s}}]}``; a latency is None for an interval that finished no request of that tier."""
         pts = []
         ring = list(self._ring)
         for a, b in zip(ring, ring[1:]):
@@ -87,6 +95,8 @@ class History:
                             "req_s": max(0.0, tb.requests - ta.requests) / dt,
                             "ttft_p50_s": histogram_quantile(0.5, ttft), "ttft_p99_s": histogram_quantile(0.99, ttft),
                             "tpot_p50_s": histogram_quantile(0.5, tpot), "tpot_p99_s": histogram_quantile(0.99, tpot),
-                            "waiting": tb.waiting, "kv_used": tb.kv_blocks_used, "kv_total": tb.kv_blocks_total})
-            pts.append({"time": b.time, "tiers": row})
+                            "waiting": tb.waiting, "kv_used": tb.kv_blocks_used, "kv_total": tb.kv_blocks_total,
+                            "queue": tb.queue, "shed_s": max(0.0, tb.shed - ta.shed) / dt})
+            pts.append({"time": b.time, "tiers": row,
+                        "total": {"queue": b.queue, "shed_s": max(0.0, b.shed - a.shed) / dt}})
         return {"period_s": self.period_s, "tiers": list(self.tier_names), "points": pts}

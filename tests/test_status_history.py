@@ -50,3 +50,18 @@ def test_the_ring_keeps_its_span():
 def test_bad_periods_are_refused(period, span):
     with pytest.raises(ValueError, match="history"):
         History(NAMES, IDS, period_s=period, span_s=span)
+
+
+def test_queue_and_shed_rate_per_tier_and_in_total():
+    m = Metrics()
+    h = History(NAMES, IDS, period_s=1.0, span_s=10.0)
+    h.record(m.registry, 10.0)
+    m.shed.labels("small", "tier").inc(4)
+    m.shed.labels("all", "total").inc(6)  # family-id requests, shed before a tier was chosen
+    m.queue_depth.set(9)
+    m.queue_depth_by_tier.labels("large").set(5)
+    h.record(m.registry, 12.0)
+    (p,) = h.series()["points"]
+    small, large = p["tiers"]
+    assert small["shed_s"] == pytest.approx(2.0) and large["shed_s"] == 0.0 and large["queue"] == 5
+    assert p["total"] == {"queue": 9, "shed_s": pytest.approx(5.0)}

@@ -91,11 +91,16 @@ def test_status_page_numbers_move_while_requests_run(service, tmp_path):
     assert float(worker[3]) < 10                                      # a fresh heartbeat
     (leader,) = cells(second, "schedulers")
     assert leader[1] and float(leader[4]) < 10
-    # the charts: a line of the small tier with several points in tokens/s, TTFT and TPOT
-    for chart in ("chart-tok", "chart-ttft", "chart-tpot", "chart-req"):
+    # the charts: tokens/s a line of the small tier; its latencies points (a gap where an interval
+    # finished no request: on a busy machine a 24-token request can outlast a half-second interval)
+    def drawn(chart: str) -> tuple[int, int]:
         svg = re.search(rf'<svg id="{chart}".*?</svg>', second, re.S).group(0)
         lines = re.findall(r'<polyline points="([^"]*)"[^>]*data-tier="small"', svg)
-        assert lines and max(len(pts.split()) for pts in lines) >= 2, (chart, svg[:400])
+        dots = re.findall(r'<circle [^>]*data-tier="small"', svg)
+        return max((len(pts.split()) for pts in lines), default=0), sum(len(p.split()) for p in lines) + len(dots)
+
+    assert drawn("chart-tok")[0] >= 2 and drawn("chart-req")[0] >= 2, second[-3000:]
+    assert drawn("chart-ttft")[1] >= 1 and drawn("chart-tpot")[1] >= 1
     shot = tmp_path / "status.png"
     out = subprocess.run([CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
                           f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=2500",
