@@ -15,8 +15,9 @@ It starts the service itself (`mfs up`'s pieces: an embedded Redis, a leading an
 Each soak request ends as one of: *equal* (200, the text equal to the reference); *differs* (200, the
 text not equal: its tokens re-tokenized and diffed against the reference's, counted as lost or
 duplicated); *clean failure* (an error status or an error event in the stream, with its code); *gateway
-killed* (the connection to a gateway that was killed during the request broke: that gateway's own). A
-broken connection to a gateway that was not killed is counted apart (``unexplained_disconnects``).
+killed* (no answer from a gateway killed while the request ran, or not yet back when it was sent: that
+gateway's own). A broken connection to a gateway that was not killed is counted apart
+(``unexplained_disconnects``).
 """
 from __future__ import annotations
 
@@ -202,7 +203,11 @@ class Chaos:
         return out
 
     def close(self) -> None:
+        from service.launch import _stop  # noqa: PLC0415
         self.stop.set()
+        extra = self.svc.procs.pop("gateway-2", None)  # Service.stop() knows only its own gateway
+        if extra is not None:
+            _stop(extra)
         self.svc.close()
 
 
@@ -213,7 +218,9 @@ def classify(recs: list[dict], ref: list[str], kills: list[dict], tok) -> dict:
     lost = dup = 0
     examples = []
     for r in recs:
-        killed = any(k["kind"] == "gateway" and k["victim"] == r["gateway"] and r["t"] <= k["t"] <= r["end"]
+        # its gateway was killed while it ran, or was still down (not yet answering) when it was sent
+        killed = any(k["kind"] == "gateway" and k["victim"] == r["gateway"] and
+                     (r["t"] <= k["t"] <= r["end"] or k["t"] <= r["t"] <= k["t"] + (k["recovery_s"] or 1e9))
                      for k in kills)
         if r["status"] == 200:
             if r["text"] == ref[r["prompt"]]:

@@ -138,17 +138,25 @@ def gateway_rss(url: str, redis_url: str | None) -> int | None:
 def redis_memory(redis_url: str | None) -> int | None:
     if not redis_url:
         return None
+    import redis  # noqa: PLC0415
+
     from core.redisconn import connect  # noqa: PLC0415
-    return int(connect(redis_url).info("memory")["used_memory"])
+    try:
+        return int(connect(redis_url).info("memory")["used_memory"])
+    except redis.RedisError:
+        return None
 
 
 class Sampler:
-    """Polls ``/status.json`` every ``period_s`` on a thread: (time, queue depth, shed so far, inflight)."""
+    """Polls ``/status.json`` every ``period_s`` on a thread: (time, queue depth, shed so far, inflight,
+    start rate, Redis used_memory every ``redis_every`` polls, else None)."""
 
-    def __init__(self, url: str, t0: float, period_s: float = 0.5):
+    def __init__(self, url: str, t0: float, redis_url: str | None = None, period_s: float = 0.5,
+                 redis_every: int = 10):
         import threading  # noqa: PLC0415
         self.url, self.t0, self.period_s = url, t0, period_s
-        self.points: list[tuple[float, float, float, float]] = []
+        self.redis_url, self.redis_every = redis_url, redis_every
+        self.points: list[tuple] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -157,8 +165,9 @@ class Sampler:
             code, doc = get_json(self.url + "/status.json", timeout=2.0)
             adm = doc.get("admission") if code == 200 else None
             if adm:
+                mem = redis_memory(self.redis_url) if len(self.points) % self.redis_every == 0 else None
                 self.points.append((time.perf_counter() - self.t0, adm["queue_depth"], adm["shed"],
-                                    doc.get("inflight", 0.0)))
+                                    doc.get("inflight", 0.0), adm.get("start_rate"), mem))
             self.stop.wait(self.period_s)
 
     def depth(self) -> float | None:
@@ -276,11 +285,12 @@ def measure(url: str, redis_url: str | None, args) -> dict:
     model = args.model_id or get_json(url + "/v1/models")[1]["data"][-1]["id"]  # the family id
     out = {"model_id": model, "bursts": {}}
     t0 = time.perf_counter()
-    with Sampler(url, t0) as smp:
+    with Sampler(url, t0, redis_url) as smp:
         print(f"bench load: unloaded, {args.unloaded} requests one at a time ...", flush=True)
         out["unloaded"] = asyncio.run(unloaded(url, args.unloaded, args.tokens, model))
         _, doc = get_json(url + "/status.json")
-        out["max_waiting"] = (doc.get("admission") or {}).get("max_waiting")
+        adm = doc.get("admission") or {}
+        out["max_waiting"], out["max_queue_wait_s"] = adm.get("max_waiting"), adm.get("max_queue_wait_s")
         phases = []
         for n in args.bursts:
             print(f"bench load: burst of {n} ...", flush=True)
@@ -298,8 +308,11 @@ def measure(url: str, redis_url: str | None, args) -> dict:
             phases.append(("capacity", a, time.perf_counter() - t0))
             _settle(url, smp)
             rate = args.overload_factor * cap["capacity_req_s"]
-            if out["max_waiting"] and cap["capacity_req_s"] > 0:
-                out["queue_wait_s"] = out["max_waiting"] / cap["capacity_req_s"]  # a full queue's drain
+            # the configured queue wait: --max-queue-wait, else a full queue's drain at the capacity
+            if out["max_queue_wait_s"]:
+                out["queue_wait_s"] = out["max_queue_wait_s"]
+            elif out["max_waiting"] and cap["capacity_req_s"] > 0:
+                out["queue_wait_s"] = out["max_waiting"] / cap["capacity_req_s"]
             mem = {"gateway_rss_before": gateway_rss(url, redis_url), "redis_used_memory_before": redis_memory(redis_url)}
             print(f"bench load: overload, {rate:.2f} req/s ({args.overload_factor:g} x {cap['capacity_req_s']:.2f}) "
                   f"for {args.overload_s:g} s ...", flush=True)
@@ -311,6 +324,7 @@ def measure(url: str, redis_url: str | None, args) -> dict:
             print_phase("overload", out["overload"])
     out["timeline"] = {"t": [p[0] for p in smp.points], "queue_depth": [p[1] for p in smp.points],
                        "shed": [p[2] for p in smp.points], "inflight": [p[3] for p in smp.points],
+                       "start_rate": [p[4] for p in smp.points], "redis_used_memory": [p[5] for p in smp.points],
                        "phases": phases}
     out["targets"] = targets(out, args)
     return out

@@ -144,7 +144,7 @@ def init_app(config: GatewayConfig | None = None) -> web.Application:
                            max_tokens_cap=cfg.limits.max_tokens_cap, spec_draft_tier=cfg.spec_draft_tier,
                            spec_gamma=cfg.spec_gamma, cascade_threshold=cfg.cascade_threshold,
                            cascade_window=cfg.cascade_window, max_waiting=cfg.max_waiting,
-                           max_waiting_per_tier=cfg.max_waiting_per_tier)
+                           max_waiting_per_tier=cfg.max_waiting_per_tier, max_queue_wait_s=cfg.max_queue_wait_s)
     app[HISTORY] = History(app[SERVICE].tier_names, app[SERVICE].tier_ids, period_s=cfg.history_period_s,
                            span_s=cfg.history_span_s)
     app.cleanup_ctx.append(redis_ctx)

@@ -30,6 +30,9 @@ class GatewayConfig:
     max_waiting: int | None = opt(None, "requests waiting for their first token at this gateway, all tiers, "
                                         "before 429 queue_full with Retry-After (default: 64 per CPU core)")
     max_waiting_per_tier: int = opt(0, "...and per tier (0: only the total bound)")
+    max_queue_wait_s: float = opt(20.0, "...and by expected wait: 429 when the requests already waiting would "
+                                        "take longer than this to start at the rate requests have been "
+                                        "starting (seconds; 0: no such bound)", flag="--max-queue-wait")
     redis_pool: int = opt(64, "Redis connections this gateway's requests share; when all are busy a command "
                               "waits for one (up to --redis-timeout) rather than failing")
     max_body_bytes: int = opt(4 << 20, "larger bodies get 413")

@@ -89,10 +89,13 @@ class Metrics:
         self.queue_depth_by_tier = Gauge("mfs_gateway_queue_depth_by_tier", "...of which per tier (a request "
                                          "counts in its tier once its prompt is scored)", ["tier"], registry=r)
         self.queue_limit = Gauge("mfs_gateway_queue_limit", "The waiting bounds: scope total "
-                                 "(--max-waiting) or per_tier (--max-waiting-per-tier)", ["scope"], registry=r)
+                                 "(--max-waiting), per_tier (--max-waiting-per-tier) or wait_s "
+                                 "(--max-queue-wait, seconds; 0: none)", ["scope"], registry=r)
+        self.start_rate = Gauge("mfs_gateway_start_rate", "Requests starting per second while a queue lasts, "
+                                "as this gateway measures it (what its expected wait divides by)", registry=r)
         self.shed = Counter("mfs_requests_shed", "Requests answered 429 queue_full, by tier ('all' before "
-                            "the tier is known) and the bound that was full (total | tier)", ["tier", "bound"],
-                            registry=r)
+                            "the tier is known) and the bound that was reached (total | tier | wait)",
+                            ["tier", "bound"], registry=r)
         self.cached_tokens = Counter("mfs_cached_prompt_tokens", "Prompt tokens reported as cached "
                                      "(usage.prompt_tokens_details.cached_tokens)", ["model"], registry=r)
         # Multi-level sampling (issue 6). This gateway's requests submitted with self-speculation (per
@@ -106,10 +109,12 @@ class Metrics:
         self.multilevel = MultiLevelCollector()
         r.register(self.multilevel)
 
-    def set_admission_bounds(self, total: int, per_tier: int, tier_names: list[str]) -> None:
+    def set_admission_bounds(self, total: int, per_tier: int, wait_s: float, tier_names: list[str]) -> None:
         self.queue_limit.labels("total").set(total)
         self.queue_limit.labels("per_tier").set(per_tier)
+        self.queue_limit.labels("wait_s").set(wait_s)
         self.shed.labels("all", "total")  # present (at 0) before the first shed
+        self.shed.labels("all", "wait")
         for name in tier_names:
             self.shed.labels(name, "tier")
             self.queue_depth_by_tier.labels(name).set(0)

@@ -41,7 +41,7 @@ class Service:
                  default_max_tokens: int | None = None, max_prompt_tokens: int = 0,
                  max_tokens_cap: int = 0, poll_s: float = 0.25, spec_draft_tier: str | int | None = None,
                  spec_gamma: int = 4, cascade_threshold: float | None = None, cascade_window: int = 4,
-                 max_waiting: int | None = None, max_waiting_per_tier: int = 0):
+                 max_waiting: int | None = None, max_waiting_per_tier: int = 0, max_queue_wait_s: float = 0.0):
         self.frontend = frontend
         self.tok = frontend.tokenizer
         self.metrics = metrics
@@ -64,7 +64,7 @@ class Service:
         self.vocab_size = len(self.tok)
         self._token_texts: dict[int, str] = {}
         self.admission = Admission(default_max_waiting() if max_waiting is None else max_waiting,
-                                   max_waiting_per_tier, self.tier_names, metrics)
+                                   max_waiting_per_tier, self.tier_names, metrics, max_queue_wait_s)
         self._set_multilevel_defaults(spec_draft_tier, spec_gamma, cascade_threshold, cascade_window)
 
     def _set_multilevel_defaults(self, draft, gamma, threshold, window) -> None:

@@ -171,4 +171,5 @@ def _admission(smp: Samples, tier_names: list[str]) -> dict:
     return {"queue_depth": _scalar(smp, "mfs_gateway_queue_depth"),
             "queue_depth_by_tier": {n: depth.get(n, 0.0) for n in tier_names},
             "max_waiting": limit.get("total"), "max_waiting_per_tier": limit.get("per_tier"),
+            "max_queue_wait_s": limit.get("wait_s"), "start_rate": _scalar(smp, "mfs_gateway_start_rate"),
             "shed": sum(shed.values()), "shed_by_tier": {n: shed.get(n, 0.0) for n in ["all", *tier_names]}}

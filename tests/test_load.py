@@ -20,6 +20,7 @@ from core import protocol as P
 from core.redisconn import connect_async
 from gateway.admission import Admission
 from gateway.config import GatewayConfig
+from gateway.errors import APIError
 from tests.support.gateway import ServerThread, register_worker
 from tests.support.redis_server import redis_url  # noqa: F401 - the session fixture
 
@@ -165,6 +166,29 @@ def test_admission_counts_and_retry_after():
     assert (adm.waiting, adm.waiting_by_tier) == (0, [0, 0])
     with pytest.raises(ValueError):
         Admission(0, 0, ["small"])
+    with pytest.raises(ValueError):
+        Admission(10, 0, ["small"], max_queue_wait_s=-1.0)
+
+
+def test_the_wait_bound_divides_by_the_rate_under_backlog(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("gateway.admission.time.monotonic", lambda: clock[0])
+    adm = Admission(1000, 0, ["small"], max_queue_wait_s=5.0)
+    tickets = [adm.enter() for _ in range(30)]  # no rate seen yet: only the count bounds
+    for t in tickets[:10]:  # a start every 0.5 s with a queue behind it: 2 per second
+        clock[0] += 0.5
+        adm.started(t)
+    assert adm.start_rate() == pytest.approx(2.0)
+    with pytest.raises(APIError) as e:  # 20 waiting at 2/s: 10 s ahead of the next
+        adm.enter()
+    assert e.value.headers["Retry-After"] == "10" and "--max-queue-wait 5" in e.value.message
+    for t in tickets[10:21]:
+        adm.leave(t)
+    assert adm.waiting == 9
+    adm.enter()  # 9 ahead at 2/s: within 5 s
+    clock[0] += 1000  # idle spells keep the last rate: a burst after a pause is bounded by it
+    with pytest.raises(APIError):
+        adm.enter()
 
 
 def test_blocking_pool_waits_instead_of_failing(redis_url):  # noqa: F811
@@ -199,3 +223,24 @@ def test_bench_load_smoke(redis_url, frontend, batcher, tmp_path):  # noqa: F811
     assert ov["arrivals"] > 0 and ov["statuses"].get("200", 0) > 0 and ov["drain_s"] >= 0
     assert out["memory"]["gateway_rss_before"] > 0 and out["memory"]["redis_used_memory_after"] > 0
     assert len(out["timeline"]["t"]) > 2 and (tmp_path / "load.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("MFS_CHAOS_SMOKE"),
+                    reason="starts the default model twice over and kills it for a minute: "
+                           "MFS_CHAOS_SMOKE=1 pytest tests/test_load.py -k chaos")
+@pytest.mark.timeout(600)
+def test_bench_chaos_smoke(tmp_path):
+    """`mfs bench chaos` in small: a few kills, every stream whose gateway lived equal to its reference."""
+    import json
+
+    from mfs.cli import build_parser
+    args = build_parser().parse_args(
+        ["bench", "chaos", "--duration-s", "45", "--kill-every-s", "10", "--probe-s", "5", "--prompts", "4",
+         "--tokens", "4", "--json", str(tmp_path / "chaos.json")])
+    assert args.func(args) == 0
+    out = json.loads((tmp_path / "chaos.json").read_text())
+    o = out["outcomes"]
+    assert out["kills"] and all(k["recovery_s"] is not None for k in out["kills"])
+    assert o["requests"] == sum(o.get(k, 0) for k in ("equal", "differs", "clean_failure", "gateway_killed",
+                                                        "unexplained_disconnects"))
+    assert o["tokens_lost"] == 0 and o["tokens_duplicated"] == 0, o
