@@ -1,7 +1,8 @@
-"""`mfs bench linears`: one decode step's matmuls per weight format — fp32 ``F.linear`` against the
-int8 / int4 / w8a8 kernels of :mod:`worker.quant` (and, where our operators build, the int8 kernel
-serving does not take beside the one it does, and w4a8) — on a model's linear shapes (default: SmolLM2-135M's),
-at batch 1 and 16. Random weights: only shapes and bytes matter for speed."""
+"""`mfs bench linears`: one decode step's matmuls per weight format — every CPU format of the registry
+(:data:`worker.formats.FORMATS`: fp32, int8, int4, w8a8, w4a8, and any format added there), each shape
+packed as serving packs it (the head by the format's head scheme), plus the int8 kernel serving does
+not take beside the one it does where our operators build — on a model's linear shapes (default:
+SmolLM2-135M's), at batch 1 and 16. Random weights: only shapes and bytes matter for speed."""
 from __future__ import annotations
 
 import platform
@@ -10,11 +11,11 @@ import time
 from datetime import datetime, timezone
 
 import torch
-import torch.nn.functional as F
+
+from torch import nn
 
 from kernels.cpu_gemv import int8_gemv_kernel, isa, load as load_cpu_gemv
-from worker.quant import Int4Linear, Int8Linear, Q4A8Linear
-from worker.quant_w8a8 import Int8DynamicLinear
+from worker.formats import FORMATS, Int8Linear, pack, resolve
 from engine.runtime import write_json
 
 # (name, in, out, per-step count in the 30-layer model)
@@ -29,7 +30,7 @@ def _torch_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
 
 def _int8_on(kernel):
     """An Int8Linear held on the given rows kernel (torch's or ours, whichever serving does not take)."""
-    def make(w: torch.Tensor) -> Int8Linear:
+    def make(w: torch.Tensor, is_head: bool) -> Int8Linear:
         lin = Int8Linear.from_float(w)
         lin.rows_kernel = kernel
         return lin
@@ -45,18 +46,30 @@ def _ours_build() -> bool:
 
 
 def _formats(group: int) -> dict:
-    """The formats to time. ``int8`` is what serving runs here (our operator where torch reports AVX2,
-    else torch's); where our operators build, the other int8 kernel beside it (``int8-torch`` or
-    ``int8-mfs``) and ``w4a8``."""
-    fmts = {"fp32": lambda w: (lambda x, w=w: F.linear(x, w)), "int8": Int8Linear.from_float,
-            f"int4-g{group}": lambda w: Int4Linear.from_float(w, group), "w8a8": Int8DynamicLinear.from_float}
+    """The formats to time: each registered format that runs on this CPU (a format whose needs this
+    machine lacks, e.g. w4a8 without our operators, is left out and said), by ``--weights`` name
+    (int4 as ``int4-g{group}``); where our operators build, the other int8 kernel beside serving's
+    (``int8-torch`` or ``int8-mfs``). Each maker takes (weight, is_head)."""
+    fmts = {}
+    for name in FORMATS:
+        try:
+            cfg = resolve(name, "cpu", group=FORMATS[name].group or group)
+        except ValueError as e:
+            print(f"bench linears: {name} left out: {e}")
+            continue
+        fmts[f"int4-g{group}" if name == "int4" else name] = _packer(cfg)
     if _ours_build():
-        if int8_gemv_kernel() is not None:
-            fmts["int8-torch"] = _int8_on(_torch_int8)
-        else:
-            fmts["int8-mfs"] = _int8_on(torch.ops.mfs.int8_gemv)
-        fmts["w4a8"] = Q4A8Linear.from_float
+        fmts["int8-torch" if int8_gemv_kernel() is not None else "int8-mfs"] = \
+            _int8_on(_torch_int8 if int8_gemv_kernel() is not None else torch.ops.mfs.int8_gemv)
     return fmts
+
+
+def _packer(cfg):
+    def make(w: torch.Tensor, is_head: bool) -> nn.Module:
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight = nn.Parameter(w, requires_grad=False)
+        return pack(lin, cfg, is_head)
+    return make
 
 
 def measure(shapes=SMOLLM2_SHAPES, batches=(1, 16), reps: int = 7, group: int = 32) -> list[dict]:
@@ -68,7 +81,7 @@ def measure(shapes=SMOLLM2_SHAPES, batches=(1, 16), reps: int = 7, group: int = 
     steps: dict[str, dict[str, float]] = {str(b): {} for b in batches}
     gen = torch.Generator().manual_seed(0)
     for fmt, make in _formats(group).items():
-        mods = [(name, make(torch.randn(n, k, generator=gen) * 0.02))
+        mods = [(name, make(torch.randn(n, k, generator=gen) * 0.02, name.startswith("head")))
                 for name, k, n, c in shapes for _ in range(c)]
         with torch.inference_mode():
             for b in batches:
@@ -93,7 +106,7 @@ def measure(shapes=SMOLLM2_SHAPES, batches=(1, 16), reps: int = 7, group: int = 
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("linears", help="fp32 vs int8 vs int4 vs w8a8 matmuls on the model's shapes, batch 1 and 16")
+    p = sub.add_parser("linears", help="each weight format's matmuls on the model's shapes, batch 1 and 16")
     p.add_argument("--json", default=None)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--reps", type=int, default=7)

@@ -108,7 +108,7 @@ def test_a_failed_build_says_why(tmp_path, monkeypatch):
 
 
 def test_an_int8_linear_on_avx2_runs_it(monkeypatch):
-    from worker.quant import Int8Linear
+    from worker.formats import Int8Linear
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     monkeypatch.setattr(cpu_gemv, "_choice", [])
     w = torch.randn(48, 64, generator=torch.Generator().manual_seed(5))
@@ -383,7 +383,7 @@ def test_int8_a8_tiles_bad_inputs_are_refused_with_a_message(op, bad, match):
 
 
 def test_the_w4a8_head_runs_int8_a8():
-    from worker.quant import Int8A8Linear
+    from worker.formats import Int8A8Linear
     w = torch.randn(48, 64, generator=torch.Generator().manual_seed(9))
     lin = Int8A8Linear.from_float(w, torch.randn(48))
     x = torch.randn(3, 2, 64)

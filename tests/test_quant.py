@@ -1,4 +1,4 @@
-"""Quantized serving (worker/quant.py, worker/quant_w8a8.py): the GGUF's own blocks repacked bit-exactly, the
+"""Quantized serving (worker/formats/): the GGUF's own blocks repacked bit-exactly, the
 kernels' outputs against their dequantized weights, and quantized families served by the engine."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from worker.quant import (GGUFSource, GroupQuantLinear, Int4Linear, Int8Embedding, Int8Linear, concat_linears,
+from worker.formats import (GGUFSource, GroupQuantLinear, Int4Linear, Int8Embedding, Int8Linear, concat_linears,
                           q4_1_to_int4, quantize_model, resolve_mode)
-from worker.quant_w8a8 import Int8DynamicLinear, reduce_range
+from worker.formats import Int8DynamicLinear, reduce_range
 
 
 # ---- the default model's GGUF against transformers' GGUF loader ----------------------------------
@@ -51,7 +51,7 @@ def test_q4_1_blocks_repack_to_int4_bit_exactly(gguf_and_hf, gguf_name, hf_name)
 @pytest.mark.slow
 def test_every_q4_1_tensor_has_an_exact_int4_zero(gguf_and_hf):
     """m + 8 d must be exact in fp32 for the repacking to be bit-exact: true for all 210 tensors."""
-    from worker.quant import q4_1_blocks
+    from worker.formats import q4_1_blocks
     src, _ = gguf_and_hf
     q41 = [t for t in src.tensors.values() if t.kind == "Q4_1"]
     assert len(q41) == 210
@@ -127,9 +127,9 @@ def test_auto_mode_picks_a_supported_format():
                                                     ("AVX512", True, "w4a8"), ("AVX512", False, "int4"),
                                                     ("DEFAULT", True, "fp32")])
 def test_auto_picks_w4a8_where_our_kernels_serve(monkeypatch, capability, kernel, want):
-    import worker.quant as quant
+    import worker.formats.registry as registry
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setattr(quant, "int8_gemv_kernel", lambda: object() if kernel else None)
+    monkeypatch.setattr(registry, "int8_gemv_kernel", lambda: object() if kernel else None)
     assert resolve_mode("auto", "cpu") == want
 
 
@@ -256,8 +256,9 @@ def test_w8a8_family_serves_mixed_batches_as_solo_runs(tied_llama):
                                                             spec_gamma=3))
     assert eng.stats.spec_rounds > 0
     assert spec == [_greedy(w8, [p], [2], n=12)[0] for p in prompts[:2]]
+    from worker.execution import compile_decode
     with pytest.raises(ValueError, match="w8a8"):
-        w8.compile_decode()
+        compile_decode(w8)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "w8a8"])
@@ -373,7 +374,7 @@ def test_generate_with_int4_weights_answers_paris():
 # ---- w4a8: the GGUF's Q4_1 blocks times 8-bit activations (kernels/cpu_gemv.cpp) ---------------------
 @pytest.mark.slow
 def test_w4a8_takes_the_q4_1_blocks_bit_exactly(gguf_and_hf):
-    from worker.quant import Q4A8Linear
+    from worker.formats import Q4A8Linear
     src, sd = gguf_and_hf
     w = sd["model.layers.7.mlp.down_proj.weight"]
     kind, perm, (q, d, m) = src.blocks("blk.7.ffn_down.weight", w)
@@ -387,7 +388,7 @@ def test_w4a8_takes_the_q4_1_blocks_bit_exactly(gguf_and_hf):
 
 
 def test_w4a8_from_float_is_q4_1s_recipe():
-    from worker.quant import Q4A8Linear
+    from worker.formats import Q4A8Linear
     w = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
     lin = Q4A8Linear.from_float(w, torch.zeros(48))
     deq = lin.dequantize()
@@ -397,7 +398,7 @@ def test_w4a8_from_float_is_q4_1s_recipe():
 
 
 def test_w4a8_tiles_where_the_rows_come_in_sixteens_and_the_row_layout_elsewhere(monkeypatch):
-    from worker.quant import Q4A8Linear
+    from worker.formats import Q4A8Linear
     w = torch.randn(48, 64, generator=torch.Generator().manual_seed(2))
     tiled, rows = Q4A8Linear.from_float(w), Q4A8Linear.from_float(w[:40])
     monkeypatch.setenv("MFS_W4A8_TILES", "0")
@@ -414,9 +415,9 @@ def test_w4a8_tiles_where_the_rows_come_in_sixteens_and_the_row_layout_elsewhere
 
 
 def test_w4a8_family_serves_in_the_engine_and_fuses(tied_llama):
-    from worker.quant import Q4A8Linear
-    from worker.quant import linear_bytes_per_step
-    from worker.quant import Int8A8Linear
+    from worker.formats import Q4A8Linear
+    from worker.formats import linear_bytes_per_step
+    from worker.formats import Int8A8Linear
     q = _four_bit_family(tied_llama, "w4a8", Q4A8Linear)
     assert isinstance(q.lm_head, Int8A8Linear)  # the head's activations 8-bit too, as llama.cpp runs it
     assert all(layer.qkv_proj is not None for layer in q.layers)  # fused like the other modes

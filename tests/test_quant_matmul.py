@@ -1,4 +1,4 @@
-"""The GPU layout of quantized weights (kernels/quant_matmul*.py, worker/quant_groups.py): the Triton
+"""The GPU layout of quantized weights (kernels/quant_matmul*.py, worker/formats/groups.py): the Triton
 dequantize-matmul against its torch reference, GGUF blocks stored as they ship, and a family quantized
 in this layout served by the engine. Kernels run in triton's CPU interpreter unless
 ``TRITON_INTERPRET=0`` on a CUDA machine."""
@@ -13,7 +13,7 @@ from kernels.common_triton import interpreted  # noqa: E402
 from kernels.quant_matmul import (dequantize, pack_int4, quant_matmul_torch,  # noqa: E402
                                   quantize_groups, unpack_int4)
 from kernels.quant_matmul_triton import _quant_matmul_kernel, quant_matmul_triton  # noqa: E402
-from worker.quant_groups import GroupQuantLinear  # noqa: E402
+from worker.formats import GroupQuantLinear  # noqa: E402
 
 DEVICE = "cpu" if interpreted(_quant_matmul_kernel) else "cuda"
 if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -91,7 +91,7 @@ def test_bad_calls_fail_at_the_wrapper():
 def test_q4_1_blocks_are_stored_as_they_ship():
     """Q4_1's w = d q + m with fp16 d, m: the layout keeps (q, d, m) and dequantizes to the loader's
     fp32 values bit for bit (d q is exact, one rounding for + m)."""
-    from worker.quant import dequant_q4_1
+    from worker.formats import dequant_q4_1
     q = torch.randint(0, 16, (32, 64), generator=_gen(7)).to(torch.uint8)
     d = (torch.rand(32, 2, generator=_gen(8)) * 0.01).half().float()
     m = (-torch.rand(32, 2, generator=_gen(9)) * 0.1).half().float()
@@ -108,7 +108,7 @@ def test_a_family_in_the_gpu_layout_tracks_fp32_and_serves(llama_dir):
     those of each request alone (the kernel's rows do not depend on their batch)."""
     from engine import Engine
     from worker.family import load_family
-    from worker.quant import Int8Embedding, quantize_model
+    from worker.formats import Int8Embedding, quantize_model
     from worker.sampling import SamplingParams
     ref = load_family(str(llama_dir), tiers="2,4,6", dtype="float32").model
     fam = load_family(str(llama_dir), tiers="2,4,6", dtype="float32").model
@@ -135,7 +135,7 @@ def test_a_family_in_the_gpu_layout_tracks_fp32_and_serves(llama_dir):
 
 def test_layout_must_be_known(llama_dir):
     from worker.family import load_family
-    from worker.quant import quantize_model
+    from worker.formats import quantize_model
     fam = load_family(str(llama_dir), tiers="2,4,6", dtype="float32").model
     with pytest.raises(ValueError, match="layout"):
         quantize_model(fam, "int4", layout="tiles")

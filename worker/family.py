@@ -12,6 +12,7 @@ from core.cli import add_args, opt
 from family.manifest import Manifest, TierSpec, manifest_for, parse_tiers, resolve_base, usable_tiers
 from kernels import KernelOps, select_backend
 from worker.config import ModelConfig
+from worker.formats import FORMATS, parse_weights
 from worker.loader import BaseWeights, load_base
 from worker.model import NestedModel, Tier, skeleton
 
@@ -54,7 +55,7 @@ def build_model(base: BaseWeights, tiers: list[TierSpec], dtype: torch.dtype = t
 def load_family(model: str = "default", tiers: str | None = None, dtype: str | None = None,
                 device: str = "cpu", max_positions: int | None = 4096,
                 kernels: str | None = None, weights: str = "fp32", fuse: bool = True) -> LoadedFamily:
-    """``weights``: fp32 (as loaded), int8, int4, w8a8, w4a8 or auto: see :func:`worker.quant.quantize_model`
+    """``weights``: a format of :data:`worker.formats.FORMATS` or auto: see :func:`worker.formats.quantize_model`
     (``fuse``: its q/k/v and gate/up fusion; off only to measure it)."""
     manifest, mdir = manifest_for(model, tiers)
     if tiers and mdir is not None:
@@ -69,7 +70,7 @@ def load_family(model: str = "default", tiers: str | None = None, dtype: str | N
         from worker.checkpoint import apply_weights  # noqa: PLC0415
         apply_weights(nm, mdir / manifest.weights["file"], manifest.weights["kind"])
     if weights != "fp32":  # after any delta: quantize the weights that will be served
-        from worker.quant import quantize_model  # noqa: PLC0415
+        from worker.formats import quantize_model  # noqa: PLC0415
         quantize_model(nm, weights, gguf_path=base.source, device=device, fuse=fuse,
                        load_tokenizer=lambda: base.tokenizer)
     nm.eval()
@@ -84,11 +85,8 @@ class ModelArgs:
     dtype: Literal["float32", "bfloat16", "float16", "float64"] | None = None
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     kernels: Literal["auto", "torch", "triton"] | None = None
-    weights: Literal["auto", "fp32", "int8", "int4", "w8a8", "w4a8"] = opt(
-        "fp32", "serve weights quantized (CPU): int8 per channel, int4 in groups of 32 (a GGUF's own Q4_1 "
-                "blocks where they match), w8a8 = int8 weights times int8 activations (fbgemm: cheap "
-                "extra rows, for batches), w4a8 = Q4_1 blocks times activations quantized per 32 as "
-                "llama.cpp does (the fastest mode on CPUs with AVX2 or AVX-512); auto picks by the CPU")
+    weights: str = opt("fp32", "serve weights quantized: " + "; ".join(f"{f.name} = {f.help}" for f in FORMATS.values())
+                       + "; auto picks by the device and CPU", parse=parse_weights)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -2,7 +2,7 @@
 
 Owns :func:`calibration_windows`, :func:`input_amax` and :func:`smooth`.
 
-Why: w8a8 quantizes each activation row to 8 bits with one scale (worker/quant_w8a8.py), so a few
+Why: w8a8 quantizes each activation row to 8 bits with one scale (worker/formats/w8a8.py), so a few
 input channels that run far larger than the rest (LLMs have them) take the whole range and the others
 lose precision: unsmoothed, SmolLM2-135M's held-out perplexity rose 2.6 %. Smoothing moves that range
 into the weights before they are quantized: for a linear whose input channel j peaks at ``a_j`` (over

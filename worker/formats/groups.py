@@ -1,7 +1,7 @@
 """Weight-only quantized linears for CUDA: codes and fp16 (scale, min) per group, as GGUF ships Q4_1 and
 Q8_0, served by the Triton dequantize-matmul of :mod:`kernels.quant_matmul_triton`.
 
-The CPU formats (:mod:`worker.quant`: torch's int4 / int8 packs) are laid out for torch's CPU kernels
+The CPU schemes (torch's int4 / int8 packs, our operators) are laid out for torch's CPU kernels
 and only run there; this one is the GPU's. :class:`GroupQuantLinear` runs its Triton kernel on CUDA
 tensors (and on CPU tensors in triton's interpreter, for tests) and the torch reference otherwise, so a
 model quantized this way computes the same thing on any device.
@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kernels.quant_matmul import dequantize, pack_int4, quant_matmul_torch, quantize_groups
+from worker.formats.scheme import GGUF_BLOCK, Scheme, WeightConfig, found_kind
 
 
 @functools.cache
@@ -27,9 +28,21 @@ def _kernel():
     return quant_matmul_triton, interpreted(_quant_matmul_kernel)
 
 
-class GroupQuantLinear(nn.Module):
+class GroupQuantLinear(Scheme):
     """y = x @ W.T + b with W as 4- or 8-bit codes, one fp16 (scale, min) per ``group`` input features of
-    each output row: ``w = q * scale + min`` (see :mod:`kernels.quant_matmul`)."""
+    each output row: ``w = q * scale + min`` (see :mod:`kernels.quant_matmul`). As a scheme: 8-bit
+    groups (``int8`` and every head in this layout); :class:`Group4Linear` is ``int4``'s. A row whose K
+    is not a multiple of the group is one group. Rows are independent: every tensor concatenates by row."""
+    name, backend, graphable = "int8-groups", "any", True
+    row_tensors, same = ("qweight", "scales", "mins"), ("group", "bits")
+
+    @staticmethod
+    def group_for(mod: nn.Module, cfg: WeightConfig) -> int:
+        return cfg.group if mod.in_features % cfg.group == 0 else mod.in_features
+
+    @classmethod
+    def load(cls, mod: nn.Module, found, cfg: WeightConfig) -> tuple[nn.Module, bool]:
+        return cls.from_float(mod.weight, cls.group_for(mod, cfg), 8, mod.bias), False
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
                  bits: int, bias: torch.Tensor | None):
@@ -78,4 +91,18 @@ class GroupQuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group}"
 
 
-__all__ = ["GroupQuantLinear"]
+class Group4Linear(GroupQuantLinear):
+    """``int4`` in the groups layout: the GGUF's Q4_1 blocks as they ship where the group is theirs, else
+    4-bit codes quantized from fp32 (8-bit where the group is odd: two 4-bit codes fill a byte)."""
+    name, gguf_kinds = "int4-groups", ("Q4_1",)
+
+    @classmethod
+    def load(cls, mod: nn.Module, found, cfg: WeightConfig) -> tuple[nn.Module, bool]:
+        g = cls.group_for(mod, cfg)
+        if found_kind(found, "Q4_1") and g == GGUF_BLOCK:
+            _, perm, (q, d, m) = found
+            return cls.from_q4_1(q[perm], d[perm], m[perm], g, mod.bias), True
+        return cls.from_float(mod.weight, g, 4 if g % 2 == 0 else 8, mod.bias), False
+
+
+__all__ = ["Group4Linear", "GroupQuantLinear"]

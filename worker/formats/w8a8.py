@@ -1,8 +1,8 @@
 """int8 weights times int8 activations on CPU (``--weights w8a8``): the decode-bound mode.
 
-Owns :class:`Int8DynamicLinear` and :func:`reduce_range`.
+Owns :class:`Int8DynamicLinear` (the scheme ``w8a8-cpu``) and :func:`reduce_range`.
 
-Why it exists: torch's weight-only kernels (:mod:`worker.quant`) dequantize the weights and multiply
+Why it exists: torch's weight-only kernels (:mod:`worker.formats.int8`, :mod:`worker.formats.int4`) dequantize the weights and multiply
 in bf16/fp32, so every extra row of a batch costs its full FMA count — on these 2-core machines about
 as much per row as streaming the int4 weights once (docs/BENCHMARKS.md, "Why ~1.4×"). fbgemm's
 dynamic quantized linear (``torch.ops.quantized.linear_dynamic``, what ``torch.ao`` dynamic
@@ -30,6 +30,8 @@ import structlog
 import torch
 from torch import nn
 
+from worker.formats.scheme import Scheme, WeightConfig
+
 log = structlog.get_logger(__name__)
 
 
@@ -54,10 +56,12 @@ def _engine() -> str:
     raise RuntimeError(f"--weights w8a8 needs torch's x86/fbgemm quantized engine; this build has {engines}")
 
 
-class Int8DynamicLinear(nn.Module):
+class Int8DynamicLinear(Scheme):
     """y = x @ (q * scale[:, None]).T + b with q int8 [N, K] per output channel (symmetric), run by
     fbgemm on per-row 8-bit activations (see the module docstring). The int8 weights live only in
-    fbgemm's packed form (``linear_unpack`` gives them back); the scales are a parameter."""
+    fbgemm's packed form (``linear_unpack`` gives them back); the scales are a parameter.
+    Not compilable: dynamo breaks the graph at every fbgemm call and the step ran ~2x slower (measured)."""
+    name, backend, compilable = "w8a8-cpu", "cpu", False
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -88,6 +92,13 @@ class Int8DynamicLinear(nn.Module):
         q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls(q, scales, bias)
 
+    @classmethod
+    def load(cls, mod: nn.Module, found, cfg: WeightConfig) -> tuple[nn.Module, bool]:
+        return cls.from_float(mod.weight, mod.bias), False
+
+    def step_bytes(self) -> int:
+        return self.packed_bytes() + super().step_bytes()
+
     def packed_bytes(self) -> int:
         """The packed int8 weights (not a parameter, so :func:`worker.model.weight_bytes` asks here)."""
         return self.out_features * self.in_features
@@ -111,8 +122,11 @@ class Int8DynamicLinear(nn.Module):
         return self.int8_weight().float() * self.scales[:, None]
 
     @classmethod
-    def concat(cls, mods: list["Int8DynamicLinear"]) -> "Int8DynamicLinear":
+    def concat(cls, mods: list["Int8DynamicLinear"]) -> "Int8DynamicLinear | None":
         """One linear computing ``cat([m(x) for m in mods], -1)`` (rows are independent)."""
+        if any(type(m) is not cls or m.in_features != mods[0].in_features
+               or (m.bias is None) != (mods[0].bias is None) for m in mods):
+            return None
         bias = None if mods[0].bias is None else torch.cat([m.bias for m in mods])
         out = cls(torch.cat([m.int8_weight() for m in mods]), torch.cat([m.scales for m in mods]), bias)
         out.reduce_range = mods[0].reduce_range
