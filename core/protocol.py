@@ -264,6 +264,10 @@ class TokenEvent(Record):
     draft_accepted: int = 0         # ...and accepted by the verifying tier
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids (when asked)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (seq 0 only)
+    # the execution path of the step that computed these tokens (worker/execution.py: eager, inductor,
+    # cuda-graphs; "" from a worker that runs no model): compiled graphs may round otherwise than the eager
+    # ops, and a worker swaps its path while it serves, so a response names the paths that served it
+    path: str = ""
 
 
 @dataclass(slots=True)

@@ -28,7 +28,11 @@ def component_schemas(f: Facts) -> dict:
                           description="Present when the request speculated."),
     }, ["prompt_tokens", "completion_tokens", "total_tokens"])
     served = obj({"tiers": {"type": "array", "minItems": 1, "items": tier},
-                   "escalations": count}, ["tiers", "escalations"],
+                   "escalations": count,
+                   "paths": {"type": "array", "items": {"enum": ["eager", "inductor", "cuda-graphs"]},
+                             "description": "the workers' execution paths that computed the tokens, in order "
+                                            "of first use (compiled graphs may round otherwise than eager)"}},
+                  ["tiers", "escalations"],
                   description="MFS extension: the tiers that produced the tokens, in order.")
     finish = {"enum": FINISH_REASONS}
     number = {"type": "number"}

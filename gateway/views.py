@@ -187,7 +187,8 @@ def _model(gens: list[Generation]) -> str:
 
 
 def _served(gens: list[Generation]) -> dict:
-    return responses.served(list(dict.fromkeys(m for g in gens for m in g.served_by)))
+    return responses.served(list(dict.fromkeys(m for g in gens for m in g.served_by)),
+                            list(dict.fromkeys(p for g in gens for p in g.paths)))
 
 
 def _logprobs(job, items: list[responses.TokenInfo], offset: int = 0) -> dict | None:
