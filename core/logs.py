@@ -21,7 +21,9 @@ def configure(json_lines: bool | None = None, level: str | None = None) -> None:
                   structlog.processors.TimeStamper(fmt="iso", utc=True)]
     renderer = (structlog.processors.JSONRenderer() if json_lines
                 else structlog.dev.ConsoleRenderer(colors=False))
-    structlog.configure(processors=processors + [renderer],
+    # JSON lines: log.exception's traceback as text in the line ("exception"), not a bare exc_info=true
+    tracebacks = [structlog.processors.format_exc_info] if json_lines else []
+    structlog.configure(processors=processors + tracebacks + [renderer],
                         wrapper_class=structlog.make_filtering_bound_logger(lvl),
                         # sys.stderr looked up per logger, not bound once: whoever swaps it (pytest's
                         # capture between tests) must not leave the loggers writing to a closed file
