@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from engine import Engine
+from worker.execution import compile_decode
 from worker.model import standalone_tier, weight_bytes
 from worker.sampling import SamplingParams
 from engine.runtime import write_json
@@ -273,7 +274,7 @@ def run(args) -> int:
                         _pair(args.decode_output_len, "--decode-output-len"))}
     copies = [standalone_tier(model, k) for k in range(n)]
     if weights != "fp32":  # both layouts quantized alike
-        from worker.quant import quantize_model  # noqa: PLC0415
+        from worker.formats import quantize_model  # noqa: PLC0415
         for m in [model, *copies]:
             quantize_model(m, weights, gguf_path=fam.base.source, device=args.device,
                            load_tokenizer=lambda: fam.tokenizer)
@@ -281,7 +282,7 @@ def run(args) -> int:
     warm_s = []
     if args.compile:  # both layouts alike; the graphs are built (and cached on each model) before timing
         for m in [model, *copies]:
-            m.compile_decode()
+            compile_decode(m)
             warm_s.append(Engine(m, block_size=args.block_size, num_blocks=args.num_blocks,
                                  max_num_batched_tokens=args.max_batched_tokens,
                                  max_num_seqs=args.max_num_seqs).runner.warm_up())

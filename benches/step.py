@@ -3,7 +3,7 @@ size: the figure the lean decode step (issue 14, part 2) is about. Each (format,
 family, starts `batch` requests of 16-token prompts on one tier, runs a few warm-up steps, then times
 `--steps` decode steps and reports the median and the 10th percentile (other jobs on the machine only
 ever slow a step down). ``--no-fuse`` serves the quantized formats with q/k/v and gate/up as separate
-linears (worker/quant.py: fuse_projections), to measure what fusing buys side by side; ``--profile``
+linears (worker/formats/swap.py: fuse_projections), to measure what fusing buys side by side; ``--profile``
 prints torch's operator table of the timed steps; ``--compile`` times all-decode steps with each layer as
 one compiled graph (worker/compiled_step.py), the warm-up steps paying for the compilation.
 ``--exit-kv lazy,all`` times the same loaded model in two engines side by side, steps alternated: rows
@@ -26,14 +26,15 @@ def measure(model: str, weights: str, batch: int, steps: int, tier: int | None, 
             profile: bool = False, compile: bool = False, exit_kv: tuple[str, ...] = ("lazy",)) -> list[dict]:
     """One point per `exit_kv` mode: an engine each over the same loaded model, their steps alternated."""
     from engine import Engine  # noqa: PLC0415
+    from worker.execution import compile_decode  # noqa: PLC0415
     from worker.family import load_family  # noqa: PLC0415
-    from worker.quant import linear_bytes_per_step  # noqa: PLC0415
+    from worker.formats import linear_bytes_per_step  # noqa: PLC0415
     from worker.sampling import SamplingParams  # noqa: PLC0415
     fam = load_family(model, weights=weights, fuse=fuse)
     if len(exit_kv) > 1 and not fam.model.exit_block_segments:
         print(f"note: {model} has no lower exit blocks, so --exit-kv {','.join(exit_kv)} runs alike", flush=True)
     if compile:
-        fam.model.compile_decode()
+        compile_decode(fam.model)
     top = fam.model.num_segments - 1
     tier = top if tier is None else tier
     if not 0 <= tier <= top:

@@ -6,7 +6,6 @@ import pytest
 from tests.support.procs import run_mfs as run
 
 
-
 @pytest.mark.slow
 def test_generate_default_family_top_tier_answers_paris():
     r = run("generate", "--model", "default", "--tier", "large", "--chat", "--max-tokens", "20",
@@ -86,10 +85,9 @@ def test_bench_engine_compile_compiles_both_layouts_before_timing(llama_dir, tmp
     import argparse
 
     from benches import engine as bench_engine
-    from worker.model import NestedModel
     from worker.runner import ModelRunner
     calls = []
-    monkeypatch.setattr(NestedModel, "compile_decode", lambda self, enable=True: calls.append(("compile", id(self))))
+    monkeypatch.setattr(bench_engine, "compile_decode", lambda m, enable=True: calls.append(("compile", id(m))))
     monkeypatch.setattr(ModelRunner, "warm_up", lambda self, steps=2: calls.append(("warm", id(self.model))) or 1.5)
     p = argparse.ArgumentParser()
     bench_engine.add_parser(p.add_subparsers())

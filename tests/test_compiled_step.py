@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import Engine
+from worker.execution import compile_decode, compiled_exits
 from worker.family import load_family
 from worker.sampling import SamplingParams
 
@@ -37,21 +38,21 @@ def test_compiled_decode_matches_eager(llama_dir, weights, attention, monkeypatc
         monkeypatch.setattr(worker.compiled_step, "decode_attention_kernel", lambda: None)
     eager = load_family(str(llama_dir), tiers="2+2,4+1,6", dtype="float32", weights=weights).model
     comp = load_family(str(llama_dir), tiers="2+2,4+1,6", dtype="float32", weights=weights).model
-    comp.compile_decode()
+    compile_decode(comp)
     if weights == "int8" and comp.lm_head.rows_kernel is not None:
         # an AVX-512 CPU's compiled head computes in fp32: the eager run gets the same sum uncompiled
         from worker.compiled_step import int8_rows
         eager.lm_head.rows_kernel = int8_rows
     calls = {"n": 0, "exit": 0}
-    inner = comp._compiled_decode
+    inner = comp.execution.graph
     exit_layers = {id(layer) for blk in comp.exit_blocks.values() for layer in blk}
-    assert comp.compiled_exits == {0, 1}  # both blocks are built as the trunk's layers
+    assert compiled_exits(comp) == {0, 1}  # both blocks are built as the trunk's layers
 
     def counting(layers, *a, **kw):
         calls["n"] += 1
         calls["exit"] += all(id(layer) in exit_layers for layer in layers)
         return inner(layers, *a, **kw)
-    comp._compiled_decode = counting
+    comp.execution.graph = counting
     a, eng_a = _run(eager)
     b, eng_b = _run(comp)
     assert len(a) == len(b)
@@ -75,7 +76,7 @@ def test_compile_is_refused_off_the_torch_cpu_path(llama_dir):
     model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32").model
     model.ops = dataclasses.replace(model.ops, name="triton")
     with pytest.raises(ValueError, match="torch ops on CPU"):
-        model.compile_decode()
+        compile_decode(model)
 
 
 def test_layers_of_different_structure_are_refused(llama_dir):
@@ -83,7 +84,7 @@ def test_layers_of_different_structure_are_refused(llama_dir):
     model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32").model
     model.layers[3].mlp_extra = nn.Linear(4, 4)
     with pytest.raises(ValueError, match="one structure"):
-        model.compile_decode()
+        compile_decode(model)
 
 
 def test_an_exit_block_built_unlike_the_trunk_stays_eager(llama_dir):
@@ -92,13 +93,13 @@ def test_an_exit_block_built_unlike_the_trunk_stays_eager(llama_dir):
     from torch import nn
     model = load_family(str(llama_dir), tiers="2+2,4+1,6", dtype="float32").model
     model.exit_blocks["0"][1].mlp_extra = nn.Linear(4, 4)
-    model.compile_decode()
-    assert model.compiled_exits == {1}
+    compile_decode(model)
+    assert compiled_exits(model) == {1}
     eng = Engine(model, block_size=4, num_blocks=64)
     out = eng.generate([[5, 9, 33, 7, 2], [7, 8, 9]], [0, 1], SamplingParams(max_tokens=4, ignore_eos=True))
     assert [len(o) for o in out] == [4, 4]
-    model.compile_decode(False)
-    assert model.compiled_exits == frozenset()
+    compile_decode(model, False)
+    assert compiled_exits(model) == frozenset()
 
 
 def test_the_compiled_int8_head_is_fp32_exact_and_batch_invariant(llama_dir):
@@ -114,12 +115,12 @@ def test_the_compiled_int8_head_is_fp32_exact_and_batch_invariant(llama_dir):
     with torch.inference_mode():
         bf16 = torch._weight_int8pack_mm(x.to(torch.bfloat16), head.qweight, head.scales).float()
         default = head(x)
-        model.compile_decode()
+        compile_decode(model)
         head.rows_kernel = compiled_int8_rows()
         got = head(x)
         singles = torch.cat([head(x[i:i + 1]) for i in range(7)])
         pairs = torch.cat([head(x[i:i + 2]) for i in range(0, 6, 2)])
-        model.compile_decode(False)
+        compile_decode(model, False)
         back = head(x)
     assert (got.double() - want).abs().max() < 1e-5 < (bf16.double() - want).abs().max()
     assert torch.equal(singles, got) and torch.equal(pairs, got[:6])
@@ -139,7 +140,7 @@ def test_compile_takes_the_fp32_head_only_on_avx512_without_our_operator(llama_d
     model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32", weights="int8").model
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(cpu_gemv, "_choice", [torch.ops.mfs.int8_gemv if ours else None])
-    model.compile_decode()
+    compile_decode(model)
     want = compiled_int8_rows() if capability == "AVX512" and not ours else None
     assert model.lm_head.rows_kernel is want
 
@@ -152,7 +153,7 @@ def test_compile_leaves_a_tiled_w4a8_head_on_its_own_operator(llama_dir, monkeyp
     assert model.lm_head.tiled
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(cpu_gemv, "_choice", [None])
-    model.compile_decode()
+    compile_decode(model)
     assert model.lm_head.rows_kernel is None
     x = torch.randn(2, model.lm_head.in_features)
     assert model.lm_head(x).shape == (2, model.lm_head.out_features)
@@ -182,7 +183,7 @@ def test_a_warmed_up_runner_serves_without_compiling_and_its_blocks_leak_nothing
         return out, graphs + [counters["stats"]["unique_graphs"]]
 
     comp = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights="int8").model
-    comp.compile_decode()
+    compile_decode(comp)
     eager = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights="int8").model
     if comp.lm_head.rows_kernel is not None:  # AVX-512: the compiled head's fp32 sum, uncompiled
         eager.lm_head.rows_kernel = int8_rows
@@ -199,7 +200,7 @@ def test_after_the_warm_up_a_family_mix_compiles_nothing(llama_dir):
     step (it once cost the first mixed step ~3 s)."""
     from torch._dynamo.utils import counters
     model = load_family(str(llama_dir), tiers="2+2,4+1,6", dtype="float32", weights="w4a8").model
-    model.compile_decode()
+    compile_decode(model)
     eng = Engine(model, block_size=4, num_blocks=128)
     assert eng.runner.warm_up() > 0
     before = counters["stats"]["unique_graphs"]
@@ -222,7 +223,7 @@ def test_a_standalone_tier_worker_warms_up_under_its_global_tier(llama_dir):
     from worker.model import standalone_tier
     from worker.runner import ModelRunner
     model = standalone_tier(load_family(str(llama_dir), tiers="2,4,6", dtype="float32").model, 0)
-    model.compile_decode()
+    compile_decode(model)
     runner = ModelRunner(model, [16], 4, tier_map={2: 0})
     before = counters["stats"]["unique_graphs"]
     assert runner.warm_up() > 0 and not runner.sampling

@@ -22,6 +22,7 @@ from kernels.common_triton import interpreted  # noqa: E402
 from kernels.paged_attention_triton import _paged_attention_kernel  # noqa: E402
 from engine import Engine  # noqa: E402
 from worker.decode_graphs import BUCKETS, DecodeGraphs  # noqa: E402
+from worker.execution import compile_decode, decode_graphs, use_decode_graphs  # noqa: E402
 from worker.family import load_family  # noqa: E402
 from worker.sampling import SamplingParams  # noqa: E402
 
@@ -89,11 +90,11 @@ def test_tokens_logits_and_kv_match_the_eager_step(family_dir):
     model = _model(family_dir)
     eager_eng, eager = _generate(model)
     graphs = DecodeGraphs(model, capture=CAPTURE)
-    model.use_decode_graphs(graphs)
+    use_decode_graphs(model, graphs)
     try:
         eng, out = _generate(model)
     finally:
-        model.use_decode_graphs(None)
+        use_decode_graphs(model, None)
     assert out == eager
     # 5 decode steps after the prefill, each with segment 0 (5 rows, then fewer as none finish early:
     # all 5 rows), 1 (3 rows) and 2 (2 rows)
@@ -122,11 +123,11 @@ def _decode_step_twice(model, table_blocks=8):
         rows.append(PlanRow(rid, tier, [5 + k], n, table, True, 1))
     eager = runner.execute(rows).logits
     graphs = DecodeGraphs(model, capture=CAPTURE)
-    model.use_decode_graphs(graphs)
+    use_decode_graphs(model, graphs)
     try:
         graphed = runner.execute(rows).logits
     finally:
-        model.use_decode_graphs(None)
+        use_decode_graphs(model, None)
     assert set(graphed) == set(eager) == {"r0", "r1", "r2"}
     return eager, graphed, graphs
 
@@ -153,11 +154,11 @@ def test_rows_past_the_largest_bucket_run_eagerly(family_dir):
     _, eager = _generate(model, max_tokens=3)
     graphs = DecodeGraphs(model, max_rows=2, capture=CAPTURE)
     assert graphs.buckets == (1, 2)
-    model.use_decode_graphs(graphs)
+    use_decode_graphs(model, graphs)
     try:
         _, out = _generate(model, max_tokens=3)
     finally:
-        model.use_decode_graphs(None)
+        use_decode_graphs(model, None)
     assert out == eager
     assert graphs.replays == 2  # segment 2's two rows in each of the two decode steps; 5 and 3 rows eager
 
@@ -167,12 +168,12 @@ def test_other_pools_drop_the_graphs(family_dir):
     model = _model(family_dir)
     _, eager = _generate(model, max_tokens=3)
     graphs = DecodeGraphs(model, capture=CAPTURE)
-    model.use_decode_graphs(graphs)
+    use_decode_graphs(model, graphs)
     try:
         _, first = _generate(model, max_tokens=3)
         _, second = _generate(model, max_tokens=3)
     finally:
-        model.use_decode_graphs(None)
+        use_decode_graphs(model, None)
     assert first == second == eager
     assert graphs.replays == 2 * 2 * 3
 
@@ -185,26 +186,34 @@ def test_refusals(family_dir, llama_family):
         with pytest.raises(ValueError, match="need the model on CUDA"):
             DecodeGraphs(model, capture=True)
         with pytest.raises(ValueError, match="torch ops on CPU or the triton ops on CUDA"):
-            model.compile_decode()
+            compile_decode(model)
     with pytest.raises(ValueError, match="max_rows"):
         DecodeGraphs(model, max_rows=0)
     with pytest.raises(ValueError, match="another model"):
-        _model(family_dir).use_decode_graphs(DecodeGraphs(model, capture=CAPTURE))
+        use_decode_graphs(_model(family_dir), DecodeGraphs(model, capture=CAPTURE))
 
 
-def test_the_kernel_bench_decode_step_runs_graphed():
+@pytest.mark.parametrize("tied", [False, True], ids=["1b-like", "smollm2-like"])
+def test_the_kernel_bench_decode_step_runs_graphed(tied):
     """`mfs bench kernels`' decode step (a one-segment random Llama over a random KV pool), at a tiny
-    shape: eager and through the graphs, the same logits. The bench itself times it only on CUDA."""
+    shape, untied (the 1B Llama's) and with the head tied to the embedding (the default family's):
+    eager and through the graphs, the same logits; a tied head's bytes count in the floor once. The
+    bench itself times it only on CUDA."""
     from kernels import select_backend  # noqa: PLC0415
-    from benches.kernels import _decode_batch, _graphed_step, _random_llama  # noqa: PLC0415
+    from benches.kernels_step import _decode_batch, _floor_bytes, _graphed_step, _random_llama  # noqa: PLC0415
     torch.manual_seed(0)
     shape = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
                  vocab_size=256)
-    model = _random_llama(select_backend("triton", DEVICE), DEVICE, shape)
+    model = _random_llama(select_backend("triton", DEVICE), DEVICE, shape, tied=tied)
+    assert (model.lm_head.weight is model.embed_tokens.weight) == tied
+    weights, _ = _floor_bytes(model, 37)
+    unique = sum(p.numel() * 2 for p in model.parameters())  # bf16; a tied tensor is listed once
+    head = 256 * 64 * 2  # the head's matrix, read whole each step (an embedding's only one row)
+    assert weights == (unique if tied else unique - head)
     batch, kv = _decode_batch(model, 37, 4, DEVICE)
     eager = model.forward_step(batch, kv)
     graphed = _graphed_step(model, batch, kv, capture=CAPTURE)()
-    model.use_decode_graphs(None)
+    use_decode_graphs(model, None)
     assert eager.shape == (1, 256)
     torch.testing.assert_close(graphed.float(), eager.float(), atol=2e-2, rtol=2e-2)
 
@@ -215,10 +224,10 @@ def test_cuda_graphs_record_and_replay(family_dir):
     """--compile on CUDA: compile_decode() records graphs, and greedy tokens equal the eager path's."""
     model = _model(family_dir)
     _, eager = _generate(model)
-    model.compile_decode()
+    compile_decode(model)
     try:
         _, out = _generate(model)
-        assert model.decode_graphs.captured == 3 * len(model.decode_graphs.buckets) * 2
+        assert decode_graphs(model).captured == 3 * len(decode_graphs(model).buckets) * 2
     finally:
-        model.compile_decode(False)
+        compile_decode(model, False)
     assert out == eager

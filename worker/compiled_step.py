@@ -1,4 +1,4 @@
-"""An opt-in compiled decode layer for CPU serving (``--compile``; issue 14's lean step).
+"""The compiled decode layer for CPU serving (worker/execution.py's inductor path; issue 14's lean step).
 
 When every row of a segment's step is a decode row (one new token each) and the torch ops serve, the
 segment's trunk layers -- per layer its norms, q/k/v, rotary, the KV write, the attention (our
@@ -9,11 +9,11 @@ and their Python per layer. One graph per segment, not per layer: dynamo's guard
 ~60 us a call here, as much as a layer's fusions save. The layers' modules are inputs, so segments of
 equal length share a graph; batch size and context length are dynamic (one recompile going from batch
 1 to more). An exit block built as the trunk's layers runs through the same graph too (its own length,
-its own graph; ``NestedModel.compiled_exits``) when its tokens are decode rows and some sample. Prefill
-chunks, verification rows, mixed steps and exit fills stay eager (their trunk layers; the int8 head below
-is compiled in every step). A serving worker (``python -m worker --compile``) builds the graphs with
-``ModelRunner.warm_up`` before it registers: the top tier's, and each lower tier's whose block the graph
-serves.
+its own graph; ``worker.execution.compiled_exits``) when its tokens are decode rows and some sample.
+Prefill chunks, verification rows, mixed steps and exit fills stay eager (their trunk layers; the int8
+head below is compiled in every step). A serving worker builds the graphs in the background while it
+serves eagerly (worker/execution_swap.py: ``ModelRunner.warm_up`` over a shadow of the model: the top
+tier's, and each lower tier's whose block the graph serves), then swaps them in.
 
 With ``--compile`` the int8 LM head (49152 x 576 for SmolLM2: 28 of the 101 MB an int4 step streams) also
 runs compiled (:func:`int8_rows`): inductor's loop reads each weight row once and dots it with every
@@ -27,9 +27,11 @@ threads, SmolLM2's head: 22.3 vs 5.2 ms at one row, 346 vs 19.3 ms at sixteen). 
 is taken only where torch reports AVX-512 (:func:`compiled_head_kernel`); elsewhere the int8 head
 stays on ``_weight_int8pack_mm`` under ``--compile`` too.
 
-Why opt-in: the graph fuses elementwise work, so its fp32 results may round differently from the
-eager ops'. A decode row's logits could then differ in their last bits between an all-decode step and
-a mixed one, and speculation's and batching's bit-for-bit guarantees are stated for the eager path.
+Rounding: the graph fuses elementwise work, so its fp32 results may round differently from the eager
+ops'. A decode row's logits could then differ in their last bits between an all-decode step and a mixed
+one, and speculation's and batching's bit-for-bit guarantees are stated for the eager path; so each
+token event names the path its step ran (``TokenEvent.path``, the response's ``mfs.paths``), and
+``--no-compile`` keeps a worker eager.
 """
 from __future__ import annotations
 

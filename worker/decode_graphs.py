@@ -18,7 +18,7 @@ kernels/kv_write_triton.py), context length 0 (the attention sees no key and wri
 merge divides by 1), position 0. Rows never mix in any op of a layer, so padding cannot change a real
 row's values -- but a different bucket may pick different matmul tiles than an eager step of ``R``
 rows, so a row's logits can differ in the last bits from the eager path's (as with the CPU's compiled
-graphs, this is why the flag is opt-in).
+graphs: each token event names the path that computed it, worker/execution.py).
 
 The attention's split count is fixed when a graph is recorded: the kernel finds each row's chunk from its
 own length on the device, so any split count is exact, and no host value of the step enters the graph.
@@ -27,13 +27,13 @@ the eager path picks there (one), else the one it picks for the longest context 
 
 Graphs are recorded for every (segment, bucket, context class) when a runner's KV pools exist
 (:meth:`DecodeGraphs.capture_all`, from ``ModelRunner``: at its construction, or first thing in ``warm_up``
-when ``--compile`` came after it), largest bucket first, from padding rows alone -- so no request's state
+when the path is swapped in after it), largest bucket first, from padding rows alone -- so no request's state
 is touched -- each after two eager warm-up runs on one side stream (Triton compiles then), all into one
 memory pool; nothing allocated inside a graph outlives it (outputs are copied to the static buffers), so
 replaying them in any order is safe. They hold the addresses of the KV pools (keyed by address, shape
 and dtype), of the weights and of the rotary table: a step over other pools drops them and records what
 it needs again, lazily, from its own rows; the weights must be final (quantized and fused: loading does
-that) before ``compile_decode``. A step whose block table is wider than the model's longest context
+that) before ``worker.execution.compile_decode``. A step whose block table is wider than the model's longest context
 needs (a pool of another block size) runs eagerly.
 
 ``capture=False`` runs the same static-buffer body without recording it (the CPU tests, with the Triton

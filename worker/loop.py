@@ -222,7 +222,8 @@ class WorkerLoop:
                               live.tier, self.id, live.prompt_len - live.seq_offset,
                               live.cached_tokens if first else 0, draft_proposed=live.draft_proposed,
                               draft_accepted=live.draft_accepted, logprobs=out.logprobs.get(rid, [])[:len(sent)],
-                              prompt_logprobs=out.prompt_logprobs.get(rid, []) if first else [])
+                              prompt_logprobs=out.prompt_logprobs.get(rid, []) if first else [],
+                              path=getattr(out, "path", ""))  # the null runner's steps name none
             by_gateway.setdefault(live.gateway_id, []).append(ev)
             if reason:
                 self.live.pop(rid, None)

@@ -20,7 +20,6 @@ from torch import nn
 
 from kernels import TORCH_OPS, KernelOps
 from kernels.rotary import build_cos_sin_cache
-from worker.compiled_step import compiled_decode_segment, compiled_head_kernel, layer_signature, write_segment_kv
 from worker.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -49,7 +48,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
         self.input_layernorm = nn.Parameter(torch.ones(h))
         self.post_attention_layernorm = nn.Parameter(torch.ones(h))
-        # Serving may fuse q/k/v and gate/up into one linear each (worker/quant.py: fuse_projections):
+        # Serving may fuse q/k/v and gate/up into one linear each (worker/formats/swap.py: fuse_projections):
         # one matmul and one activation cast instead of three and two. Then the separate ones are gone.
         self.qkv_proj: nn.Module | None = None
         self.gate_up_proj: nn.Module | None = None
@@ -102,60 +101,9 @@ class NestedModel(nn.Module):
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         self.rebuild_buffers()
         self.scale = cfg.head_dim ** -0.5
-        self._compiled_decode = None  # compile_decode() on CPU: all-decode segments as one compiled graph
-        self._compiled_exits: frozenset[int] = frozenset()  # exit blocks that graph serves too
-        self._decode_graphs = None    # compile_decode() on CUDA: their CUDA graphs (worker/decode_graphs.py)
-
-    def compile_decode(self, enable: bool = True) -> None:
-        """All-decode steps run each segment's trunk layers as one compiled graph: on CPU (the torch
-        ops) inductor's, and on an AVX-512 CPU an int8 LM head runs compiled in fp32
-        (:mod:`worker.compiled_step`); on CUDA (the Triton ops) CUDA graphs per batch-size bucket
-        (:mod:`worker.decode_graphs`). Opt-in: see there why."""
-        if not enable:
-            self._compiled_decode = self._decode_graphs = None
-            self._compiled_exits = frozenset()
-            if hasattr(self.lm_head, "rows_kernel"):
-                self.lm_head.rows_kernel = None
-            return
-        device = self.embed_tokens.weight.device
-        if self.ops.name == "triton" and device.type == "cuda":
-            from worker.decode_graphs import DecodeGraphs  # noqa: PLC0415
-            self.use_decode_graphs(DecodeGraphs(self))
-            return
-        if self.ops.name != "torch" or device.type != "cpu":
-            raise ValueError(f"--compile is for the torch ops on CPU or the triton ops on CUDA (ops "
-                             f"{self.ops.name}, device {device})")
-        if any(hasattr(m, "packed_bytes") for m in self.modules()):
-            # measured: dynamo breaks the graph at every fbgemm call and the step runs ~2x slower
-            raise ValueError("--compile does not serve --weights w8a8 (fbgemm's packed linears break the "
-                             "compiled graph; w8a8 runs eager)")
-        self._compiled_decode = compiled_decode_segment(self.cfg, list(self.layers))
-        # an exit block whose layers are built as the trunk's (same modules, parameter shapes and dtypes)
-        # runs through the same graph in all-decode steps; any other stays eager
-        trunk = layer_signature(self.layers[0])
-        self._compiled_exits = frozenset(int(k) for k, blk in self.exit_blocks.items()
-                                         if all(layer_signature(layer) == trunk for layer in blk))
-        # an int8 head (worker/quant.py: Int8Linear); AVX-512 only. A tiled w4a8 head keeps its own operator.
-        if hasattr(self.lm_head, "rows_kernel") and not getattr(self.lm_head, "tiled", False):
-            self.lm_head.rows_kernel = compiled_head_kernel()
-
-    @property
-    def compiled_exits(self) -> frozenset[int]:
-        """The segments whose exit block an all-decode step runs through the compiled graph (CPU
-        ``compile_decode``; blocks built as the trunk's layers)."""
-        return self._compiled_exits
-
-    @property
-    def decode_graphs(self):
-        """The model's CUDA decode graphs (worker/decode_graphs.py), or None."""
-        return self._decode_graphs
-
-    def use_decode_graphs(self, graphs) -> None:
-        """All-decode segments through ``graphs`` (a :class:`worker.decode_graphs.DecodeGraphs` of this
-        model; None: eager). compile_decode() on CUDA sets one; tests set one that does not capture."""
-        if graphs is not None and graphs.model is not self:
-            raise ValueError("these decode graphs belong to another model")
-        self._decode_graphs = graphs
+        # how all-decode rows run their segments and exit blocks another way than the eager layers below
+        # (worker/execution.py: compiled graphs, applied from outside); None: eager
+        self.execution = None
 
     # ---- construction ------------------------------------------------------------------------
     def tie_weights(self) -> None:
@@ -209,28 +157,8 @@ class NestedModel(nn.Module):
                     for name, p in self.layers[si].named_parameters():
                         dst.get_parameter(name).copy_(p)
 
-    def load_base_state(self, sd: dict[str, torch.Tensor], exit_norms: dict[int, torch.Tensor] | None = None):
-        """Copy HF-named weights in. Lower exits start as copies of the final norm unless given."""
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(sd["model.embed_tokens.weight"])
-            if not self.cfg.tie_embeddings:
-                self.lm_head.weight.copy_(sd["lm_head.weight"])
-            for i, layer in enumerate(self.layers):
-                p = f"model.layers.{i}."
-                for hf, ours in _LAYER_KEYS.items():
-                    lin = getattr(layer, ours)
-                    lin.weight.copy_(sd[p + hf + ".weight"])
-                    if lin.bias is not None:
-                        lin.bias.copy_(sd[p + hf + ".bias"])
-                layer.input_layernorm.copy_(sd[p + "input_layernorm.weight"])
-                layer.post_attention_layernorm.copy_(sd[p + "post_attention_layernorm.weight"])
-            for t in self.tiers:
-                src = (exit_norms or {}).get(t.index, sd["model.norm.weight"])
-                self.exit_norms[t.index].copy_(src)
-        self.init_exit_blocks("copy:last")
-
     def adopt_base_state(self, sd: dict[str, torch.Tensor]) -> None:
-        """Like load_base_state, but the model takes the loader's tensors as its parameters instead
+        """Loads HF-named weights: the model takes the loader's tensors as its parameters instead
         of copying them (a meta-initialised model needs no memory of its own: loading peaks at one
         copy of the weights, not two). The exit norms start as copies of the final norm."""
         def take(module: nn.Module, name: str, key: str) -> None:
@@ -394,43 +322,16 @@ class NestedModel(nn.Module):
         """The trunk layers of segment s over its active tokens; stores their hidden state after the
         segment for later cross-tier reuse (every segment but the last)."""
         k_cache, v_cache = kv.k[s], kv.v[s]
-        R = len(seg.q_lens_host)
-        out = self._decode_graphs.run(s, h, residual, pos, seg, kv) \
-            if self._decode_graphs is not None and h.shape[0] == R else None
+        decode = self.execution is not None and h.shape[0] == len(seg.q_lens_host)  # every row one token
+        out = self.execution.segment(self, s, h, residual, pos, seg, kv) if decode else None
         if out is not None:
             h, residual = out
-        elif self._compiled_decode is not None and h.shape[0] == R:  # every row one token: all decode
-            if residual is None:  # the model's first layer: h + 0 is h, so one graph serves it too
-                residual = torch.zeros_like(h)
-            h, residual = self._compiled_layers(tuple(self.layers[li] for li in self.segment_layers(s)), h,
-                                                residual, pos, seg, k_cache, v_cache, 0)
         else:
             for j, li in enumerate(self.segment_layers(s)):
                 h, residual = self._layer(self.layers[li], h, residual, pos, seg, k_cache[j], v_cache[j])
         if s < len(kv.hid):
             hid = kv.hid[s]
             hid.view(-1, hid.shape[-1]).index_copy_(0, seg.slot_mapping, (h + residual).to(hid.dtype))
-        return h, residual
-
-    def _compiled_layers(self, layers: tuple, h: torch.Tensor, residual: torch.Tensor, pos: torch.Tensor, seg,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, first_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``layers`` over decode rows (one token each) as the compiled graph, their KV layers
-        ``first_kv`` on in the pools; writes the rows' new K/V."""
-        # dynamo guards on how an input was made (a view or not, its offset, an inference tensor or not):
-        # an exit's rows (the segment's tail, positions built with the step) and a segment's (a prefix of
-        # the batch) arrive either way, so each is copied here, made alike -- a few rows' copy instead of
-        # a recompile in a client's step
-        h, residual, pos = h.clone(), residual.clone(), pos.clone()
-        kp = k_cache.view(k_cache.shape[0], -1, *k_cache.shape[3:])[first_kv:]
-        vp = v_cache.view(v_cache.shape[0], -1, *v_cache.shape[3:])[first_kv:]
-        # the rows' context slots are computed in the graph (compiled_step.decode_slots) from their block
-        # tables and lengths, copied like the rows above; a table one block wide gets its column twice (the
-        # graph reads only the first), so its width never takes the size 1 dynamo specializes a graph on
-        bt = seg.block_tables
-        bt = bt.expand(-1, 2).contiguous() if bt.shape[1] == 1 else bt.clone()
-        h, residual, ks, vs = self._compiled_decode(layers, h, residual, pos, self.cos_sin, kp, vp, bt,
-                                                    seg.ctx_lens.clone(), max(seg.ctx_lens_host), k_cache.shape[2])
-        write_segment_kv(kp, vp, seg.slot_mapping, ks, vs)
         return h, residual
 
     def _exit(self, s: int, h: torch.Tensor, residual: torch.Tensor, pos: torch.Tensor, seg, kv,
@@ -449,12 +350,10 @@ class NestedModel(nn.Module):
         if blk is not None:
             nl = len(self.segment_layers(s))
             k_cache, v_cache = kv.k[s], kv.v[s]
-            if (rows is not None and s in self._compiled_exits and self._compiled_decode is not None
-                    and h.shape[0] == len(seg.q_lens_host)):
-                # all decode rows, some sampled: the block as the trunk's graph (its last layer's MLP for
-                # every row, then the sampled ones taken -- each row's values are its own)
-                h, residual = self._compiled_layers(tuple(blk), h, residual, pos, seg, k_cache, v_cache, nl)
-                h, residual = h.index_select(0, rows), residual.index_select(0, rows)
+            decode = self.execution is not None and rows is not None and h.shape[0] == len(seg.q_lens_host)
+            out = self.execution.exit_block(self, s, blk, h, residual, pos, seg, kv) if decode else None
+            if out is not None:  # all decode rows, some sampled: the block's last MLP ran for every row
+                h, residual = out[0].index_select(0, rows), out[1].index_select(0, rows)
             else:
                 for j, layer in enumerate(blk):
                     last = j == len(blk) - 1
@@ -537,7 +436,7 @@ def standalone_tier(model: NestedModel, tier: int) -> NestedModel:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of distinct parameter storage (tied tensors counted once), plus weights a module keeps
-    packed outside its parameters (``packed_bytes()``: worker/quant_w8a8.py)."""
+    packed outside its parameters (``packed_bytes()``: worker/formats/w8a8.py)."""
     seen, total = set(), 0
     for p in model.parameters():
         key = p.untyped_storage().data_ptr()

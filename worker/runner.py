@@ -34,6 +34,7 @@ import torch
 
 from core.protocol import PlanRow, TokenLogprob
 from worker.batch import build_step, order_rows
+from worker.execution import EAGER, compiled_exits, decode_graphs, path_name
 from worker.grammar import Grammars, mask_rows
 from worker.kv_tensors import SegmentedKVCache
 from worker.model import NestedModel
@@ -60,6 +61,7 @@ class StepOutput:
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     # request -> its prompt tokens 1..P-1 scored, with its first output token (echo)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    path: str = EAGER  # the execution path the step ran (worker/execution.py): named in each token event
 
 
 class ModelRunner:
@@ -94,12 +96,18 @@ class ModelRunner:
         self.counts: dict[str, torch.Tensor] = {}
         self.seen: dict[str, torch.Tensor] = {}
         self.matchers: dict[str, object] = {}  # requests with a grammar: their xgrammar matcher
+        self._pending = None  # an execution path built in the background, applied before the next step
         self.record_graphs()
+
+    def swap_in(self, path) -> None:
+        """``path`` (worker/execution.py) serves from the next step on; safe from another thread: the step
+        loop applies it between two steps (worker/execution_swap.py)."""
+        self._pending = path
 
     def record_graphs(self) -> int:
         """With CUDA decode graphs on the model (``--compile`` on CUDA: worker/decode_graphs.py), records
         them over this runner's KV pools now, before any request waits; returns how many."""
-        graphs = self.model.decode_graphs
+        graphs = decode_graphs(self.model)
         return graphs.capture_all(self.kv) if graphs is not None else 0
 
     def add(self, request_id: str, params: SamplingParams, prompt_ids: list[int] | None = None,
@@ -125,7 +133,7 @@ class ModelRunner:
             self.matchers[request_id] = m
 
     def warm_up(self, steps: int = 2) -> float:
-        """Runs throw-away requests so that compiled graphs (``NestedModel.compile_decode``) are built
+        """Runs throw-away requests so that compiled graphs (worker/execution.py) are built
         before any client waits: through the top tier, and through each lower tier whose exit block the
         graph serves (a block's own length is its own graph): one request decoding alone, then two
         together (the compiler specializes a batch of one), each over more than one KV block per
@@ -142,7 +150,7 @@ class ModelRunner:
             raise ValueError(f"warm_up needs {2 * need} KV blocks per segment; the pools have "
                              f"{min(self.kv.num_blocks)}")
         self.record_graphs()  # CUDA graphs: every bucket, largest first, before the steps below use any
-        local = [top] + [s for s in model.exit_block_segments if s in model.compiled_exits]
+        local = [top] + [s for s in model.exit_block_segments if s in compiled_exits(model)]
         prompt = [1 + k % 7 for k in range(n)]
         for t in local:
             if self.tier_map is None:
@@ -190,13 +198,17 @@ class ModelRunner:
             self.matchers.pop(rid, None)
 
     def execute(self, rows: list[PlanRow]) -> StepOutput:
+        if self._pending is not None:
+            path, self._pending = self._pending, None
+            path.apply(self.model)
+            self.record_graphs()  # CUDA graphs over this runner's pools, before the step uses them
         if self.tier_map is not None:  # copies: the caller keeps the global tiers (it streams them)
             rows = [replace(r, tier=self.tier_map[r.tier]) for r in rows]
         rows = [rows[i] for i in order_rows(rows)]
         batch = build_step(rows, self.model.num_segments, self.block_size, self.device,
                            self.model.exit_block_segments)
         logits = self.model.forward_step(batch, self.kv)
-        out = StepOutput({}, None, int(batch.input_ids.shape[0]))
+        out = StepOutput({}, None, int(batch.input_ids.shape[0]), path=path_name(self.model))
         # The logits of each sampled row (several, in position order, for a verification row).
         per_row: dict[int, list[int]] = {}
         for k, i in enumerate(batch.sampled_rows):

@@ -16,15 +16,15 @@ from worker.sampling import SamplingParams
 model = compiled_nested("w4a8")
 mk = lambda: engine(model)  # noqa: E731
 seen = {}
-real = model._compiled_decode
+real = model.execution.graph
 def grab(layers, *a):
     seen.setdefault(len(layers), (layers, a))
     return real(layers, *a)
-model._compiled_decode = grab
+model.execution.graph = grab
 eng = mk()
 eng.add_request("r0", list(range(100, 140)), 1, SamplingParams(max_tokens=200, ignore_eos=True))
 for _ in range(8): eng.step()
-model._compiled_decode = real
+model.execution.graph = real
 cap = {}
 def backend(gm, ex):
     fn = compile_fx(gm, ex, config_patches=dict(cs.CPU_OPTIONS))

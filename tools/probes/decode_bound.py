@@ -11,9 +11,10 @@ import torch
 
 from benches.engine import make_workload
 from engine import Engine
+from worker.execution import compile_decode
 from worker.family import add_model_args, load_from_args
 from worker.model import standalone_tier
-from worker.quant import quantize_model
+from worker.formats import quantize_model
 from worker.sampling import SamplingParams
 
 
@@ -23,7 +24,7 @@ def compiled_nested(weights: str = "w4a8"):
     ap = argparse.ArgumentParser()
     add_model_args(ap)
     model = load_from_args(ap.parse_args(["--model", "default-raw", "--weights", weights])).model
-    model.compile_decode()
+    compile_decode(model)
     engine(model).runner.warm_up()
     return model
 
@@ -40,7 +41,7 @@ def nested_and_tiers(weights: str, compile: bool):
     for m in [model, *copies]:
         quantize_model(m, weights, gguf_path=fam.base.source, device="cpu", load_tokenizer=lambda: fam.tokenizer)
         if compile:
-            m.compile_decode()
+            compile_decode(m)
             engine(m).runner.warm_up()
     return model, copies
 
@@ -88,11 +89,11 @@ def median_step_ms(eng: Engine, steps: int) -> float:
 
 def time_graph_calls(m, record: Callable[[int, int, float], None]) -> None:
     """Every compiled graph call of ``m`` (after compile_decode) reported as record(layers, rows, seconds)."""
-    f = m._compiled_decode
+    f = m.execution.graph
 
     def call(layers, h, *a):
         t = time.perf_counter()
         out = f(layers, h, *a)
         record(len(layers), h.shape[0], time.perf_counter() - t)
         return out
-    m._compiled_decode = call
+    m.execution.graph = call

@@ -4,10 +4,11 @@ graph and eager, alternated in one process over four rounds: median step of 40 a
 import statistics
 
 from decode_bound import compiled_nested, median_step_ms, started_tiers
+from worker.execution import compiled_exits
 
 model = compiled_nested("w4a8")
-print(f"compiled exits {sorted(model.compiled_exits)}")
-compiled = model.compiled_exits
+print(f"compiled exits {sorted(compiled_exits(model))}")
+compiled = compiled_exits(model)
 
 
 def run(tier: int, R: int) -> float:
@@ -17,7 +18,7 @@ def run(tier: int, R: int) -> float:
 res: dict = {}
 for rnd in range(4):
     for mode in (("compiled", "eager") if rnd % 2 == 0 else ("eager", "compiled")):
-        model._compiled_exits = compiled if mode == "compiled" else frozenset()
+        model.execution.exits = compiled if mode == "compiled" else frozenset()
         for tier in (0, 1):
             for R in (1, 4):
                 res.setdefault((tier, R, mode), []).append(run(tier, R))

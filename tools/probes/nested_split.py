@@ -1,6 +1,6 @@
 """The decode-bound workload's compiled steps split finer than step_parts.py: per step, nested and each
 standalone tier (w4a8), the time in each compiled graph call (by layers x rows; "graph" their sum), in
-_compiled_layers around them, write_segment_kv, _segment, _exit, _exit_inputs, _logits and forward_step --
+InductorDecode.layers around them, write_segment_kv, _segment, _exit, _exit_inputs, _logits and forward_step --
 and in decode_gather where worker.model still calls it (before 85bd846 moved the context slots into the
 graph; to time such a commit, copy this file and decode_bound.py into its checkout). Medians of 60 steps
 after 5, two rounds. usage: python tools/probes/nested_split.py"""
@@ -8,8 +8,9 @@ import collections
 import statistics
 import time
 
-import worker.model as wm
+import worker.execution as wm  # write_segment_kv is called from there
 from decode_bound import nested_and_tiers, started, time_graph_calls, workload
+from worker.execution import InductorDecode
 from worker.model import NestedModel
 
 model, copies = nested_and_tiers("w4a8", compile=True)
@@ -30,8 +31,9 @@ def wrap(obj, name):
     setattr(obj, name, staticmethod(timed) if static else timed)
 
 
-for name in ("_segment", "_exit", "_logits", "forward_step", "_compiled_layers", "_exit_inputs"):
+for name in ("_segment", "_exit", "_logits", "forward_step", "_exit_inputs"):
     wrap(NestedModel, name)
+wrap(InductorDecode, "layers")  # the compiled graph's call around it (worker/execution.py)
 for name in ("decode_gather", "write_segment_kv"):
     if hasattr(wm, name):
         wrap(wm, name)

@@ -4,6 +4,7 @@ MFS_CPU_ATTENTION=0 takes the graph's gather + SDPA instead of mfs::decode_atten
 import sys, time, torch
 from torch.profiler import profile, ProfilerActivity
 from engine import Engine
+from worker.execution import compile_decode
 from worker.family import load_from_args, add_model_args
 from worker.sampling import SamplingParams
 import argparse
@@ -13,7 +14,7 @@ if len(sys.argv) < 2:
 ap = argparse.ArgumentParser(); add_model_args(ap)
 args = ap.parse_args(["--model", "default-raw", "--weights", sys.argv[1]])
 fam = load_from_args(args); model = fam.model
-model.compile_decode()
+compile_decode(model)
 eng = Engine(model, block_size=16, num_blocks=2048, max_num_batched_tokens=512, max_num_seqs=64)
 print("warm", eng.runner.warm_up())
 top = int(sys.argv[2]) if len(sys.argv) > 2 else len(model.tiers) - 1

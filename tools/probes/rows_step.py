@@ -11,9 +11,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engine import Engine
+from worker.execution import compile_decode
 from worker.family import add_model_args, load_from_args
 from worker.model import NestedModel, standalone_tier
-from worker.quant import quantize_model
+from worker.formats import quantize_model
 from worker.sampling import SamplingParams
 
 torch.set_num_threads(2)
@@ -28,7 +29,7 @@ def engine():
     return Engine(top, block_size=16, num_blocks=2048, max_num_batched_tokens=512, max_num_seqs=64)
 
 
-top.compile_decode()
+compile_decode(top)
 engine().runner.warm_up()
 seg_s = [0.0]
 _segment = NestedModel._segment

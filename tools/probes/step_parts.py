@@ -9,6 +9,7 @@ import sys
 import time
 
 from decode_bound import nested_and_tiers, started, workload
+from worker.execution import compiled_exits
 from worker.model import NestedModel
 
 if len(sys.argv) < 2:
@@ -40,12 +41,12 @@ def run(m, items) -> dict:
     return {k: 1e3 * statistics.median(v) for k, v in per.items()}
 
 
-saved = {id(m): m.compiled_exits for m in [model, *copies]}
+saved = {id(m): compiled_exits(m) for m in [model, *copies]}
 rows = collections.defaultdict(list)
 for rnd in range(int(sys.argv[2]) if len(sys.argv) > 2 else 2):
     for mode in (("compiled", "eager") if rnd % 2 == 0 else ("eager", "compiled")):
         for m in [model, *copies]:
-            m._compiled_exits = saved[id(m)] if mode == "compiled" else frozenset()
+            m.execution.exits = saved[id(m)] if mode == "compiled" else frozenset()
         nested = run(model, work)
         tiers = [run(c, [it for it in work if it.tier == k]) for k, c in enumerate(copies)]
         indep = {k: sum(t[k] for t in tiers) for k in nested}

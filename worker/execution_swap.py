@@ -1,0 +1,82 @@
+"""A worker that serves before its compiled decode graphs exist (issue 44: a start nobody waits on).
+
+The worker registers at once and serves on the eager path. A background thread builds the compiled path
+meanwhile and hands it to the runner, which applies it between two steps (``ModelRunner.swap_in``); each
+token event names the path its step ran (``TokenEvent.path``), so a client sees which computed it (the
+compiled graphs may round differently from the eager ops: worker/execution.py).
+
+Inductor's graphs are built by running throw-away requests (``ModelRunner.warm_up``) through a *shadow*
+of the model -- the same modules and weights, its own ``execution`` and its own copy of the LM head
+module (whose kernel the compiled path changes) -- over a scratch runner's own small KV pools, so the
+serving runner's model, pools and requests are never touched until the swap. The graphs are dynamic in
+the batch, the context and the pools' size, so the serving pools reuse them (tests/test_execution.py
+checks that no step recompiles after the swap). CUDA graphs bind the serving pools' addresses, so they
+are recorded at the swap, by the step loop (``record_graphs``: seconds on a GPU).
+"""
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import structlog
+
+from worker.execution import CUDA_GRAPHS, CudaGraphDecode, InductorDecode
+from worker.runner import ModelRunner
+
+log = structlog.get_logger(__name__)
+
+SCRATCH_BLOCKS = 8  # per segment: the warm-up's two requests of two blocks each, with room to spare
+
+
+def shadow(model):
+    """The model's modules and weights under another ``execution``, with its own LM head module object
+    (sharing the head's tensors) so the compiled head kernel set on it leaves the served model's alone."""
+    sh = copy.copy(model)
+    sh._modules = dict(model._modules)
+    sh._modules["lm_head"] = copy.copy(model.lm_head)
+    sh.execution = None
+    return sh
+
+
+class BackgroundCompile:
+    """Builds ``path`` (worker/execution.py: inductor or cuda-graphs) for ``runner``'s model on a thread and
+    swaps it in when built. ``done`` is set at the end either way; ``error`` says why it failed (the
+    worker then keeps serving eagerly), ``seconds`` how long the build took."""
+
+    def __init__(self, runner: ModelRunner, path: str):
+        self.runner, self.path = runner, path
+        self.done = threading.Event()
+        self.error: str | None = None
+        self.seconds = 0.0
+        self.thread = threading.Thread(target=self._build, daemon=True, name="compile-decode")
+
+    def start(self) -> "BackgroundCompile":
+        self.thread.start()
+        return self
+
+    def _build(self) -> None:
+        t0 = time.perf_counter()
+        model = self.runner.model
+        try:
+            if self.path == CUDA_GRAPHS:
+                from worker.decode_graphs import DecodeGraphs  # noqa: PLC0415
+                built = CudaGraphDecode(DecodeGraphs(model))
+            else:
+                built = InductorDecode(model)
+                sh = shadow(model)
+                built.apply(sh)
+                scratch = ModelRunner(sh, [SCRATCH_BLOCKS] * model.num_segments, self.runner.block_size,
+                                      tier_map=self.runner.tier_map)
+                scratch.warm_up()
+                del scratch
+            self.seconds = time.perf_counter() - t0
+            self.runner.swap_in(built)
+            log.info("compiled decode built; the step loop swaps it in before its next step", path=self.path,
+                     seconds=round(self.seconds, 1))
+        except Exception as e:  # inductor's failures (no C++ compiler, ...), CUDA's errors: many types
+            self.error = f"{type(e).__name__}: {str(e)[:300]}"
+            log.error("building the compiled decode failed: this worker keeps serving on the eager path",
+                      path=self.path, error=self.error)
+        finally:
+            self.done.set()
