@@ -1,7 +1,9 @@
-"""`mfs bench peers`: MFS in each ``--weights`` mode side by side with ``transformers`` generate and
-llama.cpp (``llama-cpp-python``, when installed) — same machine, same prompts, same token counts, one
-run. Per contender: a single request and ``--concurrency`` concurrent ones (MFS also the family mix),
-tokens/s, TPOT, resident memory and the top tier's held-out perplexity.
+"""`mfs bench peers`: what `mfs up` serves by default, through its HTTP API (the contender ``api``,
+benches/peers_api.py), and MFS in-process in each ``--weights`` mode, side by side with
+``transformers`` generate and llama.cpp (``llama-cpp-python``, checked and if need be rebuilt by
+benches/llama_build.py) — same machine, same prompts, same token counts, one run. Per contender: a
+single request and ``--concurrency`` concurrent ones (MFS also the family mix), tokens/s, TPOT,
+resident memory and the top tier's held-out perplexity.
 
 Each contender runs in its own child process, one after another: resident memory is its own, and no
 two ever compete for the cores. This machine's speed drifts by ±10–20 % from one minute to the next, so
@@ -27,10 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.runtime import write_json
-
-LLAMA_CPP_MISSING = ("llama-cpp-python is not installed: llama.cpp skipped (`pip install "
-                     "llama-cpp-python` builds it from source, about 12 minutes on 2 cores)")
-
 
 @dataclass(slots=True)
 class Spec:
@@ -104,6 +102,7 @@ def _ppl(logits_fn, windows: list[list[int]]) -> float:
 
 
 def run_mfs(spec: Spec, mode: str) -> dict:
+    from worker.execution import compile_decode  # noqa: PLC0415
     from worker.family import load_family  # noqa: PLC0415
     from worker.model import weight_bytes  # noqa: PLC0415
     weights, compiled = mode.removesuffix("+compile"), mode.endswith("+compile")
@@ -115,7 +114,7 @@ def run_mfs(spec: Spec, mode: str) -> dict:
     mem = _rss(spec.device)
     warm_s = None
     if compiled:  # the graphs are built as a serving worker builds them, before anything is timed
-        model.compile_decode()
+        compile_decode(model)
         warm_s = _engine(model, len(spec.prompts)).runner.warm_up()
     top = len(model.tiers) - 1
     n = len(spec.prompts)
@@ -219,7 +218,11 @@ def child_main(argv: list[str]) -> int:
     kind, mode, spec_path, out_path = argv
     spec = Spec(**json.loads(Path(spec_path).read_text()))
     torch.set_num_threads(spec.threads)
-    res = run_mfs(spec, mode) if kind == "mfs" else run_hf(spec) if kind == "hf" else run_llama_cpp(spec)
+    if kind == "api":
+        from benches.peers_api import run_api  # noqa: PLC0415
+        res = run_api(spec)
+    else:
+        res = run_mfs(spec, mode) if kind == "mfs" else run_hf(spec) if kind == "hf" else run_llama_cpp(spec)
     res["threads"] = torch.get_num_threads()
     Path(out_path).write_text(json.dumps(res, indent=2))
     return 0
@@ -264,9 +267,14 @@ def add_parser(sub) -> None:
     p = sub.add_parser("peers", help="MFS per --weights mode vs transformers generate vs llama.cpp")
     p.add_argument("--model", default="default-raw",
                    help="default-raw: the GGUF as shipped, the weights every contender can serve")
-    p.add_argument("--modes", default="fp32,int8,int4",
-                   help="MFS --weights modes to run; MODE+compile (e.g. int4+compile) adds the compiled "
-                        "decode segments (CPU), compiled in an untimed warm-up")
+    p.add_argument("--modes", default="api",
+                   help="what MFS contenders to run: 'api' is `mfs up --model M` with its defaults, measured "
+                        "through HTTP (gateway -> Redis -> worker); a --weights mode (fp32, int8, int4, w8a8, "
+                        "w4a8) runs in-process; MODE+compile adds the compiled decode segments (CPU), compiled "
+                        "in an untimed warm-up")
+    p.add_argument("--build-llama-cpp", action="store_true",
+                   help="when llama-cpp-python is missing or its build crashes on this CPU, build it here with "
+                        "GGML_NATIVE=OFF and AMX off (about 12 minutes on 2 cores)")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=16)
@@ -285,8 +293,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import importlib.util  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
+
+    from benches import llama_build  # noqa: PLC0415
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"--device {args.device}: CUDA is not available here", file=sys.stderr)
         return 2
@@ -294,9 +303,10 @@ def run(args) -> int:
         print(f"--device {args.device}: expected cpu or cuda[:N]", file=sys.stderr)
         return 2
     modes = args.modes.split(",")
-    bad = [m for m in modes if m.removesuffix("+compile") not in ("fp32", "int8", "int4", "w8a8", "w4a8") or m == "w8a8+compile"]
+    from worker.formats import FORMATS  # noqa: PLC0415  (the registry: a new format is a mode here too)
+    bad = [m for m in modes if m != "api" and (m.removesuffix("+compile") not in FORMATS or m == "w8a8+compile")]
     if bad:
-        print(f"--modes: unknown {', '.join(bad)} (fp32, int8, int4, w8a8, w4a8; all but w8a8 optionally +compile)",
+        print(f"--modes: unknown {', '.join(bad)} (api; {', '.join(FORMATS)}, all but w8a8 optionally +compile)",
               file=sys.stderr)
         return 2
     if args.repeats < 1:
@@ -307,17 +317,18 @@ def run(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="mfs-peers-"))
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(asdict(spec)))
-    plan = [("mfs", m) for m in modes]
+    plan = [("api", "default") if m == "api" else ("mfs", m) for m in modes]
     if not args.skip_hf:
         plan.append(("hf", "fp32"))
     notes = []
-    if importlib.util.find_spec("llama_cpp") is None:
-        notes.append(LLAMA_CPP_MISSING)
-        print(LLAMA_CPP_MISSING, flush=True)
-    elif spec.gguf is None:
+    if spec.gguf is None:
         notes.append("llama.cpp skipped: the model is not a GGUF")
     else:
-        plan.append(("llama.cpp", "gguf"))
+        usable, note = llama_build.ensure(spec.gguf, args.build_llama_cpp, say=lambda m: print(m, flush=True))
+        notes.append(note)
+        print(note, flush=True)
+        if usable:
+            plan.append(("llama.cpp", "gguf"))
     rounds: list[list[dict]] = []
     for k in range(args.repeats):
         rounds.append([])
@@ -396,10 +407,18 @@ def print_table(out: dict) -> None:
           f"{'mix tok/s':>11}{'RSS MB':>8}{'weights MB':>11}{'ppl top':>9}")
     for r in out["results"]:
         mix = r.get("family_mix", {}).get("tokens_per_s")
+        weights = f"{r['weights_bytes'] / 1e6:.0f}" if r.get("weights_bytes") else "-"  # api: not one file
         print(f"{r['name']:<30}{r['single']['tokens_per_s']:>12.1f}{r['single']['tpot_ms']:>9.1f}"
               f"{r['concurrent']['tokens_per_s']:>13.1f}{r['concurrent']['tpot_ms']:>9.1f}"
               f"{(f'{mix:.1f}' if mix else '-'):>11}{r['rss_bytes'] / 2**20:>8.0f}"
-              f"{r['weights_bytes'] / 1e6:>11.0f}{r['ppl_top']:>9.3f}")
+              f"{weights:>11}"
+              f"{r['ppl_top']:>9.3f}")
+        if "first_token_after_launch_s" in r:
+            print(f"{'':<30}first token {r['first_token_after_launch_s']:.1f} s after `mfs up` was launched; "
+                  f"served as {r['first_answer_mfs']} first, {r['last_answer_mfs']} last")
+            if r.get("compiled_after_launch_s") is not None:
+                print(f"{'':<30}compiled decode in use {r['compiled_after_launch_s']:.1f} s after launch "
+                      "(the timed runs waited for it)")
     if out.get("repeats", 1) > 1:
         print(f"(medians over {out['repeats']} rounds)")
     for name, r in out.get("vs_llama_cpp", {}).items():

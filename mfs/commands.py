@@ -1,6 +1,7 @@
 """`mfs generate`, `mfs tiers` and `mfs up`: the commands a new user meets first."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 from engine.prompts import encode_prompt
@@ -20,6 +21,7 @@ def resolve_tier(model, tier: str | None) -> int:
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion at one tier (prints only the completion)")
     add_model_args(p)
+    p.set_defaults(weights="auto")  # what serves: the fastest weight format this CPU runs (fp32 on CUDA)
     p.add_argument("--tier", default=None, help="tier name (default: the top tier)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -116,16 +118,19 @@ def run_tiers(args) -> int:
 def add_up(sub) -> None:
     p = sub.add_parser("up", help="start the service (Redis, scheduler, workers, gateway)")
     add_model_args(p)
+    p.set_defaults(weights="auto")  # the fastest weight format this CPU runs (fp32 on CUDA)
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--layout", default="nested", choices=["nested", "independent"],
                    help="independent: each tier a standalone copy on its own worker (the baseline)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores - 1)")
-    p.add_argument("--compile", action="store_true",
-                   help="workers run all-decode steps as compiled graphs, built before each worker registers: "
-                        "on CPU inductor's (tens of seconds; needs a C++ compiler), on CUDA CUDA graphs per "
-                        "batch-size bucket (worker/decode_graphs.py)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per worker (0: the cores this process may use, split between the workers)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="all-decode steps as compiled graphs, built in the background while each worker already "
+                        "serves eagerly, then swapped in (responses name the path in mfs.paths): on CPU inductor's "
+                        "(cached under $MFS_CACHE/inductor; needs a C++ compiler), on CUDA CUDA graphs. Default: on "
+                        "where they build; --compile: refused where they cannot; --no-compile: eager")
     p.add_argument("--schedulers", type=int, default=2,
                    help="scheduler processes per shard: one leads, the others stand by to take over (1: no standby)")
     p.add_argument("--shards", type=int, default=1,
@@ -141,6 +146,49 @@ def add_up(sub) -> None:
     p.set_defaults(func=run_up)
 
 
+def compile_choice(args) -> str:
+    """A worker's ``--compile`` from `mfs up`'s: auto (the default: compiled decode where it builds), on
+    (``--compile``: refused where it cannot be), off (``--no-compile``)."""
+    asked = getattr(args, "compile", None)
+    if asked is None:
+        return "auto"
+    if not asked:
+        return "off"
+    cuda = str(getattr(args, "device", None) or "cpu").startswith("cuda")
+    kernels = getattr(args, "kernels", None)
+    if cuda and kernels == "torch":  # on CUDA --compile records CUDA graphs of the Triton ops
+        raise ValueError("--compile on CUDA records CUDA graphs of the Triton ops: drop --kernels torch")
+    if not cuda and kernels == "triton":
+        raise ValueError("--compile on CPU compiles the torch ops: drop --kernels triton (or add --device cuda)")
+    from worker.formats import resolve  # noqa: PLC0415
+    # a weight format whose schemes cannot be compiled: refused (the registry's one check)
+    resolve(getattr(args, "weights", "auto"), "cuda" if cuda else "cpu", compile=True)
+    return "on"
+
+
 def run_up(args) -> int:
-    from service.launch import up  # noqa: PLC0415
+    from service.launch import up, worker_threads  # noqa: PLC0415
+    args.compile = compile_choice(args)
+    n = args.workers
+    if args.layout == "independent":  # a worker per tier per --workers (service/launch.py: worker_plan)
+        from family.manifest import manifest_for  # noqa: PLC0415
+        n *= len(manifest_for(args.model, args.tiers)[0].tiers)
+    print(f"mfs up: {chosen(args, args.threads or worker_threads(n))}", flush=True)
     return up(args)
+
+
+def chosen(args, threads: int) -> str:
+    """One line: the ISA, weights, threads and decode path `mfs up` asks its workers for, and why (each
+    worker logs what it took: an ``auto`` compile it cannot build stays eager, saying why)."""
+    import torch  # noqa: PLC0415
+
+    from worker.formats import resolve_mode  # noqa: PLC0415
+    device = args.device or "cpu"
+    isa = torch.backends.cpu.get_cpu_capability()
+    weights = resolve_mode(args.weights, device)
+    why_w = f"auto on {isa}" if args.weights == "auto" else f"--weights {args.weights}"
+    why_t = f"--threads {args.threads}" if args.threads else f"the cores split between {args.workers} worker(s)"
+    decode = {"auto": "compiled where it builds, in the background: eager until then (--no-compile: off)",
+              "on": "compiled (--compile), in the background: eager until then", "off": "eager (--no-compile)"}
+    return (f"{isa} on {device}; weights {weights} ({why_w}); {threads} torch threads per worker ({why_t}); "
+            f"decode {decode[args.compile]}")

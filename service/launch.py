@@ -222,9 +222,11 @@ class Service:
             r += ["--redis-timeout", str(self.redis_timeout)]
         for name, extra in self.scheduler_plan():
             self._spawn(name, "scheduler", r + extra + self.scheduler_args)
-        for wid, extra in self.worker_plan():
+        plan = self.worker_plan()
+        threads = [] if "--threads" in self.worker_args else ["--threads", str(worker_threads(len(plan)))]
+        for wid, extra in plan:
             self._spawn(f"worker-{wid}", "worker", r + self._model_args() + ["--worker-id", wid] + extra
-                        + self.worker_args)
+                        + threads + self.worker_args)
         if self.with_gateway:
             fam = ["--model", self.model] + (["--tiers", self.tiers] if self.tiers else [])
             self._spawn("gateway", "gateway", r + fam + ["--host", self.host, "--port", str(self.port)]
@@ -297,6 +299,12 @@ class Service:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(clean=exc_type is None)
+
+
+def worker_threads(workers: int) -> int:
+    """Torch threads per worker when ``workers`` share the cores this process may run on (its CPU
+    affinity): split evenly, at least one each (more would make their OpenMP teams wait on each other)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, workers))
 
 
 def exit_text(returncode: int) -> str:
@@ -375,19 +383,9 @@ class Supervisor:
 
 def up(args) -> int:
     from core.logs import install_stop_signals  # noqa: PLC0415
-    worker_args = ["--threads", str(args.threads)] if args.threads else []
-    if getattr(args, "weights", "fp32") != "fp32":
-        worker_args += ["--weights", args.weights]
-    if getattr(args, "compile", False):
-        cuda = str(getattr(args, "device", None) or "cpu").startswith("cuda")
-        kernels = getattr(args, "kernels", None)
-        if cuda and kernels == "torch":  # on CUDA --compile records CUDA graphs of the Triton ops
-            raise ValueError("--compile on CUDA records CUDA graphs of the Triton ops: drop --kernels torch")
-        if not cuda and kernels == "triton":
-            raise ValueError("--compile on CPU compiles the torch ops: drop --kernels triton (or add --device cuda)")
-        if getattr(args, "weights", "fp32") == "w8a8":
-            raise ValueError("--compile does not serve --weights w8a8 (it runs eager): drop one of them")
-        worker_args += ["--compile"]
+    worker_args = ["--threads", str(args.threads)] if args.threads else []  # else split (Service.start)
+    # the product's defaults (mfs/commands.py: add_up): weights by the CPU, compiled decode where it builds
+    worker_args += ["--weights", args.weights, "--compile", args.compile]
     for flag in ("device", "kernels"):
         if getattr(args, flag, None):
             worker_args += [f"--{flag}", getattr(args, flag)]
@@ -409,10 +407,8 @@ def up(args) -> int:
     install_stop_signals()
     status = 0
     try:
-        # --compile: each worker builds its graphs before registering (CPU: ~1 min on 2 cores, longer
-        # when several build at once; CUDA: seconds)
-        compiling = len(svc.worker_plan()) if getattr(args, "compile", False) else 0
-        svc.start(timeout=240.0 + 180.0 * compiling)
+        # compiled decode builds in the background after a worker registers: nothing here waits on it
+        svc.start(timeout=240.0)
         from core.redisconn import RedisTarget  # noqa: PLC0415
         print(f"mfs up: serving at {svc.url}/v1  (redis {RedisTarget.parse(svc.redis_url).describe()}); "
               "Ctrl-C stops everything",

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from core import protocol as P
 from core.cli import add_args, from_args, opt
 from core.redisconn import RedisTarget, add_redis_args, connect, target_from_args
+from worker.execution_swap import BackgroundCompile
 from worker.family import ModelArgs
 from worker.loop import WorkerLoop, WorkerSpec
 from worker.runner import ModelRunner
@@ -28,12 +30,15 @@ class WorkerConfig(ModelArgs):
                           "this worker's steps)")
     standalone_tier: int | None = opt(None, "serve only this tier, as its own truncated copy (the independent "
                                             "layout)")
-    threads: int = opt(default_factory=lambda: max(1, (os.cpu_count() or 2) - 1),
-                       help="torch threads (default: all cores but one, which the gateway and scheduler use)")
-    compile: bool = opt(False, "all-decode steps as compiled graphs, built before the worker registers: on "
-                               "CPU (the torch ops) inductor's and a compiled int8 head (worker/compiled_step.py; "
-                               "tens of seconds, needs a C++ compiler); on CUDA (the triton ops) CUDA graphs "
-                               "per batch-size bucket (worker/decode_graphs.py)")
+    threads: int = opt(default_factory=lambda: len(os.sched_getaffinity(0)),
+                       help="torch threads (default: the cores this process may run on; `mfs up` splits them "
+                            "between its workers)")
+    compile: Literal["auto", "on", "off"] = opt(
+        "off", "all-decode steps as compiled graphs, built in the background while the worker serves on the "
+               "eager path, swapped in between two steps (worker/execution_swap.py): on CPU (the torch ops) "
+               "inductor's, cached under $MFS_CACHE/inductor; on CUDA (the triton ops) CUDA graphs per "
+               "batch-size bucket. auto: where they build (what `mfs up` and compose.yaml pass); on: refused "
+               "where they cannot; off: eager")
 
 
 class WorkerService(WorkerLoop):
@@ -43,7 +48,7 @@ class WorkerService(WorkerLoop):
         from worker.family import load_family  # noqa: PLC0415
         from worker.model import standalone_tier  # noqa: PLC0415
         standalone = cfg.standalone_tier is not None
-        from worker.quant import resolve_mode  # noqa: PLC0415
+        from worker.formats import resolve_mode  # noqa: PLC0415
         self.weights = resolve_mode(cfg.weights, cfg.device)
         # A standalone tier is cut from the fp32 family, then quantized like the nested one.
         fam = load_family(cfg.model, tiers=cfg.tiers, dtype=cfg.dtype, device=cfg.device,
@@ -59,7 +64,7 @@ class WorkerService(WorkerLoop):
             del fam  # the rest of the family is not this worker's: give its memory back
             _release_memory()
             if self.weights != "fp32":
-                from worker.quant import quantize_model  # noqa: PLC0415
+                from worker.formats import quantize_model  # noqa: PLC0415
                 quantize_model(model, self.weights, gguf_path=source, device=cfg.device,
                                load_tokenizer=lambda: base.tokenizer)
         else:
@@ -67,8 +72,11 @@ class WorkerService(WorkerLoop):
         num_blocks = [cfg.num_blocks] * nseg
         runner = ModelRunner(model, num_blocks, cfg.block_size, tier_map=tier_map,
                              load_tokenizer=lambda: base.tokenizer)
-        if cfg.compile:
-            _compile(model, runner)
+        from worker.execution import EAGER, choose  # noqa: PLC0415
+        self.path, why = choose(model, cfg.compile)  # ValueError: --compile on where no compiled path serves
+        self.choice = (f"weights {self.weights} ({_weights_why(cfg.weights)}); {cfg.threads} torch "
+                       f"threads of {len(os.sched_getaffinity(0))} cores; decode {self.path} ({why})")
+        self.compiling = None if self.path == EAGER else BackgroundCompile(runner, self.path)
         self.model = model
         mcfg = model.cfg
         spec = WorkerSpec(tiers, ntiers, num_blocks, cfg.block_size, min(cfg.max_model_len, model.max_positions),
@@ -77,24 +85,17 @@ class WorkerService(WorkerLoop):
                           exit_blocks=[] if standalone else list(model.exit_block_segments))
         super().__init__(cfg.worker_id, connect(redis_target), runner, spec)
 
+    def run(self) -> None:
+        """Serves at once (eagerly); the compiled path, if chosen, is built meanwhile and swapped in."""
+        if self.compiling is not None:
+            self.compiling.start()
+        super().run()
 
-def _compile(model, runner: ModelRunner) -> None:
-    """``--compile``: the graphs are built here, by throw-away requests, so no client waits for them."""
-    import structlog  # noqa: PLC0415
-    log = structlog.get_logger(__name__)
-    model.compile_decode()  # ValueError off the torch ops on CPU / the triton ops on CUDA: refused as it stands
-    cuda = runner.device.type == "cuda"
-    log.info("building the decode graphs before registering (--compile)",
-             kind="CUDA graphs" if cuda else "inductor")
-    try:
-        secs = runner.warm_up()
-    except ValueError:  # the warm-up's own refusal (too few KV blocks): as it is
-        raise
-    except Exception as e:  # inductor's failures (no C++ compiler, ...), CUDA's capture errors: many types
-        need = "" if cuda else "; inductor needs a C++ compiler (gcc): install one or run without --compile"
-        raise RuntimeError(f"--compile: building the decode graphs failed ({type(e).__name__}: "
-                           f"{str(e)[:300]}){need}") from e
-    log.info("decode graphs compiled", seconds=round(secs, 1))
+
+def _weights_why(asked: str) -> str:
+    if asked != "auto":
+        return f"--weights {asked}"
+    return f"auto on {torch.backends.cpu.get_cpu_capability()}"
 
 
 def _release_memory() -> None:
@@ -117,11 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     configure(json_lines=True)
     install_stop_signals()
     torch.set_num_threads(cfg.threads)
-    import structlog  # noqa: PLC0415
-    structlog.get_logger(__name__).info(
-        "worker compute", threads=cfg.threads, cpus=os.cpu_count(),
-        cpu_capability=torch.backends.cpu.get_cpu_capability(), device=cfg.device, weights=cfg.weights)
+    from family.source import cache_root  # noqa: PLC0415
+    # inductor's caches (compiled graphs, their C++) under MFS's own: a second start loads them
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
     svc = WorkerService(cfg, target_from_args(args))
+    import structlog  # noqa: PLC0415
+    # one line: what this worker chose and why (ISA, weights, threads, decode path)
+    structlog.get_logger(__name__).info(f"worker {cfg.worker_id} on {torch.backends.cpu.get_cpu_capability()}"
+                                        f" ({cfg.device}): {svc.choice}")
     try:
         svc.run()
     except KeyboardInterrupt:

@@ -1,0 +1,123 @@
+"""Execution paths applied from outside the model (worker/execution.py) and a worker that serves before
+its compiled graphs exist (worker/execution_swap.py): it serves eagerly while they build, swaps them in
+between two steps without recompiling in a client's step, and names the path of every token it sends
+(the response's ``mfs.paths``). Two tests compile (one in-process, one through a worker process)."""
+import dataclasses
+import json
+import time
+import urllib.request
+
+import pytest
+
+from engine import Engine
+from worker.execution import EAGER, INDUCTOR, choose, compile_decode, path_name
+from worker.execution_swap import BackgroundCompile
+from worker.family import load_family
+from worker.sampling import SamplingParams
+
+
+def _tokens(eng: Engine, reqs: list[tuple[str, list[int], int]], paths: list[str]) -> dict[str, list[int]]:
+    for rid, prompt, tier in reqs:
+        eng.add_request(rid, prompt, tier, SamplingParams(max_tokens=6, ignore_eos=True))
+    out: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        paths.append(path_name(eng.model))
+    return out
+
+
+def test_a_runner_serves_eagerly_while_its_graphs_build_then_swaps_them_in(llama_dir):
+    """The build runs on a thread over a shadow of the model and scratch KV pools while the runner keeps
+    stepping eagerly (its model untouched); the swap happens between two steps; after it, a family mix
+    runs on the compiled path and compiles nothing more; its tokens equal the eager model's here."""
+    from torch._dynamo.utils import counters
+    model = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights="w4a8").model
+    eng = Engine(model, block_size=4, num_blocks=64)
+    head_kernel = getattr(model.lm_head, "rows_kernel", None)
+    bg = BackgroundCompile(eng.runner, INDUCTOR).start()
+    paths: list[str] = []  # each step's path, read after it (the swap is applied as a step starts)
+    k = 0
+    while not bg.done.is_set():  # clients are served while the graphs build
+        _tokens(eng, [(f"b{k}", [5, 9, 33, 7][: 2 + k % 3], k % 3)], paths)
+        if paths[-1] == EAGER:  # not swapped in yet: the served model is as it was
+            assert model.execution is None and getattr(model.lm_head, "rows_kernel", None) is head_kernel
+        k += 1
+    bg.thread.join()
+    assert bg.error is None and bg.seconds > 0
+    assert paths[0] == EAGER and set(paths) <= {EAGER, INDUCTOR}
+    if INDUCTOR in paths:  # swapped once, for good
+        assert EAGER not in paths[paths.index(INDUCTOR):]
+    mix = [(f"m{i}", [3 + i, 5, 9, 2, 7][: 2 + i % 4], t) for i, t in enumerate([0, 0, 0, 1, 1, 2])]
+    before = counters["stats"]["unique_graphs"]
+    after_paths: list[str] = []
+    compiled = _tokens(eng, mix, after_paths)
+    assert set(after_paths) == {INDUCTOR} and counters["stats"]["unique_graphs"] == before
+    eager = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights="w4a8").model
+    assert _tokens(Engine(eager, block_size=4, num_blocks=64), mix, []) == compiled
+
+
+def test_the_path_is_chosen_once_and_a_flag_is_never_ignored(llama_dir):
+    """off: eager; on: the compiled path or a refusal where none serves the model; auto: the compiled path
+    where one serves, else eager with the reason."""
+    model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32").model
+    assert choose(model, "off")[0] == EAGER and "--no-compile" in choose(model, "off")[1]
+    assert choose(model, "auto")[0] == INDUCTOR and choose(model, "on")[0] == INDUCTOR
+    model.ops = dataclasses.replace(model.ops, name="triton")  # the Triton ops on a CPU: no compiled path
+    path, why = choose(model, "auto")
+    assert path == EAGER and "torch ops on CPU" in why
+    with pytest.raises(ValueError, match="torch ops on CPU"):
+        choose(model, "on")
+    with pytest.raises(ValueError, match="expected one of"):
+        choose(model, "yes")
+    with pytest.raises(ValueError, match="torch ops on CPU"):
+        compile_decode(model)
+    assert model.execution is None
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _chat(url: str, model: str) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 6,
+            "temperature": 0}
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:  # raises on a status other than 2xx
+        return json.loads(r.read())
+
+
+def test_a_worker_registers_at_once_and_names_the_path_of_each_answer(family_dir_tok, tmp_path):
+    """Through gateway -> Redis -> worker: with --compile auto the worker answers before its graphs
+    exist (labelled eager), then, once they are swapped in, labelled inductor; --compile off stays
+    eager. Its start line says what it chose and why."""
+    from service.launch import Service
+    with Service(str(family_dir_tok), tiers="2,4,6", workers=1, dtype="float32", log_dir=str(tmp_path / "on"),
+                 worker_args=["--num-blocks", "64", "--block-size", "4", "--weights", "w4a8",
+                              "--compile", "auto"]) as svc:
+        model = _get(svc.url + "/v1/models")["data"][0]["id"]
+        first = _chat(svc.url, model)
+        seen = [first["mfs"]["paths"]]
+        deadline = time.monotonic() + 400
+        while seen[-1] != [INDUCTOR] and time.monotonic() < deadline:
+            time.sleep(2)
+            seen.append(_chat(svc.url, model)["mfs"]["paths"])
+        log = (svc.log_dir / "worker-w0.log").read_text()
+    assert seen[0][0] == EAGER, seen  # served before the graphs were built
+    assert seen[-1] == [INDUCTOR], f"never served compiled: {seen}\n{log[-2000:]}"
+    assert all(p in ([EAGER], [INDUCTOR], [EAGER, INDUCTOR]) for p in seen)
+    assert "weights w4a8 (--weights w4a8)" in log and "decode inductor (compiled decode is the default" in log
+    with Service(str(family_dir_tok), tiers="2,4,6", workers=1, dtype="float32", log_dir=str(tmp_path / "off"),
+                 worker_args=["--num-blocks", "64", "--block-size", "4", "--compile", "off"]) as svc:
+        model = _get(svc.url + "/v1/models")["data"][0]["id"]
+        assert _chat(svc.url, model)["mfs"]["paths"] == [EAGER]
+        log = (svc.log_dir / "worker-w0.log").read_text()
+    assert "decode eager (compiled decode off (--no-compile))" in log and "compiled decode built" not in log
+
+
+@pytest.fixture(scope="module")
+def family_dir_tok(tmp_path_factory, frontend):
+    from tests.support.factories import tiny_llama_with_tokenizer
+    return tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tinytok"), frontend.tokenizer)
