@@ -23,7 +23,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from family.source import load_tokenizer, resolve_cached, split_source
+from family.source import resolve_cached, split_source
+from family.tokenizer import load_tokenizer
 
 FAMILIES_DIR = Path(__file__).parent / "families"
 DEFAULT_FAMILY = "smollm2-135m"

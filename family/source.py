@@ -1,16 +1,13 @@
-"""Where a family's base weights are, as users have them (a Hugging Face directory or a GGUF file, and
-the GGUF's dequantized cache), and its tokenizer. Nothing here reaches a model hub: paths must exist
-locally. transformers is imported only when a tokenizer or config is read."""
+"""Where a family's base weights are, as users have them (a Hugging Face directory or a GGUF file), and
+where their caches go (the GGUF's dequantized copy, a HF directory's complete config): data only, no
+torch, no transformers. :func:`locate` answers all of it once; worker/loader.py reads the weights from
+there, and family/tokenizer.py the tokenizer. Nothing here reaches a model hub: paths must exist locally."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-
-import structlog
-
-log = structlog.get_logger(__name__)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -62,40 +59,37 @@ def gguf_cache_dir(folder: Path, gguf: str) -> Path:
     return cache_root() / "gguf" / key
 
 
+@dataclass(frozen=True, slots=True)
+class BaseSource:
+    """A base model's weights as the user named them, and what to read: ``folder`` (with ``gguf`` the
+    GGUF file to dequantize, None for a HF directory) -- the GGUF's dequantized cache once complete."""
+    original: str  # the user's folder / file
+    folder: Path
+    gguf: str | None
+    cache_dir: Path | None  # where the GGUF's dequantized copy is (or goes); None: the user gave a HF directory
+    config_cache: Path | None  # where a HF directory's complete config is kept; None: a GGUF or its cache
+
+    @property
+    def cached(self) -> bool:
+        """Whether ``folder`` is the GGUF's dequantized cache (its config.json is transformers' complete one)."""
+        return self.cache_dir is not None and self.gguf is None
+
+
+def locate(path: str | os.PathLike) -> BaseSource:
+    """Where ``path``'s weights are read from and their caches written (FileNotFoundError / ValueError:
+    not a HF directory or a GGUF)."""
+    folder, gguf = split_source(path)
+    original = str(folder / (gguf or ""))
+    if gguf is None:
+        config_cache = cache_root() / "config" / f"{file_key(folder / 'config.json')}.json"
+        return BaseSource(original, folder, None, None, config_cache)
+    cache = gguf_cache_dir(folder, gguf)
+    if (cache / ".complete").exists():
+        return BaseSource(original, cache, None, cache, None)
+    return BaseSource(original, folder, gguf, cache, None)
+
+
 def resolve_cached(path: str | os.PathLike) -> tuple[Path, str | None]:
     """(directory, gguf file or None) to load from: a GGUF's dequantized cache once it is complete."""
-    folder, gguf = split_source(path)
-    if gguf:
-        cached = gguf_cache_dir(folder, gguf)
-        if (cached / ".complete").exists():
-            return cached, None
-    return folder, gguf
-
-
-# tokenizer classes that are transformers' generic `tokenizers`-backed class (one class in
-# transformers 5, two names): loaded through that class, AutoTokenizer's own choice for them
-_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
-
-
-def load_tokenizer(folder: Path, gguf: str | None):
-    """The family's tokenizer. A folder whose tokenizer_config.json names the generic tokenizers-backed
-    class (the default family's cache, the tests' tiny families) is read through that class directly:
-    AutoTokenizer would load the same class after importing model configurations (~3 s of a gateway's
-    start on 2 cores against ~0.8 s)."""
-    kw = {"gguf_file": gguf} if gguf else {}
-    try:
-        if gguf is None and _tokenizer_class(folder) in _GENERIC_TOKENIZERS and (folder / "tokenizer.json").exists():
-            from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
-            return PreTrainedTokenizerFast.from_pretrained(folder)
-        from transformers import AutoTokenizer  # noqa: PLC0415
-        return AutoTokenizer.from_pretrained(folder, **kw)
-    except (OSError, ValueError, TypeError) as e:
-        log.warning("no tokenizer found; token ids only", source=str(folder), error=str(e)[:200])
-        return None
-
-
-def _tokenizer_class(folder: Path) -> str | None:
-    try:
-        return json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
-        return None
+    src = locate(path)
+    return src.folder, src.gguf

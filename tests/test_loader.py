@@ -9,10 +9,10 @@ import sys
 import torch
 
 from family.manifest import manifest_for, resolve_base
-from family.source import resolve_cached, split_source
+from family.source import locate, resolve_cached, split_source
 from worker.config import ModelConfig
 from tests.support.factories import tiny_llama, tiny_qwen2
-from worker.loader import _config_cache, _read_fast, load_base
+from worker.loader import _read_fast, load_base
 
 PROBE = """
 import json, sys
@@ -69,16 +69,16 @@ def test_a_hf_folder_is_read_without_transformers_from_its_second_load_on(tmp_pa
     makers = {"llama": tiny_llama, "llama-tied": lambda p: tiny_llama(p, tie=True), "qwen2": tiny_qwen2}
     for name, make in makers.items():
         folder = make(tmp_path / name)
-        assert not _config_cache(folder).exists()
+        assert not locate(folder).config_cache.exists()
         first = load_base(folder, dtype=torch.float64, with_tokenizer=False)  # transformers, then cached
-        assert _config_cache(folder).exists()
-        own = _read_fast(folder, json.loads(_config_cache(folder).read_text())["config"], torch.float64)
+        assert locate(folder).config_cache.exists()
+        own = _read_fast(folder, json.loads(locate(folder).config_cache.read_text())["config"], torch.float64)
         _assert_same_as_transformers(folder, own, torch.float64)
         second = load_base(folder, dtype=torch.float64, with_tokenizer=False)
         assert isinstance(second.hf_config, type(own[0]))  # the fast path: a namespace, not transformers'
         assert all(torch.equal(second.state_dict[k], v) for k, v in first.state_dict.items())
         (folder / "config.json").write_text((folder / "config.json").read_text() + "\n")  # a changed config
-        assert not _config_cache(folder).exists()  # is read by transformers again
+        assert not locate(folder).config_cache.exists()  # is read by transformers again
     entries = sorted((tmp_path / "cache" / "config").glob("*.json"))
     assert len(entries) == 3
     shutil.rmtree(tmp_path / "llama")  # a model that is gone: its entry goes with the next write
@@ -90,7 +90,7 @@ def test_a_hf_folder_is_read_without_transformers_from_its_second_load_on(tmp_pa
 def test_the_generic_tokenizer_class_read_directly_equals_autotokenizers_choice():
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from family.source import load_tokenizer
+    from family.tokenizer import load_tokenizer
     folder, _ = resolve_cached(_default_gguf())
     ours, auto = load_tokenizer(folder, None), AutoTokenizer.from_pretrained(folder)
     assert type(ours) is type(auto) and isinstance(ours, PreTrainedTokenizerFast)

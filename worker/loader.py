@@ -1,7 +1,10 @@
 """Loading a family's base weights the way users have them: a Hugging Face directory or a GGUF file.
+The one owner of that: :func:`load_base` asks family/source.py once where the weights are and where
+their caches go (:func:`family.source.locate`, data), then reads, converts and caches them here.
 
-``transformers`` is the loader (it dequantizes GGUF and knows every config variant); the weights are
-then handed to MFS's own nested model. Nothing here reaches a model hub: paths must exist locally.
+``transformers`` is the loader of first resort (it dequantizes GGUF and knows every config variant);
+the weights are then handed to MFS's own nested model. Nothing here reaches a model hub: paths must
+exist locally.
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ from types import SimpleNamespace
 import structlog
 import torch
 
-from family.source import cache_root, file_key, gguf_cache_dir, load_tokenizer, resolve_cached, split_source
+from family.source import BaseSource, locate
+from family.tokenizer import load_tokenizer
 from worker.config import rope_params
 
 log = structlog.get_logger(__name__)
@@ -47,37 +51,45 @@ def load_base(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     $MFS_CACHE (default ~/.cache/mfs) and later loads read that instead. Those, and every load of a
     HF directory after its first, read the weights without transformers (:func:`_read_fast`). The
     tokenizer is read when first used (``.tokenizer``)."""
-    src_folder, src_gguf = split_source(path)
-    original = str(src_folder / (src_gguf or ""))
-    folder, gguf = resolve_cached(path)
-    if folder != src_folder:  # the GGUF's cache: its config.json is transformers' complete to_dict()
-        fast = _read_fast(folder, json.loads((folder / "config.json").read_text()), dtype)
-    elif gguf is None and _config_cache(folder).exists():
-        fast = _read_fast(folder, json.loads(_config_cache(folder).read_text())["config"], dtype)
-    else:
-        fast = None
+    src = locate(path)
+    fast = _read_cached(src, dtype)
     if fast is not None:
         hf_config, sd = fast
-        log.info("loading base weights", source=original, arch=hf_config.model_type,
-                 cached=folder != src_folder)
-        return BaseWeights(hf_config, sd, original, (folder, None) if with_tokenizer else None)
+        log.info("loading base weights", source=src.original, arch=hf_config.model_type, cached=src.cached)
+        return BaseWeights(hf_config, sd, src.original, (src.folder, None) if with_tokenizer else None)
+    hf_config, sd = _read_transformers(src, dtype)
+    return BaseWeights(hf_config, sd, src.original, (src.folder, src.gguf) if with_tokenizer else None)
+
+
+def _read_cached(src: BaseSource, dtype: torch.dtype) -> tuple[SimpleNamespace, dict[str, torch.Tensor]] | None:
+    """The fast path where a complete config is at hand: the GGUF's cache (its config.json is
+    transformers' complete to_dict()) or a HF directory's kept config; None otherwise."""
+    if src.cached:
+        return _read_fast(src.folder, json.loads((src.folder / "config.json").read_text()), dtype)
+    if src.config_cache is not None and src.config_cache.exists():
+        return _read_fast(src.folder, json.loads(src.config_cache.read_text())["config"], dtype)
+    return None
+
+
+def _read_transformers(src: BaseSource, dtype: torch.dtype) -> tuple[object, dict[str, torch.Tensor]]:
+    """Through transformers (a GGUF dequantized, any config variant), writing the cache that makes the
+    next load fast: the GGUF's dequantized copy, or the HF directory's complete config."""
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
-    kw = {"gguf_file": gguf} if gguf else {}
-    hf_config = AutoConfig.from_pretrained(folder, **kw)
-    log.info("loading base weights", source=original, arch=hf_config.model_type,
-             cached=original != str(folder / (gguf or "")))
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32 if gguf else dtype, **kw)
-    if gguf:
-        _write_cache(model, folder, gguf)
+    kw = {"gguf_file": src.gguf} if src.gguf else {}
+    hf_config = AutoConfig.from_pretrained(src.folder, **kw)
+    log.info("loading base weights", source=src.original, arch=hf_config.model_type, cached=src.cached)
+    model = AutoModelForCausalLM.from_pretrained(src.folder, dtype=torch.float32 if src.gguf else dtype, **kw)
+    if src.gguf:
+        _write_cache(model, src)
         model = model.to(dtype)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     gen = getattr(model, "generation_config", None)
     if gen is not None and gen.eos_token_id is not None and hf_config.eos_token_id is None:
         hf_config.eos_token_id = gen.eos_token_id
     del model
-    if gguf is None:
-        _write_config_cache(folder, hf_config)
-    return BaseWeights(hf_config, sd, original, (folder, gguf) if with_tokenizer else None)
+    if src.config_cache is not None:
+        _write_config_cache(src, hf_config)
+    return hf_config, sd
 
 
 def _read_fast(folder: Path, cfg: dict, dtype: torch.dtype) -> tuple[SimpleNamespace, dict[str, torch.Tensor]] | None:
@@ -100,17 +112,13 @@ def _read_fast(folder: Path, cfg: dict, dtype: torch.dtype) -> tuple[SimpleNames
     return SimpleNamespace(**cfg), sd
 
 
-def _config_cache(folder: Path) -> Path:
-    """Where a HF directory's complete config is kept: keyed by its config.json's path, size and time."""
-    return cache_root() / "config" / f"{file_key(folder / 'config.json')}.json"
-
-
-def _write_config_cache(folder: Path, hf_config) -> None:
+def _write_config_cache(src: BaseSource, hf_config) -> None:
     """Best effort, and only where :func:`_read_fast` can use it (one safetensors file). Entries whose
     folder is gone (a test's, a deleted model's) are removed on the way."""
+    folder = src.folder
     if not (folder / "model.safetensors").exists():
         return
-    target = _config_cache(folder)
+    target = src.config_cache
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     try:
         cfg = hf_config.to_dict()
@@ -129,9 +137,10 @@ def _write_config_cache(folder: Path, hf_config) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _write_cache(model, folder: Path, gguf: str) -> None:
-    """Best effort: a failed cache write only costs the next load its speed."""
-    target = gguf_cache_dir(folder, gguf)
+def _write_cache(model, src: BaseSource) -> None:
+    """The GGUF's dequantized copy, with its tokenizer. Best effort: a failed cache write only costs the
+    next load its speed."""
+    folder, gguf, target = src.folder, src.gguf, src.cache_dir
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     try:
         from safetensors.torch import save_file  # noqa: PLC0415
