@@ -381,6 +381,19 @@ class Supervisor:
         return None
 
 
+def try_command(url: str) -> str:
+    """One line a user can paste: a short chat request to the family id (the gateway picks the tier)."""
+    import json  # noqa: PLC0415
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+            family = json.loads(r.read())["data"][-1]["id"]  # the last entry is the family id
+    except (OSError, ValueError, KeyError, IndexError):
+        family = "MODEL"  # the models list did not answer: say where the name goes
+    body = json.dumps({"model": family, "max_tokens": 32,
+                       "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    return f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+
+
 def up(args) -> int:
     from core.logs import install_stop_signals  # noqa: PLC0415
     worker_args = ["--threads", str(args.threads)] if args.threads else []  # else split (Service.start)
@@ -413,6 +426,7 @@ def up(args) -> int:
         print(f"mfs up: serving at {svc.url}/v1  (redis {RedisTarget.parse(svc.redis_url).describe()}); "
               "Ctrl-C stops everything",
               flush=True)
+        print(f"mfs up: status page {svc.url}/ ; try:\n  {try_command(svc.url)}", flush=True)
         sup = Supervisor(svc, policy, say=say)
         while True:
             why = sup.poll()
