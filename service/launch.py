@@ -420,8 +420,9 @@ def up(args) -> int:
     install_stop_signals()
     status = 0
     try:
-        # compiled decode builds in the background after a worker registers: nothing here waits on it
-        svc.start(timeout=240.0)
+        # compiled decode builds in the background after a worker registers: nothing here waits on it. A cold
+        # first start builds our kernels (g++) and reads and quantizes the GGUF: minutes on 2 busy cores
+        svc.start(timeout=600.0)
         from core.redisconn import RedisTarget  # noqa: PLC0415
         print(f"mfs up: serving at {svc.url}/v1  (redis {RedisTarget.parse(svc.redis_url).describe()}); "
               "Ctrl-C stops everything",

@@ -89,6 +89,7 @@ def _chat(url: str, model: str) -> dict:
         return json.loads(r.read())
 
 
+@pytest.mark.slow  # a worker process compiles its graphs: ~1 min on 2 quiet cores, 4 min on busy ones
 def test_a_worker_registers_at_once_and_names_the_path_of_each_answer(family_dir_tok, tmp_path):
     """Through gateway -> Redis -> worker: with --compile auto the worker answers before its graphs
     exist (labelled eager), then, once they are swapped in, labelled inductor; --compile off stays
