@@ -85,7 +85,10 @@ def answer_all(model: NestedModel, tok, questions: list[str], max_tokens: int,
 
 
 def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max_tokens: int = 24,
-             log=print) -> dict:
+             log=print, tasks: list[str] | None = None, heldout_chat: str | Path | None = None) -> dict:
+    """``tasks``: local multiple-choice tasks (evaluation/mc_tasks.py) scored per tier and for the
+    original. ``heldout_chat``: a JSONL cache of the original's answers to the held-out prompts (they
+    are the original's, so any run of the same base may share it; greedy, so regenerating is equal)."""
     t_start = time.perf_counter()
     manifest, mdir = manifest_for(model_arg)
     base = load_base(resolve_base(manifest.base, mdir))
@@ -109,7 +112,8 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
     # held-out text: pydoc of held-out modules + the original's answers to held-out prompts
     eos = model.cfg.eos_token_ids[0]
     srcs = {"pydoc": D.encode_docs(tok, D.stdlib_texts(D.STDLIB_HELDOUT), eos)}
-    chat = D.self_records(original, tok, D.HELDOUT_PROMPTS, None, 160, log)
+    chat = D.self_records(original, tok, D.HELDOUT_PROMPTS, Path(heldout_chat) if heldout_chat else None,
+                          160, log)
     srcs["chat"] = D.encode_docs(tok, chat, eos)
     per_src = {}
     for name, stream in srcs.items():
@@ -155,7 +159,9 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
     for r in results + [orig]:
         r.fixed_correct = sum(Q.correct(i, a) for i, a in enumerate(r.answers))
     top = results[-1].ppl["all"]
+    task_res = _score_tasks(model, original, tok, tasks) if tasks else {}
     return {
+        "tasks": task_res,
         "model": model_arg, "family": manifest.family, "precipitated": manifest.precipitated,
         "weights": manifest.weights, "seq_len": seq_len,
         "heldout": {name: {"tokens": int(w.numel()),
@@ -172,19 +178,31 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
     }
 
 
+def _score_tasks(model: NestedModel, original: NestedModel, tok, tasks: list[str]) -> dict:
+    from evaluation import mc_tasks  # noqa: PLC0415
+    res = mc_tasks.score_tasks(model, tok, tasks)
+    orig = res if original is model else mc_tasks.score_tasks(original, tok, tasks)
+    for name in tasks:
+        res[name]["original"] = orig[name]["acc"][-1]
+    return res
+
+
 def format_table(res: dict) -> str:
     srcs = list(res["heldout"])
+    tasks = list(res.get("tasks") or {})
     head = ["model", "tier", "layers"] + [f"ppl {s}" for s in srcs] + [
-        "ppl all", "ppl / top", "agree top", "agree orig", "fixed correct", "1st sentence = top",
-        res["questions"][0]]
+        "ppl all", "ppl / top", "agree top", "agree orig", "fixed correct", "1st sentence = top"] + [
+        f"acc {t} ({res['tasks'][t]['items']})" for t in tasks] + [res["questions"][0]]
     rows = []
     top = res["tiers"][-1]["ppl"]["all"]
-    for r in res["tiers"] + [res["original"]]:
+    for i, r in enumerate(res["tiers"] + [res["original"]]):
+        accs = [res["tasks"][t]["acc"][i] if i < len(res["tiers"]) else res["tasks"][t]["original"]
+                for t in tasks]
         rows.append([res["model"], r["name"], str(r["layers"])] + [f"{r['ppl'][s]:.4g}" for s in srcs] +
                     [f"{r['ppl']['all']:.4g}", f"{r['ppl']['all'] / top:.2f}x", f"{r['agree_top']:.3f}",
                      f"{r['agree_original']:.3f}", f"{r['fixed_correct']}/6",
-                     f"{r['agree_first_sentence']:.0%}",
-                     r["answers"][0][:60].replace("\n", " ").replace("|", "/")])
+                     f"{r['agree_first_sentence']:.0%}"] + [f"{a:.3f}" for a in accs] +
+                    [r["answers"][0][:60].replace("\n", " ").replace("|", "/")])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
@@ -214,7 +232,9 @@ def plot(res: dict, path: str | Path) -> None:
 
 def run(args) -> int:
     torch.set_num_threads(args.threads)
-    runs = [evaluate(m, args.seq_len, args.heldout_tokens, args.max_tokens) for m in args.model or ["default"]]
+    tasks = [t for t in (args.tasks or "").split(",") if t]
+    runs = [evaluate(m, args.seq_len, args.heldout_tokens, args.max_tokens, tasks=tasks,
+                     heldout_chat=args.heldout_chat) for m in args.model or ["default"]]
     table = [format_table(r).splitlines() for r in runs]
     print("\n".join(table[0] + [line for t in table[1:] for line in t[2:]]))
     for res in runs:
@@ -299,6 +319,12 @@ def add_parser(sub) -> None:
     p.add_argument("--heldout-tokens", type=int, default=8192, help="pydoc tokens (chat: a quarter)")
     p.add_argument("--max-tokens", type=int, default=24, help="answer length")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--tasks", default=None,
+                   help="comma list of local multiple-choice tasks scored per tier (evals/: capitals, "
+                        "stdlib_modules, unicode_names; evaluation/mc_tasks.py), e.g. "
+                        "capitals,stdlib_modules,unicode_names")
+    p.add_argument("--heldout-chat", default=None, metavar="JSONL",
+                   help="cache of the original's answers to the held-out prompts (written if missing)")
     p.add_argument("--record-quality", action="store_true",
                    help="write each tier's figures into the evaluated checkpoint's mfs.json (the "
                         "quality floor of the family id's routing reads them)")

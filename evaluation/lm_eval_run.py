@@ -23,16 +23,19 @@ from pathlib import Path
 
 from engine.runtime import write_json
 
-TASK_DIR = Path(__file__).resolve().parents[1] / "evals" / "capitals"
-TASK = "mfs_capitals"
+EVALS = Path(__file__).resolve().parents[1] / "evals"
+TASK = "mfs_capitals"  # the default task (--task capitals); the others: evaluation/mc_tasks.py
 
 
-def _task_dir(work: Path) -> Path:
-    """The task YAML with the data file's absolute path (lm-eval resolves it from the working dir)."""
-    text = (TASK_DIR / f"{TASK}.yaml").read_text().replace("DATA_FILE", str(TASK_DIR / "capitals.jsonl"))
+def _task_dir(work: Path, name: str) -> Path:
+    """Task ``name``'s YAML with the data file's absolute path (lm-eval resolves it from the working dir)."""
+    src = EVALS / name
+    if not (src / f"mfs_{name}.yaml").exists():
+        raise FileNotFoundError(f"{src / f'mfs_{name}.yaml'}: no such task")
+    text = (src / f"mfs_{name}.yaml").read_text().replace("DATA_FILE", str(src / f"{name}.jsonl"))
     d = work / "tasks"
     d.mkdir(parents=True, exist_ok=True)
-    (d / f"{TASK}.yaml").write_text(text)
+    (d / f"mfs_{name}.yaml").write_text(text)
     return d
 
 
@@ -45,10 +48,10 @@ def _portable(cmd: list[str], names: dict[str, str]) -> str:
 
 
 def _lm_eval(model: str, model_args: str, tasks: Path, out: Path, extra: list[str], log: Path,
-             names: dict[str, str]) -> dict:
+             names: dict[str, str], task: str = TASK) -> dict:
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks", TASK,
+    cmd = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks", task,
            "--include_path", str(tasks), "--output_path", str(out), "--log_samples", *extra]
     t0 = time.monotonic()
     with open(log, "w") as f:
@@ -58,8 +61,8 @@ def _lm_eval(model: str, model_args: str, tasks: Path, out: Path, extra: list[st
     found = sorted(out.rglob("results_*.json"), key=lambda p: p.stat().st_mtime)
     if not found:
         raise RuntimeError(f"lm_eval wrote no results under {out}; its output: {log}")
-    res = json.loads(found[-1].read_text())["results"][TASK]
-    samples = sorted(out.rglob(f"samples_{TASK}_*.jsonl"), key=lambda p: p.stat().st_mtime)
+    res = json.loads(found[-1].read_text())["results"][task]
+    samples = sorted(out.rglob(f"samples_{task}_*.jsonl"), key=lambda p: p.stat().st_mtime)
     loglik = {}  # item -> the log-likelihood of each choice
     for line in samples[-1].read_text().splitlines() if samples else []:
         d = json.loads(line)
@@ -72,6 +75,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("lm-eval", help="the family scored by lm-evaluation-harness through the API, "
                                        "and the top tier in-process through transformers")
     p.add_argument("--model", default="default")
+    p.add_argument("--task", default="capitals",
+                   help="a task under evals/: capitals, stdlib_modules, unicode_names (evaluation/mc_tasks.py; "
+                        "`mfs eval --tasks` scores the same files in-process, faster)")
     p.add_argument("--threads", type=int, default=0, help="torch threads for the worker (0: its default)")
     p.add_argument("--concurrency", type=int, default=2, help="lm-eval's concurrent API requests")
     p.add_argument("--limit", type=int, default=None, help="score only the first N items (a quick look)")
@@ -93,7 +99,8 @@ def run(args) -> int:
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mfs-lm-eval-"))
     work.mkdir(parents=True, exist_ok=True)
-    tasks = _task_dir(work)
+    tasks = _task_dir(work, args.task)
+    task = f"mfs_{args.task}"
     limit = ["--limit", str(args.limit)] if args.limit else []
     manifest, mdir = manifest_for(args.model)
     folder, gguf = resolve_cached(resolve_base(manifest.base, mdir))
@@ -102,7 +109,7 @@ def run(args) -> int:
         folder, gguf = resolve_cached(resolve_base(manifest.base, mdir))
     if gguf:
         raise RuntimeError(f"no Hugging Face copy of {folder / gguf} to give transformers")
-    print(f"mfs lm-eval: task {TASK} ({TASK_DIR}), base weights {folder}; outputs in {work}", flush=True)
+    print(f"mfs lm-eval: task {task} ({EVALS / args.task}), base weights {folder}; outputs in {work}", flush=True)
     # in the recorded commands: $WORK (the task YAML is $WORK/tasks), $BASE (the base weights), $URL
     names = {str(work): "$WORK", str(folder): "$BASE"}
     worker_args = ["--threads", str(args.threads)] if args.threads else []
@@ -116,10 +123,10 @@ def run(args) -> int:
             margs = (f"model={mid},base_url={svc.url}/v1/completions,num_concurrent={args.concurrency},"
                      f"max_retries=3,tokenized_requests=True,tokenizer_backend=huggingface,tokenizer={folder}")
             tiers[mid] = _lm_eval("local-completions", margs, tasks, work / mid, limit + ["--batch_size", "1"],
-                                  work / f"{mid}.log", {**names, svc.url: "$URL"})
+                                  work / f"{mid}.log", {**names, svc.url: "$URL"}, task)
             print(f"  {mid:28s} acc {tiers[mid]['acc']:.3f} ({tiers[mid]['seconds']:.0f} s)", flush=True)
     hf = _lm_eval("hf", f"pretrained={folder},dtype=float32", tasks, work / "transformers",
-                  limit + ["--batch_size", "8", "--device", "cpu"], work / "transformers.log", names)
+                  limit + ["--batch_size", "8", "--device", "cpu"], work / "transformers.log", names, task)
     top = f"{manifest.family}-{manifest.tiers[-1].name}"
     print(f"  {'transformers (in-process)':28s} acc {hf['acc']:.3f} ({hf['seconds']:.0f} s)")
     same = tiers[top]["acc"] == hf["acc"]
@@ -131,7 +138,7 @@ def run(args) -> int:
           f"({tiers[top]['acc']:.4f} vs {hf['acc']:.4f}); largest log-likelihood difference over "
           f"{len(a)} items x 4 choices: {diff:.2e}")
     out = {"benchmark": "lm-eval", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "task": TASK, "model": args.model, "limit": args.limit, "tiers": tiers, "transformers": hf,
+           "task": task, "model": args.model, "limit": args.limit, "tiers": tiers, "transformers": hf,
            "top_tier_equals_transformers": same, "top_tier_max_loglik_diff": diff}
     if args.json:
         write_json(args.json, out)

@@ -66,8 +66,8 @@ def test_gpu_precipitate_fails_fast_without_cuda_and_dry_runs_on_cpu(tiny, tmp_p
         assert "no CUDA device" in capsys.readouterr().err
         assert not (tmp_path / "g").exists()
     out = tmp_path / "dry"
-    rc = mfs_main(["gpu-precipitate", "--dry-run", "--out", str(out), "--base", str(base),
-                   "--tiers", "2,3,4", "--data", str(txt), "--threads", "1"])
+    rc = mfs_main(["gpu-precipitate", "--dry-run", "--method", "exit-blocks", "--out", str(out),
+                   "--base", str(base), "--tiers", "2,3,4", "--data", str(txt), "--threads", "1"])
     assert rc == 0
     res = json.loads((out / "eval.json").read_text())
     assert res["gpu_precipitate"]["device"] == "cpu (dry run)"

@@ -200,6 +200,7 @@ def warm_start(model: NestedModel, path: str | Path, lower: list[int], log=print
 
 # ---- the run -----------------------------------------------------------------------------------
 def run(args) -> int:
+    t_start = time.monotonic()  # --max-minutes counts from here: data and cache included
     args.lr = 3e-4 if args.lr is None else args.lr
     args.ce = 0.1 if args.ce is None else float(args.ce)
     args.steps = 20_000 if args.steps is None else args.steps
@@ -319,8 +320,8 @@ def run(args) -> int:
 
     gen = torch.Generator().manual_seed(args.seed + 1)
     bar = progress(total=args.steps, initial=st["step"], desc="train exit blocks", unit="step")
-    stop_at = time.monotonic() + args.max_minutes * 60 if args.max_minutes else None
-    last_save = time.monotonic()
+    stop_at = t_start + args.max_minutes * 60 if args.max_minutes else None
+    last_save = last_line = time.monotonic()
     model.train()
     if st["best"] is None:
         do_eval()
@@ -346,6 +347,11 @@ def run(args) -> int:
         bar.set_postfix_str(f"{st['tokens'] / max(st['train_s'], 1e-9):.0f} tok/s " + " ".join(
             f"{n}={k:.3f}/{c:.2f}" for n, k, c in zip(names, kls, ces)), refresh=False)
         bar.update(1)
+        if args.save_every_min and time.monotonic() - last_line >= args.save_every_min * 60:  # a line a period
+            log(f"step {st['step']} tokens {st['tokens']} "
+                f"{st['tokens'] / max(st['train_s'], 1e-9):.0f} tok/s " + " ".join(
+                    f"{n}={k:.3f}/{c:.2f}" for n, k, c in zip(names, kls, ces)))
+            last_line = time.monotonic()
         if st["step"] % args.eval_every == 0:
             do_eval()
             save()

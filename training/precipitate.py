@@ -178,7 +178,18 @@ def prepare(args, log=print) -> tuple[NestedModel, BaseWeights, D.BatchSampler, 
 
 
 def run(args) -> int:
+    if args.assemble:
+        from training import parts  # noqa: PLC0415
+        if args.out:
+            raise ValueError("--assemble DIR writes into DIR: --out is not an option of --assemble")
+        print(f"assembled {parts.assemble(Path(args.assemble))}")
+        return 0
+    if not args.out:
+        raise ValueError("--out is required (or --assemble DIR)")
     check_method_options(args, args.method)
+    if args.method == "joint":
+        from training import joint  # noqa: PLC0415
+        return joint.run(args)
     if args.method == "exit-blocks":
         from training import exitblocks  # noqa: PLC0415
         return exitblocks.run(args)
@@ -323,6 +334,7 @@ def train_step(model, opt, sampler, step: int, args, weights, ce_w, teacher) -> 
 
 
 _EXIT_BLOCK_DEFAULTS: dict = {}
+_JOINT_DEFAULTS: dict = {}
 _LORA_ONLY = ("accum", "weights", "kl", "temperature", "lora_rank", "lora_alpha", "exit_lr",
               "freeze_embeddings", "stop_after", "main_until", "repair_steps", "repair_lr", "save_dtype",
               "bar_interval")
@@ -330,10 +342,12 @@ _LORA_DEFAULTS: dict = {}
 
 
 def check_method_options(args, method: str) -> None:
-    """Never accept an option and ignore it: each method refuses the other's options."""
-    other = _LORA_DEFAULTS if method == "exit-blocks" else _EXIT_BLOCK_DEFAULTS
-    for name, dflt in other.items():
-        if getattr(args, name) != dflt:
+    """Never accept an option and ignore it: each method refuses the options only others read."""
+    from training.joint import JOINT_SHARED  # noqa: PLC0415
+    own = {"lora": set(_LORA_DEFAULTS), "exit-blocks": set(_EXIT_BLOCK_DEFAULTS),
+           "joint": set(_JOINT_DEFAULTS) | set(JOINT_SHARED)}[method]
+    for name, dflt in {**_LORA_DEFAULTS, **_EXIT_BLOCK_DEFAULTS, **_JOINT_DEFAULTS}.items():
+        if name not in own and getattr(args, name) != dflt:
             raise ValueError(f"--{name.replace('_', '-')} is not an option of --method {method}")
 
 
@@ -349,18 +363,23 @@ def lora_defaults(args) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("precipitate", help="train every tier exit of a nested model at once",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--method", default="lora", choices=["lora", "exit-blocks"],
+    p.add_argument("--method", default="lora", choices=["lora", "exit-blocks", "joint"],
                    help="lora: low-rank updates of the whole model with a loss at every exit; "
                         "exit-blocks: a frozen trunk and a private exit block per lower tier, "
-                        "trained on cached trunk features (see training/exitblocks.py)")
+                        "trained on cached trunk features (see training/exitblocks.py); joint: every "
+                        "tier at once, a shared low-rank trunk delta plus private exit blocks "
+                        "(training/joint.py)")
+    p.add_argument("--assemble", default=None, metavar="DIR",
+                   help="join DIR/parts/ (an artifact written in parts, sha256-checked) into DIR, "
+                        "so that mfs eval / serve read DIR; nothing is trained")
     p.add_argument("--base", default="default", help="HF directory, .gguf file, or 'default'")
     p.add_argument("--tiers", default="10,20,30", help="LAYERS,... or NAME=LAYERS,...")
     p.add_argument("--data", default="self,stdlib",
                    help="comma list of: self, chat, vocab[:N], names[:N], stdlib, packages, "
                    "text/JSONL files or directories")
-    p.add_argument("--out", required=True, help="output nested checkpoint directory")
+    p.add_argument("--out", default=None, help="output nested checkpoint directory (required)")
     p.add_argument("--steps", type=int, default=None,
-                   help="optimizer steps (default: 400 for lora, 20000 for exit-blocks)")
+                   help="optimizer steps (default: 400 for lora, 20000 for exit-blocks, 2000 for joint)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--seq-len", type=int, default=256)
@@ -391,7 +410,9 @@ def add_parser(sub) -> None:
                    help="after the main phase: steps that train only the top segment (layers above "
                         "the second-highest exit) and the top exit on the top tier's loss")
     p.add_argument("--repair-lr", type=float, default=None, help="repair-phase lr (default --lr)")
-    p.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this long")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop (and save) after this long (joint: counted from the start of the command, "
+                        "data included)")
     p.add_argument("--save-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
                    help="dtype of the exported weights (auto: float16 for delta, float32 for full)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/state/trainer.pt")
@@ -407,4 +428,7 @@ def add_parser(sub) -> None:
     grp = exitblocks.add_arguments(p)
     _EXIT_BLOCK_DEFAULTS.update({a.dest: a.default for a in grp._group_actions})
     _LORA_DEFAULTS.update({a.dest: a.default for a in p._actions if a.dest in _LORA_ONLY})
+    from training import joint  # noqa: PLC0415
+    jgrp = joint.add_arguments(p)
+    _JOINT_DEFAULTS.update({a.dest: a.default for a in jgrp._group_actions})
     p.set_defaults(func=run)
