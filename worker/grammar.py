@@ -2,7 +2,7 @@
 batched mask of the rows that sample under one.
 
 xgrammar was picked over llguidance by the per-token mask cost on this CPU (docs/BENCHMARKS.md,
-``python -m benches.grammar``): about the same median, a far lower tail and mean, and compiled
+``mfs bench grammar``): about the same median, a far lower tail and mean, and compiled
 grammars that are cached and shared by every request with the same spec.
 
 A request's spec is ``SamplingParams.grammar`` = (kind, text) (core/sampling.py). The tokenizer's table
