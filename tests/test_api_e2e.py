@@ -287,14 +287,9 @@ def stats(service):
 
 def settled_stats(service, after: float):
     """The scheduler's snapshot written after `after` with nothing running (polled, with a deadline)."""
-    import time
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        s = stats(service)
-        if s is not None and s.updated > after and not any(s.running.values()) and not any(s.waiting.values()):
-            return s
-        time.sleep(0.1)
-    raise AssertionError(f"the scheduler did not settle: {stats(service)}")
+    import redis
+    from tests.support.pipeline import idle, stats_after
+    return stats_after(redis.Redis.from_url(service.redis_url), idle, 30, "the scheduler to settle", since=after)
 
 
 def test_n_seeded_choices_equal_the_requests_sent_one_by_one_and_share_one_prefill(service, models, fam):

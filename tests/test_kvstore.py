@@ -1,7 +1,5 @@
 """The KV block directory (kvstore/) against a real Redis, and cache-aware placement through the
 scheduler and two worker processes: a session follows its KV, yields to load, survives a restart."""
-import time
-
 import pytest
 import redis
 
@@ -10,6 +8,7 @@ from kvstore.directory import BlockDirectory, common_blocks
 from service.launch import Service
 from tests.support.redis_server import redis_url  # noqa: F401 - the session fixture
 from tests.support.pipeline import Reader, submit, wait_idle
+from tests.support.wait import wait_for
 from engine import Engine
 from worker.sampling import SamplingParams
 
@@ -118,10 +117,8 @@ def test_a_restarted_worker_loses_its_directory_entries_and_sessions_still_work(
     service.procs[name].wait(30)  # ~1 s; the worker handles SIGINT even if started with it ignored
     service._spawn(name, "worker", ["--redis-url", service.redis_url] + service._model_args()
                    + ["--worker-id", home] + service.worker_args)
-    deadline = time.monotonic() + 60
-    while d.session("s2") is not None or d.num_held(home) > 0:  # dropped when the worker left
-        assert time.monotonic() < deadline, "the directory still lists the restarted worker"
-        time.sleep(0.2)
+    wait_for(lambda: d.session("s2") is None and d.num_held(home) == 0, 60,  # dropped when the worker left
+             "the directory to drop the restarted worker", poll=0.2)
     service.wait_workers(60, 2)
     p2 = p1 + out1 + [50, 51]
     out2, _, cached = turn(r, rd, "s2-t2", p2, 1, 5, "s2")

@@ -12,6 +12,7 @@ import pytest
 
 from engine.prompts import encode_prompt
 from service.launch import Service
+from tests.support.wait import wait_for
 from engine import Engine
 from worker.sampling import SamplingParams
 
@@ -179,10 +180,7 @@ def test_disconnect_mid_stream_stops_generation_and_frees_kv(service):
         return n
 
     assert asyncio.run(go()) >= 6
-    deadline = time.monotonic() + 20
-    while kv_used(service) > 0:
-        assert time.monotonic() < deadline, metrics(service)
-        time.sleep(0.3)
+    wait_for(lambda: kv_used(service) == 0, 20, "every KV block free", poll=0.3)
     assert 'mfs_scheduler_running' in metrics(service)
 
 

@@ -18,6 +18,7 @@ from aiohttp import web
 from core import protocol as P
 from gateway.app import init_app
 from gateway.config import GatewayConfig
+from tests.support.wait import wait_for
 
 MAX_LEN = 4096
 PARIS = "The capital of France is Paris."
@@ -102,19 +103,12 @@ class FakeBackend(threading.Thread):
         """The first Submit read after the ``seen`` this backend had already read: a test that counted
         ``len(backend.submits)`` before its request cannot pick up an earlier test's Submit when its own
         has not been read yet (the session-scoped backend reads on its own thread)."""
-        deadline = time.monotonic() + timeout
-        while len(self.submits) <= seen:
-            assert time.monotonic() < deadline, f"no Submit after the first {seen} within {timeout} s"
-            time.sleep(0.01)
+        wait_for(lambda: len(self.submits) > seen, timeout, f"a Submit after the first {seen}", poll=0.01)
         return list(self.submits.values())[seen]
 
-    def wait_cancel(self, request_id: str, timeout: float = 5.0) -> str | None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if request_id in self.cancels:
-                return self.cancels[request_id]
-            time.sleep(0.02)
-        return None
+    def wait_cancel(self, request_id: str, timeout: float = 5.0) -> str:
+        """The reason of the request's Cancel, once the backend has read it."""
+        return wait_for(lambda: self.cancels.get(request_id), timeout, f"a Cancel of {request_id}", poll=0.02)
 
     # scripts: submit -> [(delay_s, TokenEvent)]
     def reply(self, text, chunk: int = 2, delay: float = 0.0, duplicate: bool = True):

@@ -51,21 +51,26 @@ def stats(r) -> StatsSnapshot | None:
     return StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
 
 
-def stats_after(r, pred: Callable[[StatsSnapshot], bool], timeout: float, what: str) -> StatsSnapshot:
-    """The first stats snapshot written after this call for which pred holds. (The scheduler writes one
-    every half second: an older one may predate the work just done — a fast test's requests can all
-    finish within one interval — and look idle with none of it.)"""
-    since = time.time()
+def stats_after(r, pred: Callable[[StatsSnapshot], bool], timeout: float, what: str,
+                since: float | None = None) -> StatsSnapshot:
+    """The first stats snapshot written after `since` (default: this call) for which pred holds. (The
+    scheduler writes one every half second: an older one may predate the work just done — a fast
+    test's requests can all finish within one interval — and look idle with none of it.)"""
+    since = time.time() if since is None else since
     return wait_for(lambda: (s := stats(r)) is not None and s.updated >= since and pred(s) and s, timeout, what,
                     poll=0.1)
 
 
+def idle(s: StatsSnapshot) -> bool:
+    return not any(s.running.values()) and not any(s.waiting.values())
+
+
 def wait_kv_idle(r, timeout=10) -> StatsSnapshot:
     """Every KV block free and nothing running."""
-    return stats_after(r, lambda s: all(sum(v) == 0 for v in s.kv_blocks_used.values()) and not s.running,
+    return stats_after(r, lambda s: all(sum(v) == 0 for v in s.kv_blocks_used.values()) and not any(s.running.values()),
                        timeout, "every KV block free and nothing running")
 
 
 def wait_idle(r, timeout=10) -> StatsSnapshot:
     """No request left, running or waiting."""
-    return stats_after(r, lambda s: not s.running and not s.waiting, timeout, "the scheduler to be idle")
+    return stats_after(r, idle, timeout, "the scheduler to be idle")
