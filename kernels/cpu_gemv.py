@@ -1,5 +1,5 @@
-"""Our CPU matmul operators (AVX2; AVX-512 VNNI where the CPU has it) (``kernels/cpu_gemv.cpp``), built with the machine's C++ compiler
-against the installed torch on first use and loaded with ``torch.ops.load_library``:
+"""Our CPU matmul operators (AVX2; AVX-512 VNNI where the CPU has it) (``kernels/cpu_gemv*.cpp`` with
+``cpu_gemv.h``: one library), built with the machine's C++ compiler against the installed torch on first use and loaded with ``torch.ops.load_library``:
 
 * ``mfs::int8_gemv`` — int8 weights, fp32 activations. On an AVX2 CPU torch's ``_weight_int8pack_mm``
   streams int8 weights at ~8 GB/s (two threads; it reads four weight rows side by side, which the
@@ -7,27 +7,28 @@ against the installed torch on first use and loaded with ``torch.ops.load_librar
   one reads one weight row at a time front to back, widens each weight to fp32 once per pair of
   activation rows, and keeps the activations fp32.
 * ``mfs::w4a8_gemv`` — Q4_1 weight blocks times activations quantized per 32 values to 8 bits
-  (``--weights w4a8``, ``worker.quant.Q4A8Linear``), one weight row's blocks across a register.
+  (``--weights w4a8``, ``worker.formats.Q4A8Linear``), one weight row's blocks across a register.
 * ``mfs::w4a8_tile_gemv`` — the same sum over the same bytes interleaved 16 weight rows to a tile
   (:func:`tile_q4_rows`): a register lane is one output, so a block's integer sum takes 8 vpdpbusd
   for 16 rows and its scaling 4 instructions for all 16; what ``Q4A8Linear`` serves where N % 16 == 0.
 * ``mfs::int8_a8_gemv`` — int8 weights (one scale per row) times the same 8-bit activations: the LM
-  head of ``--weights w4a8`` (``worker.quant.Int8A8Linear``); ``mfs::int8_a8_tile_gemv`` the same over
+  head of ``--weights w4a8`` (``worker.formats.Int8A8Linear``); ``mfs::int8_a8_tile_gemv`` the same over
   weights interleaved 16 rows to a tile (:func:`tile_int8_rows`), what that head serves where N % 16 == 0.
 
 A row's output is the same bit for bit at any batch size (the C++ file says why). Being real torch
 operators (not Python custom ops), a compiled decode graph calls them from C++ like any aten op: no
 Python per call.
 
-:func:`int8_gemv_kernel` is what ``worker.quant.Int8Linear`` takes: this kernel where torch reports
+:func:`int8_gemv_kernel` is what ``worker.formats.Int8Linear`` takes: this kernel where torch reports
 the CPU capability ``AVX2`` or ``AVX512`` and the build succeeds, else None (torch's kernel). Measured
-on both machines (docs/BENCHMARKS.md, "Kernels of our own"): about twice torch's int8 kernel's speed
+on both machines (docs/journal/benchmarks-history.md, "Kernels of our own"): about twice torch's int8 kernel's speed
 at one row on each, and faster than inductor's compiled int8 head on the AVX-512 one. ``MFS_CPU_GEMV=0``
 turns it off. The choice is logged once per process.
 
-The build: ``g++ -O3 -mavx2 -mfma -mf16c -fopenmp -shared`` with torch's headers (plus
-``-mavx512f -mavx512bw -mavx512vl -mavx512vnni`` where the CPU has AVX-512 VNNI: :func:`isa`), into
-``$MFS_CACHE/kernels/<hash of source, compiler, flags, torch version>/`` (``~/.cache/mfs`` by
+The build: ``g++ -O3 -mavx2 -mfma -mf16c -fopenmp`` with torch's headers (plus
+``-mavx512f -mavx512bw -mavx512vl -mavx512vnni`` where the CPU has AVX-512 VNNI: :func:`isa`), each
+source file compiled on its own thread, then linked ``-shared`` into
+``$MFS_CACHE/kernels/<hash of sources, headers, compiler, flags, torch version>/`` (``~/.cache/mfs`` by
 default), under a file lock, once per machine. The library links ``libgomp.so.1`` by soname, which is
 the OpenMP runtime torch has already loaded, so the two share one thread pool.
 """
@@ -39,6 +40,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -47,8 +50,10 @@ import torch
 
 log = structlog.get_logger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w"]
+_HERE = Path(__file__).parent
+# one library: the operators' files (cpu_gemv.cpp registers them all; cpu_gemv.h is what they share)
+SOURCES = tuple(_HERE / f for f in ("cpu_gemv.cpp", "cpu_gemv_w4a8.cpp", "cpu_gemv_w4a8_tile.cpp", "cpu_gemv_a8.cpp"))
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-std=c++17", "-w"]
 # where the CPU has AVX-512 VNNI, w4a8's block sums take one vpdpbusd instead of vpmaddubsw + vpmaddwd
 VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
@@ -85,22 +90,38 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("MFS_CACHE", Path.home() / ".cache" / "mfs")) / "kernels"
 
 
-def _command(cxx: str, source: Path, out: str) -> list[str]:
+def _compile(cxx: str, source: Path, out: str) -> list[str]:
     from torch.utils import cpp_extension  # noqa: PLC0415 (only for a build)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     incs = [f"-I{p}" for p in cpp_extension.include_paths()]
+    return [cxx, *flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *incs, "-c", str(source), "-o", out]
+
+
+def _link(cxx: str, objects: list[str], out: str) -> list[str]:
+    from torch.utils import cpp_extension  # noqa: PLC0415 (only for a build)
     libs = [f"-L{p}" for p in cpp_extension.library_paths()]
-    return [cxx, *flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *incs, str(source), "-o", out, *libs,
-            "-lc10", "-ltorch_cpu"]
+    return [cxx, *flags(), "-shared", *objects, "-o", out, *libs, "-lc10", "-ltorch_cpu"]
 
 
-def build(source: Path = SOURCE, cxx: str | None = None) -> Path:
-    """The operator library for ``source``, compiled once into the cache. Raises RuntimeError with the
-    compiler's message if it fails."""
+def _run(cmd: list[str], cxx: str, what: str) -> None:
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"{cxx} failed on {what}: {res.stderr.strip()[-2000:]}")
+
+
+def build(sources: Path | Sequence[Path] = SOURCES, cxx: str | None = None,
+          headers: Sequence[Path] | None = None) -> Path:
+    """The operator library of ``sources`` (one file or several, linked together), compiled once into
+    the cache, each source on its own thread. ``headers``: what they include, part of the cache key
+    (default: every .h beside them). Raises RuntimeError with the compiler's message if it fails."""
+    sources = [sources] if isinstance(sources, Path) else list(sources)
+    if headers is None:
+        headers = sorted({h for p in sources for h in p.parent.glob("*.h")})
     cxx = cxx or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
-    key = hashlib.sha256(source.read_bytes() + " ".join([cxx, *flags(), torch.__version__]).encode()).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in [*sources, *headers])
+    key = hashlib.sha256(text + " ".join([cxx, *flags(), torch.__version__]).encode()).hexdigest()[:16]
     folder = _cache_dir() / key
     lib = folder / "libmfs_cpu_gemv.so"
     if lib.exists():
@@ -110,15 +131,16 @@ def build(source: Path = SOURCE, cxx: str | None = None) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if lib.exists():  # another process built it while this one waited
             return lib
-        with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as tmp:
-            pass
-        log.info("building our CPU operators (once per machine, ~10 s)", source=source.name, isa=isa(),
-                 into=str(folder))
-        res = subprocess.run(_command(cxx, source, tmp.name), capture_output=True, text=True)
-        if res.returncode != 0:
-            os.unlink(tmp.name)
-            raise RuntimeError(f"{cxx} failed on {source.name}: {res.stderr.strip()[-2000:]}")
-        os.replace(tmp.name, lib)  # atomic: a reader never loads a half-written library
+        log.info("building our CPU operators (once per machine, ~10 s)", sources=[p.name for p in sources],
+                 isa=isa(), into=str(folder))
+        with tempfile.TemporaryDirectory(dir=folder) as work:
+            objects = [str(Path(work) / f"{p.stem}.o") for p in sources]
+            with ThreadPoolExecutor(len(sources)) as pool:
+                for done in [pool.submit(_run, _compile(cxx, p, o), cxx, p.name) for p, o in zip(sources, objects)]:
+                    done.result()
+            tmp = str(Path(work) / lib.name)
+            _run(_link(cxx, objects, tmp), cxx, "linking " + ", ".join(p.name for p in sources))
+            os.replace(tmp, lib)  # atomic: a reader never loads a half-written library
     return lib
 
 

@@ -13,41 +13,47 @@ from decode_bound import compiled_nested, engine
 from worker import compiled_step as cs
 from worker.sampling import SamplingParams
 
-model = compiled_nested("w4a8")
-mk = lambda: engine(model)  # noqa: E731
-seen = {}
-real = model.execution.graph
-def grab(layers, *a):
-    seen.setdefault(len(layers), (layers, a))
-    return real(layers, *a)
-model.execution.graph = grab
-eng = mk()
-eng.add_request("r0", list(range(100, 140)), 1, SamplingParams(max_tokens=200, ignore_eos=True))
-for _ in range(8): eng.step()
-model.execution.graph = real
-cap = {}
-def backend(gm, ex):
-    fn = compile_fx(gm, ex, config_patches=dict(cs.CPU_OPTIONS))
-    cap["fn"], cap["ex"] = fn, ex
-    return fn
-def timeit(f, n=400):
-    for _ in range(20): f()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e6
-with torch.inference_mode():
-    for L in sorted(seen):
-        layers, a = seen[L]
-        fn = cs.make_decode_segment(model.cfg)
-        code = fn.__code__.replace(co_name=f"probe_{L}")
-        fn = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-        cb = torch.compile(fn, dynamic=True, backend=backend)
-        cb(layers, *a)
-        direct, ex = cap["fn"], [int(e) if isinstance(e, torch.SymInt) else e for e in cap["ex"]]
-        for rnd in range(2):
-            full = timeit(lambda: real(layers, *a)); dyn = timeit(lambda: cb(layers, *a)); dr = timeit(lambda: direct(*ex))
-            print(f"{L} layers, {a[0].shape[0]} row: torch.compile call {full:.1f} us, capture-backend call {dyn:.1f} us, inductor callable direct {dr:.1f} us ({len(ex)} inputs)")
-        with profile(activities=[ProfilerActivity.CPU]) as p:
-            for _ in range(100): direct(*ex)
-        print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=50))
+
+def main() -> None:
+    model = compiled_nested("w4a8")
+    mk = lambda: engine(model)  # noqa: E731
+    seen = {}
+    real = model.execution.graph
+    def grab(layers, *a):
+        seen.setdefault(len(layers), (layers, a))
+        return real(layers, *a)
+    model.execution.graph = grab
+    eng = mk()
+    eng.add_request("r0", list(range(100, 140)), 1, SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(8): eng.step()
+    model.execution.graph = real
+    cap = {}
+    def backend(gm, ex):
+        fn = compile_fx(gm, ex, config_patches=dict(cs.CPU_OPTIONS))
+        cap["fn"], cap["ex"] = fn, ex
+        return fn
+    def timeit(f, n=400):
+        for _ in range(20): f()
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
+        return statistics.median(ts) * 1e6
+    with torch.inference_mode():
+        for L in sorted(seen):
+            layers, a = seen[L]
+            fn = cs.make_decode_segment(model.cfg)
+            code = fn.__code__.replace(co_name=f"probe_{L}")
+            fn = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+            cb = torch.compile(fn, dynamic=True, backend=backend)
+            cb(layers, *a)
+            direct, ex = cap["fn"], [int(e) if isinstance(e, torch.SymInt) else e for e in cap["ex"]]
+            for rnd in range(2):
+                full = timeit(lambda: real(layers, *a)); dyn = timeit(lambda: cb(layers, *a)); dr = timeit(lambda: direct(*ex))
+                print(f"{L} layers, {a[0].shape[0]} row: torch.compile call {full:.1f} us, capture-backend call {dyn:.1f} us, inductor callable direct {dr:.1f} us ({len(ex)} inputs)")
+            with profile(activities=[ProfilerActivity.CPU]) as p:
+                for _ in range(100): direct(*ex)
+            print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=50))
+
+
+if __name__ == "__main__":
+    main()

@@ -6,11 +6,17 @@ import pstats
 
 from decode_bound import compiled_nested, started_tiers
 
-model = compiled_nested("w4a8")
-eng = started_tiers(model, [0, 1, 2, 2, 2, 2], max_tokens=300)
-pr = cProfile.Profile()
-pr.enable()
-for _ in range(100):
-    eng.step()
-pr.disable()
-pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+
+def main() -> None:
+    model = compiled_nested("w4a8")
+    eng = started_tiers(model, [0, 1, 2, 2, 2, 2], max_tokens=300)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(100):
+        eng.step()
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()

@@ -9,16 +9,22 @@ import sys
 
 from decode_bound import compiled_nested, median_step_ms, started_tiers
 
-if len(sys.argv) < 2:
-    sys.exit(__doc__)
-model = compiled_nested("w4a8")
-WORKLOADS = (("top 1 row", [2]), ("mix 1/1/4", [0, 1, 2, 2, 2, 2]), ("16 mixed", [0] * 11 + [1] * 3 + [2] * 2))
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    model = compiled_nested("w4a8")
+    WORKLOADS = (("top 1 row", [2]), ("mix 1/1/4", [0, 1, 2, 2, 2, 2]), ("16 mixed", [0] * 11 + [1] * 3 + [2] * 2))
 
 
-def run(tiers) -> float:
-    return median_step_ms(started_tiers(model, tiers), 60)
+    def run(tiers) -> float:
+        return median_step_ms(started_tiers(model, tiers), 60)
 
 
-out = [(name, run(tiers)) for _ in range(3) for name, tiers in WORKLOADS]
-for name, _ in WORKLOADS:
-    print(sys.argv[1], name, f"{statistics.median(v for n, v in out if n == name):.2f} ms")
+    out = [(name, run(tiers)) for _ in range(3) for name, tiers in WORKLOADS]
+    for name, _ in WORKLOADS:
+        print(sys.argv[1], name, f"{statistics.median(v for n, v in out if n == name):.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

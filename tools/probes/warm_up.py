@@ -12,11 +12,17 @@ from engine import Engine
 from worker.execution import compile_decode
 from worker.family import add_model_args, load_from_args
 
-torch.set_num_threads(2)
-ap = argparse.ArgumentParser()
-add_model_args(ap)
-model = load_from_args(ap.parse_args(["--model", "default-raw", "--weights", "w4a8"])).model
-compile_decode(model)
-t = time.time()
-Engine(model, block_size=16, num_blocks=1024).runner.warm_up()
-print(f"warm_up {time.time() - t:.1f} s, graphs {counters['stats']['unique_graphs']}")
+
+def main() -> None:
+    torch.set_num_threads(2)
+    ap = argparse.ArgumentParser()
+    add_model_args(ap)
+    model = load_from_args(ap.parse_args(["--model", "default-raw", "--weights", "w4a8"])).model
+    compile_decode(model)
+    t = time.time()
+    Engine(model, block_size=16, num_blocks=1024).runner.warm_up()
+    print(f"warm_up {time.time() - t:.1f} s, graphs {counters['stats']['unique_graphs']}")
+
+
+if __name__ == "__main__":
+    main()
