@@ -135,7 +135,7 @@ def test_bench_peers_runs_each_contender_side_by_side(tmp_path, frontend):
 def test_bench_peers_rounds_give_medians_and_ratios_within_each_round(tmp_path):
     """--repeats: each figure is the median over rounds, and a ratio to llama.cpp pairs the runs of one
     round (neighbours in time), then takes the median."""
-    from benches.peers import merge_rounds, ratios_vs_llama_cpp
+    from benches.peers_report import merge_rounds, ratios_vs_llama_cpp
 
     def rec(name, tps, mix=None, rss=100):
         run_ = {"tokens_per_s": tps, "tpot_ms": 1e3 / tps, "ttft_ms": 5.0, "wall_s": 64 / tps}
