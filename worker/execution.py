@@ -144,7 +144,7 @@ class InductorDecode:
         model.execution = self
 
     def undo(self, model) -> None:
-        if self.head_kernel is not None:
+        if rows_kernel_head(model):  # whatever kernel the head was given under this path: its own again
             model.lm_head.rows_kernel = None
 
     def segment(self, model, s, h, residual, pos, seg, kv):
@@ -192,7 +192,7 @@ def choose(model: "NestedModel", compile: str) -> tuple[str, str]:
     if compile not in COMPILE_CHOICES:
         raise ValueError(f"--compile {compile!r}: expected one of {', '.join(COMPILE_CHOICES)}")
     if compile == "off":
-        return EAGER, "compiled decode off (--no-compile)"
+        return EAGER, "compiled decode off (--compile off; mfs up --no-compile)"
     try:
         path = compiled_path(model)
     except ValueError as e:
