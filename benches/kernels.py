@@ -3,12 +3,11 @@
 On CUDA: every kernel is verified against its reference at serving shapes, then timed (median of
 ``--iters`` calls between CUDA events, L2 flushed before each, host launch cost included) against
 the reference, and paged attention also against ``scaled_dot_product_attention`` on the same KV
-already gathered contiguous. Last, one decode step at batch 1 of a random-weight ~1B Llama (bf16)
-is timed with each backend, and with the Triton one through CUDA graphs (worker/decode_graphs.py), against
-the memory-bandwidth floor: bytes of weights and KV read per step over ``--bandwidth``; then the same
-model with int4 weights (the Triton dequantize-matmul, :mod:`kernels.quant_matmul_triton`), eager and
-graphed, against the floor of its own bytes, and that matmul alone at
-SmolLM2-135M's and the 1B model's shapes next to dense bf16 ``F.linear``.
+already gathered contiguous. Then the quantized matmul alone at
+SmolLM2-135M's and the 1B model's shapes next to dense bf16 ``F.linear`` and torch's int4 tinygemm
+(benches/kernels_quant.py), and last one decode step at batch 1 of a random-weight ~1B Llama and of
+the default family's base shape, bf16 and int4, eager and through CUDA graphs, against the
+memory-bandwidth floor (benches/kernels_step.py).
 
 Without CUDA there is nothing to time: the command runs the correctness pass on tiny shapes in
 triton's CPU interpreter (in a child process, which must import triton with ``TRITON_INTERPRET=1``),
@@ -19,36 +18,19 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from benches.kernels_common import EPS, H200_BANDWIDTH, SERVE, TINY, Dims, Timer
+from benches.kernels_common import randn as _randn
+from benches.kernels_quant import quant_checks, time_quant_linears
+from benches.kernels_step import time_decode_steps
 from engine.runtime import write_json
-
-
-@dataclass(frozen=True, slots=True)
-class Dims:
-    """The attention and norm shapes of one pass."""
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-
-
-SERVE = Dims(hidden=2048, heads=32, kv_heads=8, head_dim=64, block_size=16, dtype=torch.bfloat16)
-TINY = Dims(hidden=48, heads=6, kv_heads=2, head_dim=16, block_size=4, dtype=torch.bfloat16)
-# ~1B Llama: 16 layers of 2048 wide, 32 heads over 8 KV heads, MLP 8192, vocab 32000.
-LLAMA_1B = dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
-                intermediate_size=8192, vocab_size=32000)
-H200_BANDWIDTH = 4.8e12
-EPS = 1e-5
 
 
 def add_parser(sub) -> None:
@@ -63,10 +45,6 @@ def add_parser(sub) -> None:
 
 
 # ---- cases -----------------------------------------------------------------------------------
-def _randn(*shape, dims: Dims, device: str) -> torch.Tensor:
-    return torch.randn(*shape, device=device).to(dims.dtype)
-
-
 def paged_case(rows: list[tuple[int, int]], dims: Dims, device: str) -> tuple:
     """Rows of (q_len, ctx_len) over shuffled pool blocks: the paged op's positional args."""
     bs = dims.block_size
@@ -98,7 +76,8 @@ def _attention_rows(cuda: bool) -> dict[str, list[tuple[int, int]]]:
 
 # ---- correctness -----------------------------------------------------------------------------
 def _checks(dims: Dims, device: str):
-    """(name, triton thunk, reference thunk, tolerance) of every kernel."""
+    """(name, triton thunk, reference thunk, tolerance) of every kernel; the quantized matmul's
+    (name, thunk, check of its result, None)."""
     from kernels.kv_write import write_kv_torch  # noqa: PLC0415
     from kernels.kv_write_triton import write_kv_triton  # noqa: PLC0415
     from kernels.paged_attention import paged_attention_torch  # noqa: PLC0415
@@ -130,24 +109,7 @@ def _checks(dims: Dims, device: str):
     f32 = paged_case([(1, 700), (4, 90), (40, 300)], replace(dims, dtype=torch.float32), device)
     yield ("paged_attention fp32 mixed", lambda: paged_attention_triton(*f32),
            lambda: paged_attention_torch(*f32), {"atol": 1e-4, "rtol": 1e-4})
-    yield from _quant_checks(dims, device)
-
-
-def _quant_checks(dims: Dims, device: str):
-    """The dequantize-matmul, 4 and 8 bits: fp32 activations (ieee dots, tight) and the bench dtype's
-    (the tile rounded to it for the tensor cores on a GPU)."""
-    from kernels.quant_matmul import quant_matmul_torch, quantize_groups  # noqa: PLC0415
-    from kernels.quant_matmul_triton import quant_matmul_triton  # noqa: PLC0415
-    n, k = (3 * dims.hidden, dims.hidden) if device == "cuda" else (40, 96)
-    for bits in (4, 8):
-        packed = [t.to(device) for t in quantize_groups(torch.randn(n, k), 32, bits)]
-        for m in ((1, 16, 200) if device == "cuda" else (1, 19)):
-            for dtype, tol in ((torch.float32, 1e-4), (dims.dtype, 2e-2)):
-                x = torch.randn(m, k, device=device).to(dtype)
-                yield (f"quant_matmul int{bits} {m}x{k}->{n} {str(dtype)[6:]}",
-                       lambda x=x, p=packed, b=bits: quant_matmul_triton(x, *p, 32, b),
-                       lambda x=x, p=packed, b=bits: quant_matmul_torch(x, *p, 32, b),
-                       {"atol": tol, "rtol": tol})
+    yield from quant_checks(dims, device)
 
 
 def _write_kv_thunks(k, dims: Dims, device: str, triton_fn, torch_fn):
@@ -178,8 +140,14 @@ def verify(device: str) -> dict:
     torch.manual_seed(0)
     dims = SERVE if device == "cuda" else TINY
     checks = []
-    for name, got_fn, want_fn, tol in _checks(dims, device):
-        got, want = got_fn(), want_fn()
+    for name, got_fn, want, tol in _checks(dims, device):
+        got = got_fn()
+        if tol is None:  # ``want`` checks the result itself: (ok, error / bound), the quantized matmul's
+            ok, ratio = want(got)
+            checks.append({"kernel": name, "ok": ok, "err_over_bound": ratio,
+                           "error": None if ok else f"error {ratio:.3g}x the bound"})
+            continue
+        want = want()
         try:
             torch.testing.assert_close(got, want, **tol)
             ok, error = True, None
@@ -201,29 +169,6 @@ def _verify_in_interpreter() -> dict:
 
 
 # ---- timing (CUDA) ---------------------------------------------------------------------------
-class Timer:
-    """Median milliseconds of single calls between CUDA events, L2 flushed before each call."""
-
-    def __init__(self, iters: int):
-        self.iters = iters
-        self._flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # > H200's L2
-
-    def __call__(self, fn) -> float:
-        for _ in range(3):  # compile and warm up
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(self.iters):
-            self._flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
-
-
 def _sdpa_thunk(args):
     """SDPA on the rows' KV gathered contiguous beforehand (rows must share q_len and ctx_len)."""
     import torch.nn.functional as F  # noqa: PLC0415
@@ -298,159 +243,6 @@ def time_kernels(timer: Timer) -> list[dict]:
 
 
 # SmolLM2-135M's linears (q/k/v fused, gate/up fused, the 49152-row head) and the ~1B Llama's.
-QUANT_SHAPES = {"smollm2 qkv": (960, 576), "smollm2 gate_up": (3072, 576), "smollm2 down": (576, 1536),
-                "smollm2 head": (49152, 576), "1b qkv": (3072, 2048), "1b gate_up": (16384, 2048),
-                "1b down": (2048, 8192)}
-
-
-def time_quant_linears(timer: Timer, bandwidth: float) -> list[dict]:
-    """The Triton dequantize-matmul at serving shapes, batch 1 and 16, fp32 activations (what the
-    quantized family serves), against dense bf16 ``F.linear`` of the same weight, with the bytes it
-    streams and its time against the bandwidth floor for them."""
-    import torch.nn.functional as F  # noqa: PLC0415
-
-    from kernels.quant_matmul import quantize_groups  # noqa: PLC0415
-    from kernels.quant_matmul_triton import quant_matmul_triton  # noqa: PLC0415
-    rows = []
-    for name, (n, k) in QUANT_SHAPES.items():
-        dense = (torch.randn(n, k, device="cuda") * 0.02)
-        for bits in (4, 8):
-            packed = quantize_groups(dense, 32, bits)
-            nbytes = sum(t.numel() * t.element_size() for t in packed)
-            for m in (1, 16):
-                x = torch.randn(m, k, device="cuda")
-                ms = timer(lambda x=x, p=packed, b=bits: quant_matmul_triton(x, *p, 32, b))
-                floor_ms = nbytes / bandwidth * 1e3
-                rows.append({"op": "quant_matmul", "case": f"{name} int{bits} batch {m}", "n": n, "k": k,
-                             "bits": bits, "batch": m, "triton_ms": ms, "bytes": nbytes,
-                             "GBps": nbytes / ms / 1e6, "floor_ms": floor_ms, "x_floor": ms / floor_ms})
-        wb = dense.to(torch.bfloat16)
-        for m in (1, 16):
-            xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ms = timer(lambda xb=xb: F.linear(xb, wb))
-            rows.append({"op": "dense_bf16_linear", "case": f"{name} batch {m}", "n": n, "k": k,
-                         "batch": m, "torch_ms": ms, "bytes": wb.numel() * 2,
-                         "GBps": wb.numel() * 2 / ms / 1e6})
-        for r in rows[-6:]:
-            t = r.get("triton_ms", r.get("torch_ms"))
-            print(f"{r['op']:18s} {r['case']:28s} {t:.4f} ms  {r['GBps']:.0f} GB/s", flush=True)
-    return rows
-
-
-# ---- decode step (CUDA) ----------------------------------------------------------------------
-def _random_llama(ops, device: str = "cuda", shape: dict = LLAMA_1B):
-    """A bf16 NestedModel of ``shape`` (LLAMA_1B) with random weights, built on ``device``."""
-    from worker.config import ModelConfig  # noqa: PLC0415
-    from worker.model import NestedModel, Tier, skeleton  # noqa: PLC0415
-    s = shape
-    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, s["head_dim"], 2).float() / s["head_dim"]))
-    cfg = ModelConfig(model_type="llama", rms_eps=EPS, max_position=8192, tie_embeddings=False,
-                      inv_freq=inv_freq, **s)
-    with skeleton():
-        model = NestedModel(cfg, [Tier(0, "full", s["num_layers"])], ops=ops)
-    model = model.to(torch.bfloat16).to_empty(device=device)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.02)
-            else:  # norm weights
-                p.fill_(1.0)
-    model.rebuild_buffers()
-    return model.eval()
-
-
-@dataclass(slots=True)
-class _KV:
-    """The per-segment lists forward_step reads (one segment: no stored trunk state, ``hid`` empty)."""
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    hid: list[torch.Tensor] = field(default_factory=list)
-
-
-def _decode_batch(model, ctx: int, block_size: int, device: str = "cuda"):
-    from core.protocol import PlanRow  # noqa: PLC0415
-    from worker.batch import build_step  # noqa: PLC0415
-    cfg = model.cfg
-    blocks = -(-ctx // block_size)
-    shape = (cfg.num_layers, blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    kv = _KV([torch.randn(shape, device=device).to(torch.bfloat16)],
-             [torch.randn(shape, device=device).to(torch.bfloat16)])
-    row = PlanRow("r", tier=0, token_ids=[7], start_pos=ctx - 1, block_tables=[list(range(blocks))],
-                  sample=True, num_output=0)
-    return build_step([row], 1, block_size, device), kv
-
-
-def _graphed_step(model, batch, kv, capture: bool | None = None):
-    """The decode step through CUDA decode graphs (``--compile`` on CUDA: worker/decode_graphs.py), one
-    bucket of one row, recorded before it is timed. Undo with ``model.use_decode_graphs(None)``."""
-    from worker.decode_graphs import DecodeGraphs  # noqa: PLC0415
-    graphs = DecodeGraphs(model, max_rows=1, capture=capture)
-    graphs.capture_all(kv)
-    model.use_decode_graphs(graphs)
-    return lambda: model.forward_step(batch, kv)
-
-
-def _floor_bytes(model, ctx: int) -> tuple[int, int]:
-    """Bytes a decode step must read: every weight but the embedding (one row of it), and the KV."""
-    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                  if not n.startswith("embed_tokens"))
-    cfg = model.cfg
-    kv = 2 * ctx * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bf16
-    return weights, kv
-
-
-def time_decode_step(timer: Timer, ctx: int, bandwidth: float) -> dict:
-    from kernels import TORCH_OPS, select_backend  # noqa: PLC0415
-    backends = {"torch": TORCH_OPS, "triton": select_backend("triton", "cuda")}
-    model = _random_llama(TORCH_OPS)
-    batch, kv = _decode_batch(model, ctx, SERVE.block_size)
-    weights, kv_bytes = _floor_bytes(model, ctx)
-    floor_ms = (weights + kv_bytes) / bandwidth * 1e3
-    result = {"shape": LLAMA_1B, "dtype": "bfloat16", "batch": 1, "ctx": ctx,
-              "weight_bytes": weights, "kv_bytes": kv_bytes, "bandwidth_Bps": bandwidth,
-              "floor_ms": floor_ms}
-    for name, ops in backends.items():
-        model.ops = ops
-        ms = timer(lambda: model.forward_step(batch, kv))
-        result[name] = {"backend": ops.name, "step_ms": ms, "x_floor": ms / floor_ms}
-        print(f"decode step ({ops.name}): {ms:.3f} ms, {ms / floor_ms:.1f}x the {floor_ms:.3f} ms "
-              "bandwidth floor", flush=True)
-    ms = timer(_graphed_step(model, batch, kv))  # model.ops is the triton backend's now
-    model.use_decode_graphs(None)
-    result["triton_graphs"] = {"backend": "triton", "cuda_graphs": True, "step_ms": ms, "x_floor": ms / floor_ms}
-    print(f"decode step (triton, CUDA graphs): {ms:.3f} ms, {ms / floor_ms:.1f}x the {floor_ms:.3f} ms "
-          "bandwidth floor", flush=True)
-    del model, kv
-    torch.cuda.empty_cache()
-    result["int4"] = _time_int4_step(timer, ctx, bandwidth)
-    return result
-
-
-def _time_int4_step(timer: Timer, ctx: int, bandwidth: float) -> dict:
-    """The same model quantized as the family serves it on CUDA (``--weights int4``: 4-bit groups of
-    32, 8-bit head, fp32 activations and KV), the Triton backend; its floor is its own bytes."""
-    from kernels import select_backend  # noqa: PLC0415
-    from worker.quant import quantize_model  # noqa: PLC0415
-    model = _random_llama(select_backend("triton", "cuda")).float()
-    quantize_model(model, "int4", device="cuda")
-    batch, kv = _decode_batch(model, ctx, SERVE.block_size)
-    kv.k, kv.v = [t.float() for t in kv.k], [t.float() for t in kv.v]
-    weights, _ = _floor_bytes(model, ctx)
-    kv_bytes = 2 * ctx * model.cfg.num_layers * model.cfg.num_kv_heads * model.cfg.head_dim * 4
-    floor_ms = (weights + kv_bytes) / bandwidth * 1e3
-    ms = timer(lambda: model.forward_step(batch, kv))
-    print(f"decode step (int4 weights, triton): {ms:.3f} ms, {ms / floor_ms:.1f}x the {floor_ms:.3f} ms "
-          "bandwidth floor", flush=True)
-    graphs_ms = timer(_graphed_step(model, batch, kv))
-    print(f"decode step (int4 weights, triton, CUDA graphs): {graphs_ms:.3f} ms, {graphs_ms / floor_ms:.1f}x "
-          f"the {floor_ms:.3f} ms bandwidth floor", flush=True)
-    del model, kv
-    torch.cuda.empty_cache()
-    return {"weights": "int4", "activations": "float32", "weight_bytes": weights, "kv_bytes": kv_bytes,
-            "floor_ms": floor_ms, "step_ms": ms, "x_floor": ms / floor_ms,
-            "cuda_graphs": {"step_ms": graphs_ms, "x_floor": graphs_ms / floor_ms}}
-
-
 # ---- the command -----------------------------------------------------------------------------
 def _header(cuda: bool) -> dict:
     try:
@@ -483,7 +275,7 @@ def run(args) -> int:
         result["iters"] = args.iters
         result["kernels"] = time_kernels(timer)
         result["quant_linears"] = time_quant_linears(timer, args.bandwidth)
-        result["decode_step"] = time_decode_step(timer, args.ctx, args.bandwidth)
+        result["decode_step"] = time_decode_steps(timer, args.ctx, args.bandwidth)
     _print_checks(result.get("correctness"))
     write_json(args.json, result)
     print(f"wrote {args.json}", flush=True)
@@ -494,7 +286,9 @@ def _print_checks(correctness: dict | None) -> None:
     if not correctness:
         return
     for c in correctness["checks"]:
-        print(f"{'ok  ' if c['ok'] else 'FAIL'} {c['kernel']:45s} max abs err {c['max_abs_err']:.3g}")
+        err = (f"error/bound {c['err_over_bound']:.3g}" if "err_over_bound" in c
+               else f"max abs err {c['max_abs_err']:.3g}")
+        print(f"{'ok  ' if c['ok'] else 'FAIL'} {c['kernel']:45s} {err}")
     if correctness.get("error"):
         print(correctness["error"], file=sys.stderr)
 

@@ -52,6 +52,58 @@ def quant_matmul_torch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     return (x.float() @ w.t()).to(x.dtype)
 
 
+def quant_matmul_fp64(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                      group: int, bits: int) -> torch.Tensor:
+    """The exact product in fp64 (the reference kernels are checked against): every weight
+    ``q * scale + min`` is exact in fp64, so the only error left is fp64's summation."""
+    w = dequantize_fp64(qweight, scales, mins, group, bits)
+    return x.double() @ w.t()
+
+
+def dequantize_fp64(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
+                    bits: int) -> torch.Tensor:
+    q = codes(qweight, bits).double()
+    N, K = q.shape
+    return (q.view(N, K // group, group) * scales.double()[..., None]
+            + mins.double()[..., None]).view(N, K)
+
+
+# Unit roundoff of each output dtype: rounding the fp32 sum to it errs by at most u * |y|.
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def error_bound(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                group: int, bits: int, out_dtype: torch.dtype, exact: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """The most a kernel's output may differ from :func:`quant_matmul_fp64`, element by element (fp64).
+
+    A kernel that sums ``s * sum(q x) + m * sum(x)`` per group in fp32 adds, along any summation tree,
+    at most ``depth = group + K / group + 4`` roundings of 2**-24 to terms bounded by
+    ``T = |x| @ (|q s| + |m|).T`` (the magnitudes it actually adds: |x|·|W| with W's two parts apart);
+    twice that allows for fp32 activations split into bf16 pieces. Then the output's one rounding:
+    ``u_out * (|y| + acc)``, with u_out the output dtype's unit roundoff (half its ulp). A wrong code,
+    scale or group is off by O(|y|) ~ sqrt(K)·|x||w|, orders of magnitude above this for K >= 32."""
+    q = codes(qweight, bits).double()
+    N, K = q.shape
+    s, m = scales.double()[..., None], mins.double()[..., None]
+    mag = ((q.view(N, K // group, group) * s).abs() + m.abs()).view(N, K)
+    terms = x.double().abs() @ mag.t()
+    acc = 2 * (group + K // group + 4) * 2.0**-24 * terms
+    if exact is None:
+        exact = quant_matmul_fp64(x, qweight, scales, mins, group, bits)
+    tiny = torch.finfo(out_dtype).tiny
+    return acc + UNIT_ROUNDOFF[out_dtype] * (exact.abs() + acc) + tiny
+
+
+def within_bound(got: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 mins: torch.Tensor, group: int, bits: int) -> tuple[bool, float]:
+    """(every element within :func:`error_bound`, the largest error / bound ratio)."""
+    exact = quant_matmul_fp64(x, qweight, scales, mins, group, bits)
+    bound = error_bound(x, qweight, scales, mins, group, bits, got.dtype, exact)
+    ratio = float(((got.double() - exact).abs() / bound).max()) if got.numel() else 0.0
+    return ratio <= 1.0, ratio
+
+
 def quantize_groups(w: torch.Tensor, group: int, bits: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 W [N, K] -> (qweight, scales, mins) in the layout above. 4 bits: asymmetric min/max per
@@ -73,4 +125,5 @@ def quantize_groups(w: torch.Tensor, group: int, bits: int
     return q.contiguous(), d, torch.zeros_like(d)
 
 
-__all__ = ["BITS", "pack_int4", "unpack_int4", "codes", "dequantize", "quant_matmul_torch", "quantize_groups"]
+__all__ = ["BITS", "pack_int4", "unpack_int4", "codes", "dequantize", "quant_matmul_torch", "quantize_groups",
+           "quant_matmul_fp64", "dequantize_fp64", "error_bound", "within_bound", "UNIT_ROUNDOFF"]

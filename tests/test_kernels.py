@@ -255,7 +255,44 @@ def test_engine_greedy_tokens_match_torch_ops(tmp_path):
 
 
 # ---- GPU code paths ---------------------------------------------------------------------------
-COMPILE_FOR_HOPPER = textwrap.dedent("""
+QUANT_MATMUL_FOR_HOPPER = textwrap.dedent("""
+    import os, re, subprocess, tempfile
+    import triton
+    from kernels.quant_matmul_triton import CANDIDATES, DEFAULT, _quant_matmul_kernel, _split_k_sum_kernel
+
+    def resources(compiled):
+        \"\"\"cuobjdump's REG and LOCAL (spilled bytes live in local memory) of the sm_90 cubin.\"\"\"
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"]); f.flush()
+            out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        return int(re.search(r"REG:(\\d+)", out).group(1)), int(re.search(r"LOCAL:(\\d+)", out).group(1))
+
+    def check_quant_matmul(compile_with_alignment):
+        \"\"\"4 and 8 bits, bf16 / fp16 / fp32 x, with and without split-K: tensor-core dots (mma), the
+        codes brought in 16 bytes a copy, nothing spilled to local memory.\"\"\"
+        P, I = (lambda t: ("*" + t,)), ("i32",)
+        aligned = ["X", "Q", "S", "MN", "Y", "WS", "K", "stride_xm", "stride_qn", "stride_ym"]
+        # every tile candidate for bf16 int4 (decode's case) without split-K; DEFAULT with split-K for
+        # the other activations and code widths (each compile takes seconds: CI's time)
+        cases = [("bf16", 4, "u8", cfg, 1) for cfg in CANDIDATES] + [
+            (x, bits, q, DEFAULT, 4) for x, bits, q in (("fp16", 4, "u8"), ("fp32", 4, "u8"), ("bf16", 8, "i8"),
+                                                        ("fp32", 8, "i8"))]
+        for x, bits, q, cfg, split in cases:
+            k = compile_with_alignment(
+                _quant_matmul_kernel, [P(x), P(q), P("fp16"), P("fp16"), P(x), P("fp32")] + [I] * 7
+                + [32, bits, 16, cfg.block_n, split, False], aligned,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            ptx, what = k.asm["ptx"], (x, bits, cfg, split)
+            assert "mma.sync" in ptx or "wgmma" in ptx, what
+            copies = set(re.findall(r"cp\\.async\\.c[ag]\\.shared\\.global \\[[^]]*\\], \\[[^]]*\\], (0x[0-9a-f]+)", ptx))
+            assert "0x10" in copies, (what, copies)
+            regs, local = resources(k)
+            assert local == 0 and regs <= 255, (what, regs, local)
+        compile_with_alignment(_split_k_sum_kernel, [P("fp32"), P("bf16"), I, I, I, 4, 1024], ["WS", "Y"])
+""")
+
+COMPILE_FOR_HOPPER = QUANT_MATMUL_FOR_HOPPER + textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -270,6 +307,14 @@ COMPILE_FOR_HOPPER = textwrap.dedent("""
         const = {n: a for n, a in zip(kernel.arg_names, args) if not isinstance(a, tuple)}
         triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32))
 
+    def compile_with_alignment(kernel, args, aligned, **options):
+        # as the JIT compiles a launch whose pointers and ``aligned`` ints are multiples of 16
+        sig = {n: a[0] if isinstance(a, tuple) else "constexpr" for n, a in zip(kernel.arg_names, args)}
+        const = {n: a for n, a in zip(kernel.arg_names, args) if not isinstance(a, tuple)}
+        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        return triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=options)
+
     P, I, F = (lambda t: ("*" + t,)), ("i32",), ("fp32",)
     b = P("bf16")
     compile_(_rms_norm_kernel, [b] * 5 + [I] * 5 + [F, True, 2048])
@@ -280,10 +325,7 @@ COMPILE_FOR_HOPPER = textwrap.dedent("""
         compile_(_paged_attention_kernel, [b] * 3 + [P("i64")] * 3 + [acc or b, acc, acc, F]
                  + [I] * 10 + [4, 16, block_m // 4, block_m, 64, 64, split, False])
     compile_(_merge_kernel, [P("fp32")] * 3 + [b] + [I] * 5 + [16, 64])
-    from kernels.quant_matmul_triton import _quant_matmul_kernel
-    for x, bits, q in ((P("fp32"), 4, P("u8")), (P("fp32"), 8, P("i8")), (b, 4, P("u8"))):
-        compile_(_quant_matmul_kernel, [x, q, P("fp16"), P("fp16"), x] + [I] * 6
-                 + [32, bits, 16, 16, 64, x == P("fp32"), False])
+    check_quant_matmul(compile_with_alignment)
 """)
 
 
