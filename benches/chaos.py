@@ -8,9 +8,10 @@ It starts the service itself (`mfs up`'s pieces: an embedded Redis, a leading an
 2. *capacity*: a closed loop of ``--probe-concurrency`` clients for ``--probe-s`` seconds;
 3. *soak*: Poisson arrivals at ``--load`` (0.7) times that capacity for ``--duration-s`` (600) seconds,
    each request (a streamed greedy chat of the prompts, in turn) to a gateway picked at random; every
-   ``--kill-every-s`` (30, +-20 %) one process is SIGKILLed, chosen at random among the workers, the
-   leading scheduler, the embedded Redis and the two gateways. After each kill a prober asks both
-   gateways for one token every half second: the *recovery time* is when both have answered 200.
+   ``--kill-every-s`` (30, +-10 %) one process is SIGKILLed, chosen at random among the workers, the
+   leading scheduler, the embedded Redis and the two gateways (the first at half an interval, so a
+   10-minute soak has 20). After each kill a prober asks both gateways for one token every half second:
+   the *recovery time* is when both have answered 200 (an upper bound: the probe queues behind the load).
 
 Each soak request ends as one of: *equal* (200, the text equal to the reference); *differs* (200, the
 text not equal: its tokens re-tokenized and diffed against the reference's, counted as lost or
@@ -53,6 +54,7 @@ class Chaos:
         self.urls: dict[str, str] = {}
         self.kills: list[dict] = []
         self.restarts: list[str] = []
+        self.baseline: dict | None = None  # a probe with no kill before it
         self.stop = threading.Event()
 
     # ---- the service ---------------------------------------------------------------------------
@@ -87,9 +89,10 @@ class Chaos:
             time.sleep(0.25)
 
     def victims(self) -> list[str]:
-        names = [n for n in self.svc.children() if n.startswith("worker") or n.startswith("gateway") or n == "redis"]
+        alive = {n for n, p in self.svc.children().items() if p.poll() is None}  # not one still down
+        names = [n for n in sorted(alive) if n.startswith("worker") or n.startswith("gateway") or n == "redis"]
         leader = self.leading_scheduler()
-        return names + ([leader] if leader else [])
+        return names + ([leader] if leader in alive else [])
 
     def leading_scheduler(self) -> str | None:
         from core import protocol as P  # noqa: PLC0415
@@ -156,15 +159,27 @@ class Chaos:
             return await asyncio.gather(*tasks)
 
     def killer(self, t0: float, seconds: float) -> None:
+        """A kill at half an interval, then every interval (+-10 %) on a fixed cadence, each followed by
+        its own prober (a kill may come before the last one's recovery)."""
         a = self.args
-        end = time.perf_counter() + seconds
-        while not self.stop.wait(a.kill_every_s * self.rng.uniform(0.8, 1.2)):
-            if time.perf_counter() > end:
-                return
+        start = time.perf_counter()
+        at, probes = a.kill_every_s / 2, []
+        if not self.stop.wait(min(5.0, at / 2)):  # what the prober takes with no fault, under this load
+            self.baseline = {"t": time.perf_counter() - t0, "recovery_s": None}
+            self.probe_recovery(self.baseline, t0)
+        while at < seconds and not self.stop.wait(max(0.0, start + at - time.perf_counter())):
             k = self.kill_one(t0)
-            self.probe_recovery(k, t0)
-            print(f"  kill {len(self.kills)}: {k['victim']} at {k['t']:.0f} s; recovered in "
-                  f"{'—' if k['recovery_s'] is None else format(k['recovery_s'], '.1f')} s", flush=True)
+            th = threading.Thread(target=self._probe_and_say, args=(k, t0, len(self.kills)), daemon=True)
+            th.start()
+            probes.append(th)
+            at += a.kill_every_s * self.rng.uniform(0.9, 1.1)
+        for th in probes:
+            th.join(90)
+
+    def _probe_and_say(self, k: dict, t0: float, n: int) -> None:
+        self.probe_recovery(k, t0)
+        print(f"  kill {n}: {k['victim']} at {k['t']:.0f} s; recovered in "
+              f"{'never' if k['recovery_s'] is None else format(k['recovery_s'], '.1f')} s", flush=True)
 
     def run(self) -> dict:
         from family.manifest import load_frontend  # noqa: PLC0415
@@ -183,9 +198,10 @@ class Chaos:
         killer = threading.Thread(target=self.killer, args=(t0, a.duration_s), daemon=True)
         killer.start()
         recs = asyncio.run(self.soak(rate, a.duration_s, t0))
+        killer.join(120)  # the last kill's prober; then nothing more is killed
         self.stop.set()
-        killer.join(90)
         return {"capacity": cap, "rate_req_s": rate, "reference": ref,
+                "probe_without_fault_s": (self.baseline or {}).get("recovery_s"),
                 "outcomes": classify(recs, ref, self.kills, tok), "kills": self.kills, "restarts": self.restarts}
 
     def _family_id(self) -> str:
@@ -266,7 +282,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model-id", default=None, help="the model id requests name (default: the family id)")
     p.add_argument("--workers", type=int, default=2, help="workers (a killed one's requests move to another)")
     p.add_argument("--duration-s", type=float, default=600.0, help="seconds of soak")
-    p.add_argument("--kill-every-s", type=float, default=30.0, help="mean seconds between kills (+-20 %%)")
+    p.add_argument("--kill-every-s", type=float, default=30.0, help="mean seconds between kills (+-10 %%)")
     p.add_argument("--load", type=float, default=0.7, help="arrival rate / measured capacity")
     p.add_argument("--tokens", type=int, default=16, help="completion tokens per request")
     p.add_argument("--prompts", type=int, default=20, help="distinct prompts (each with its reference)")

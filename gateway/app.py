@@ -21,13 +21,14 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError
 
 from core.protocol import gateway_key
-from core.redisconn import RedisTarget, connect_async
+from core.redisconn import RedisTarget, connect, connect_async
 from gateway.apikeys import KeyStore
 from gateway.auth import auth_middleware, on_prepare
 from gateway.backend import Backend, stop_tasks
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.history import History
+from gateway.keepalive import Keepalive
 from gateway.keys import CONFIG, HISTORY, KEYS, SERVICE
 from gateway.metrics import Metrics
 from gateway.ratelimit import RateLimiter
@@ -83,7 +84,10 @@ async def redis_ctx(app: web.Application):
     # A blocking pool (issue 46): a burst waits for a connection instead of failing with "Too many
     # connections"; the token-event reader has a connection of its own.
     retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), 2)
-    client = connect_async(target, max_connections=cfg.redis_pool, health_check_interval=30, retry=retry)
+    # (a wait for a free connection is no sign of an unreachable Redis, but of a busy loop: it may last
+    # longer than the command timeout)
+    client = connect_async(target, max_connections=cfg.redis_pool, pool_timeout_s=max(30.0, target.timeout_s),
+                           health_check_interval=30, retry=retry)
     reader = connect_async(target, max_connections=1, health_check_interval=30, retry=retry)
     backend = Backend(client, cfg.gateway_id, block_ms=cfg.reader_block_ms,
                       stall_timeout_s=cfg.stall_timeout_s, metrics=svc.metrics, reader_client=reader)
@@ -91,8 +95,15 @@ async def redis_ctx(app: web.Application):
     svc.limiter = RateLimiter(client, rpm=cfg.rpm, tpm=cfg.tpm)
     tasks = [asyncio.create_task(backend.run_reader(), name="mfs-gateway-reader"),
              asyncio.create_task(backend.run_heartbeat({"port": cfg.port}), name="mfs-gateway-heartbeat")]
+    # the heartbeat key renewed from a thread while a burst holds the loop (gateway.keepalive)
+    sync = connect(target)
+    keepalive = Keepalive(sync, gateway_key(cfg.gateway_id), backend.heartbeat_ttl_s, backend.heartbeat_s,
+                          lambda: backend.last_beat)
+    keepalive.start()
     log.info("gateway.start", gateway_id=cfg.gateway_id, redis=target.describe(), models=svc.model_ids)
     yield
+    await asyncio.to_thread(keepalive.stop)
+    sync.close()
     await stop_tasks(tasks)
     try:
         await client.delete(gateway_key(cfg.gateway_id))

@@ -79,6 +79,7 @@ class Backend:
         self._shard_load: dict[str, float] = {}      # published waiting + running, + sent since
         self._on_first: dict[str, Callable[[], None]] = {}  # request_id -> called on its first event
         self._workers_query: asyncio.Future | None = None   # the live_workers() query in flight
+        self.last_beat: float | None = None                  # monotonic time of the last heartbeat written
         self.events_routed = 0
         self.events_dropped = 0
         self.down_since: float | None = None        # monotonic start of the current outage
@@ -268,7 +269,10 @@ class Backend:
             self._suspect.pop(ev.request_id, None)  # its stream is alive again
             started = self._on_first.pop(ev.request_id, None)
             if started is not None:
-                started()
+                try:
+                    started()
+                except Exception:  # noqa: BLE001 - a bookkeeping bug must never stop the routing of tokens
+                    log.exception("reader.on_first_event_failed", request_id=ev.request_id)
             q.put_nowait(ev)
 
     # ---- heartbeat, workers, stats -------------------------------------------------------------
@@ -286,6 +290,7 @@ class Backend:
                 # gave its stream a TTL (scheduler/housekeeping.py): it is this gateway's again
                 pipe.persist(self.stream)
                 await pipe.execute()
+                self.last_beat = time.monotonic()  # gateway.keepalive renews the key while this is recent
                 server = await self.redis.info("server")
                 self._redis_ok("heartbeat")
                 self._check_run_id(server.get("run_id") if isinstance(server, dict) else None)

@@ -34,7 +34,7 @@ class GatewayConfig:
                                         "take longer than this to start at the rate requests have been "
                                         "starting (seconds; 0: no such bound)", flag="--max-queue-wait")
     redis_pool: int = opt(64, "Redis connections this gateway's requests share; when all are busy a command "
-                              "waits for one (up to --redis-timeout) rather than failing")
+                              "waits for one (up to 30 s, or --redis-timeout if longer) rather than failing")
     max_body_bytes: int = opt(4 << 20, "larger bodies get 413")
     request_timeout_s: float = opt(600.0, "per-request deadline (s)", flag="--request-timeout")  # then Cancel, 504
     stall_timeout_s: float = opt(15.0, "after a Redis outage or restart, fail (503, retryable) a request in "

@@ -244,3 +244,25 @@ def test_bench_chaos_smoke(tmp_path):
     assert o["requests"] == sum(o.get(k, 0) for k in ("equal", "differs", "clean_failure", "gateway_killed",
                                                         "unexplained_disconnects"))
     assert o["tokens_lost"] == 0 and o["tokens_duplicated"] == 0, o
+
+
+def test_keepalive_renews_the_heartbeat_key_only_while_the_loop_beats(redis_url):  # noqa: F811
+    """A loop held by a burst must not look like a dead gateway; a stuck one still does."""
+    from gateway.keepalive import Keepalive
+    r = redis.Redis.from_url(redis_url)
+    beat = [time.monotonic()]
+    ka = Keepalive(r, "mfs:gateway:gw-ka", ttl_s=1, period_s=0.1, last_beat=lambda: beat[0], grace_s=1.0)
+    r.set("mfs:gateway:gw-ka", "{}", ex=1)
+    ka.start()
+    try:
+        time.sleep(0.6)  # the loop beat 0.6 s ago: renewed
+        assert r.pttl("mfs:gateway:gw-ka") > 800 and ka.renewed > 0
+        beat[0] = time.monotonic() - 5  # stuck for longer than the grace: the key lapses
+        time.sleep(1.3)
+        assert not r.exists("mfs:gateway:gw-ka")
+        beat[0] = time.monotonic()  # a renewal never recreates a lapsed key
+        time.sleep(0.3)
+        assert not r.exists("mfs:gateway:gw-ka")
+    finally:
+        ka.stop()
+        r.close()
