@@ -7,7 +7,10 @@ transformers' ``generate`` on the same prompts.
 
 All requests arrive at t=0 (an offline batch); every figure is measured in this one run, the layouts
 alternating per repeat, and the medians over repeats are reported (and each repeat's tokens/s ratio).
-``--compile``: both layouts run all-decode steps as compiled graphs, as ``mfs up --compile`` does.
+``--compile``: both layouts run all-decode steps as compiled graphs, as ``mfs up --compile`` does (on
+``--device cuda`` with the Triton kernels: CUDA graphs, worker/execution.py). Peak memory is counted,
+not sampled: the weights' bytes plus the KV blocks in use at the peak (both layouts share a process,
+so the allocator's own peak would not tell them apart).
 """
 from __future__ import annotations
 
@@ -290,7 +293,8 @@ def run(args) -> int:
     result = {
         "benchmark": "engine", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(),
-                    "device": args.device, "torch": torch.__version__},
+                    "device": args.device, "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name() if str(args.device).startswith("cuda") else None},
         "model": args.model, "weights": args.weights, "compiled": args.compile, "compile_warmup_s": warm_s,
         "tiers": [(t.name, t.layers) for t in model.tiers],
         "repeats": args.repeats, "regimes": {}}

@@ -8,9 +8,11 @@
 #
 #   here, once:   bash tools/gpu_kit.sh build      # .gpukit/: 3 wheels, the package's __init__, the GGUF in 2 parts
 #                 bash tools/gpu_kit.sh aside      # the tracked *.safetensors into .gpukit/aside (ignored: they stay)
-#   device call 1: bash .ci/gpu $OUT kernels       carry [".gpukit/whl", ".gpukit/pkg", ".gpukit/model.part00"]
+#   device call 1: bash .ci/gpu $OUT first   carry [".gpukit/whl", ".gpukit/pkg", ".gpukit/model.part00"]
+#                 (kernels, engine-1b: nothing of the GGUF needed; the first part only rides along)
 #   device call 2, at once (the machine stays warm ~30 s; what call 1 received waits in /tmp/mfs-kit):
-#                 bash .ci/gpu $OUT peers          carry [".gpukit/model.part01"]
+#                 bash .ci/gpu $OUT second  carry [".gpukit/model.part01"]
+#                 (service, engine-default, joint: the GGUF joined and checked by sha256 first)
 #   here, after:  bash tools/gpu_kit.sh back       # the safetensors back where git has them
 #
 # `.ci/gpu` runs `receive` itself when .gpukit travelled: it copies what came into /tmp/mfs-kit and, once
