@@ -210,11 +210,12 @@ async def capacity(url: str, seconds: float, conc: int, tokens: int, model: str)
                 i += conc
         await asyncio.gather(*(lane(k) for k in range(conc)))
         out = phase_report(recs, time.perf_counter() - t0)
-    # completions per second between the first and the last (the first batch's wait left out), unless
-    # they came too close together to say (one batch): then completions over the whole probe
+    # completions per second after the first batch's (they come in batches: those with the first are the
+    # wait left out), unless the rest came too close together to say: then over the whole probe
     ends = sorted(r["end"] for r in recs if r["status"] == 200)
-    span = ends[-1] - ends[0] if len(ends) > 1 else 0.0
-    out["capacity_req_s"] = (len(ends) - 1) / span if span >= seconds / 3 else out["served_per_s"]
+    later = [e for e in ends if e > ends[0] + 0.5] if ends else []
+    span = later[-1] - ends[0] if later else 0.0
+    out["capacity_req_s"] = len(later) / span if span >= seconds / 3 else out["served_per_s"]
     return out
 
 
