@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from worker.family import load_family
-from worker.quant import quantize_model
+from worker.formats import quantize_model
 from worker.smoothing import calibration_windows, input_amax, smooth
 
 
