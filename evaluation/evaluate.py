@@ -37,9 +37,9 @@ class TierResult:
     agree_original: float = 0.0  # ... with the original model's top tier
     answers: list[str] = field(default_factory=list)
     block: int = 0               # exit-block layers
-    fixed_correct: int = 0        # of the six fixed questions (evaluation.eval_questions.FIXED_KEYS)
+    fixed_correct: int | None = 0  # of the six fixed questions (eval_questions.FIXED_KEYS); None: not measured
     answers_large: list[str] = field(default_factory=list)
-    agree_first_sentence: float = 0.0  # larger question set: first sentence equals the top tier's
+    agree_first_sentence: float | None = 0.0  # larger set: first sentence = the top tier's; None: not measured
 
 
 @dataclass(slots=True)
@@ -85,9 +85,11 @@ def answer_all(model: NestedModel, tok, questions: list[str], max_tokens: int,
 
 
 def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max_tokens: int = 24,
-             log=print, tasks: list[str] | None = None, heldout_chat: str | Path | None = None) -> dict:
+             log=print, tasks: list[str] | None = None, heldout_chat: str | Path | None = None,
+             answers: bool = True) -> dict:
     """``tasks``: local multiple-choice tasks (evaluation/mc_tasks.py) scored per tier and for the
-    original. ``heldout_chat``: a JSONL cache of the original's answers to the held-out prompts (they
+    original; ``answers=False`` skips the generated answers (reported as None: not measured).
+    ``heldout_chat``: a JSONL cache of the original's answers to the held-out prompts (they
     are the original's, so any run of the same base may share it; greedy, so regenerating is equal)."""
     t_start = time.perf_counter()
     manifest, mdir = manifest_for(model_arg)
@@ -95,7 +97,7 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
     tok = base.tokenizer
     has_weights = bool(manifest.weights) and mdir is not None
     original = None
-    if has_weights:
+    if has_weights and not _top_is_original(manifest, mdir):
         # build_model adopts the loader's tensors and apply_weights merges in place: the original
         # needs its own copy of the weights, or it would silently become the precipitated model
         orig_base = replace(base, state_dict={k: v.clone() for k, v in base.state_dict.items()})
@@ -147,17 +149,11 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
     orig.ppl["all"] = math.exp(nll_o / cnt_o)
     orig.agree_top = orig.agree_original = 1.0
 
-    answers = answer_all(model, tok, D.EVAL_QUESTIONS, max_tokens)
-    large = answer_all(model, tok, D.EVAL_QUESTIONS_LARGE, max(max_tokens, 32))
-    for t in range(nt):
-        results[t].answers = answers[t]
-        results[t].answers_large = large[t]
-        results[t].agree_first_sentence = Q.agree_first_sentence(large[t], large[-1])
-    orig.answers = answer_all(original, tok, D.EVAL_QUESTIONS, max_tokens,
-                              [original.num_segments - 1])[0] if original is not model else answers[-1]
-    orig.agree_first_sentence = 1.0
-    for r in results + [orig]:
-        r.fixed_correct = sum(Q.correct(i, a) for i, a in enumerate(r.answers))
+    if answers:
+        _answer_questions(model, original, tok, results, orig, max_tokens)
+    else:  # not measured: None, never a zero that reads like a result
+        for r in results + [orig]:
+            r.fixed_correct, r.agree_first_sentence = None, None
     top = results[-1].ppl["all"]
     task_res = _score_tasks(model, original, tok, tasks) if tasks else {}
     return {
@@ -176,6 +172,33 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
                    "top_vs_original": top / orig.ppl["all"]},
         "seconds": round(time.perf_counter() - t_start, 1),
     }
+
+
+def _top_is_original(manifest, mdir: Path) -> bool:
+    """An ``exit`` weights file without the top tier's norm leaves the top tier the base model bit for
+    bit (worker/checkpoint.py: exit files hold exit norms and blocks only): no second copy to score."""
+    if manifest.weights.get("kind") != "exit":
+        return False
+    from safetensors import safe_open  # noqa: PLC0415
+    with safe_open(str(mdir / manifest.weights["file"]), "pt") as f:
+        return f"exit_norms.{len(manifest.tiers) - 1}" not in set(f.keys())
+
+
+def _answer_questions(model: NestedModel, original: NestedModel, tok, results: list[TierResult],
+                      orig: TierResult, max_tokens: int) -> None:
+    """Greedy answers (engine) to the fixed and the larger question sets, judged (eval_questions.py)."""
+    nt = model.num_segments
+    answers = answer_all(model, tok, D.EVAL_QUESTIONS, max_tokens)
+    large = answer_all(model, tok, D.EVAL_QUESTIONS_LARGE, max(max_tokens, 32))
+    for t in range(nt):
+        results[t].answers = answers[t]
+        results[t].answers_large = large[t]
+        results[t].agree_first_sentence = Q.agree_first_sentence(large[t], large[-1])
+    orig.answers = answer_all(original, tok, D.EVAL_QUESTIONS, max_tokens,
+                              [original.num_segments - 1])[0] if original is not model else answers[-1]
+    orig.agree_first_sentence = 1.0
+    for r in results + [orig]:
+        r.fixed_correct = sum(Q.correct(i, a) for i, a in enumerate(r.answers))
 
 
 def _score_tasks(model: NestedModel, original: NestedModel, tok, tasks: list[str]) -> dict:
@@ -200,9 +223,11 @@ def format_table(res: dict) -> str:
                 for t in tasks]
         rows.append([res["model"], r["name"], str(r["layers"])] + [f"{r['ppl'][s]:.4g}" for s in srcs] +
                     [f"{r['ppl']['all']:.4g}", f"{r['ppl']['all'] / top:.2f}x", f"{r['agree_top']:.3f}",
-                     f"{r['agree_original']:.3f}", f"{r['fixed_correct']}/6",
-                     f"{r['agree_first_sentence']:.0%}"] + [f"{a:.3f}" for a in accs] +
-                    [r["answers"][0][:60].replace("\n", " ").replace("|", "/")])
+                     f"{r['agree_original']:.3f}",
+                     "not measured" if r["fixed_correct"] is None else f"{r['fixed_correct']}/6",
+                     "not measured" if r["agree_first_sentence"] is None else f"{r['agree_first_sentence']:.0%}"]
+                    + [f"{a:.3f}" for a in accs] +
+                    [r["answers"][0][:60].replace("\n", " ").replace("|", "/") if r["answers"] else ""])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
@@ -233,14 +258,17 @@ def plot(res: dict, path: str | Path) -> None:
 def run(args) -> int:
     torch.set_num_threads(args.threads)
     tasks = [t for t in (args.tasks or "").split(",") if t]
+    if args.skip_answers and args.record_quality:
+        raise ValueError("--record-quality needs the answers: drop --skip-answers")
     runs = [evaluate(m, args.seq_len, args.heldout_tokens, args.max_tokens, tasks=tasks,
-                     heldout_chat=args.heldout_chat) for m in args.model or ["default"]]
+                     heldout_chat=args.heldout_chat, answers=not args.skip_answers)
+            for m in args.model or ["default"]]
     table = [format_table(r).splitlines() for r in runs]
     print("\n".join(table[0] + [line for t in table[1:] for line in t[2:]]))
     for res in runs:
         print(f"\n{res['model']}: top / original perplexity {res['ratios']['top_vs_original']:.3f}; "
               f"tiers / top: {', '.join(f'{x:.3g}' for x in res['ratios']['ppl_vs_top'])}")
-        for i, q in enumerate(res["questions"]):
+        for i, q in enumerate(res["questions"] if res["original"]["answers"] else []):
             print(f"Q: {q}")
             for r in res["tiers"] + [res["original"]]:
                 print(f"  {r['name']:>8}: {r['answers'][i][:100]!r}")
@@ -325,6 +353,9 @@ def add_parser(sub) -> None:
                         "capitals,stdlib_modules,unicode_names")
     p.add_argument("--heldout-chat", default=None, metavar="JSONL",
                    help="cache of the original's answers to the held-out prompts (written if missing)")
+    p.add_argument("--skip-answers", action="store_true",
+                   help="no generated answers (fixed and larger question sets): perplexity, agreement "
+                        "and --tasks only, forward passes alone")
     p.add_argument("--record-quality", action="store_true",
                    help="write each tier's figures into the evaluated checkpoint's mfs.json (the "
                         "quality floor of the family id's routing reads them)")

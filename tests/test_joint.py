@@ -65,6 +65,11 @@ def test_joint_refuses_bad_options(tiny, tmp_path, capsys):  # noqa: F811
             "--out", str(tmp_path / "c"), "--rank", "4"]
     assert mfs_main(argv) == 2
     assert "--rank is not an option of --method exit-blocks" in capsys.readouterr().err
+    # a pydoc-only held-out set writes no answers
+    assert _run(base, txt, tmp_path / "d", "--steps", "2", "--eval-every", "2",
+                "--heldout-answers", "skip") == 0
+    assert "pydoc only" in capsys.readouterr().out
+    assert not (tmp_path / "d" / "data" / "heldout_chat.jsonl").exists()
 
 
 def test_parts_split_and_assemble(tmp_path):

@@ -57,3 +57,23 @@ def test_scores_are_choice_log_likelihoods_per_tier(tiny):  # noqa: F811
     res = mc_tasks.score_tasks(fam.model, tok, ["capitals"], limit=8)
     assert res["capitals"]["items"] == 8 and len(res["capitals"]["acc"]) == 3
     json.dumps(res)
+
+
+def test_mfs_eval_tasks_without_answers(tiny, tmp_path, capsys):  # noqa: F811
+    """`mfs eval --tasks ... --skip-answers`: the task accuracies per tier and for the original, the
+    answers reported as not measured (None), never as zero."""
+    from mfs.cli import main as mfs_main  # noqa: PLC0415
+    base, _ = tiny
+    out = tmp_path / "e.json"
+    rc = mfs_main(["eval", "--model", str(base), "--seq-len", "32", "--heldout-tokens", "256",
+                   "--tasks", "capitals,unicode_names", "--skip-answers", "--json", str(out),
+                   "--heldout-chat", str(tmp_path / "h.jsonl")])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert set(res["tasks"]) == {"capitals", "unicode_names"}
+    assert res["tasks"]["unicode_names"]["items"] == 300 and len(res["tasks"]["capitals"]["acc"]) == 3
+    # no precipitated weights: the original is the top tier
+    assert res["tasks"]["capitals"]["original"] == res["tasks"]["capitals"]["acc"][-1]
+    assert all(t["fixed_correct"] is None for t in res["tiers"])
+    assert "not measured" in capsys.readouterr().out and (tmp_path / "h.jsonl").exists()
+    assert mfs_main(["eval", "--model", str(base), "--skip-answers", "--record-quality"]) == 2

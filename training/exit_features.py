@@ -130,10 +130,14 @@ def training_windows(docs: list[tuple[str, list]], tok, eos: int, seq_len: int, 
 
 
 def heldout_windows(original: NestedModel, tok, eos: int, seq_len: int, heldout_tokens: int,
-                    cache_dir: Path, log=print) -> torch.Tensor:
-    """The held-out text of ``mfs eval`` (same sources, same budgets) as windows."""
+                    cache_dir: Path, log=print, answers: bool = True) -> torch.Tensor:
+    """The held-out text of ``mfs eval`` (same sources, same budgets) as windows. ``answers=False``:
+    the pydoc part alone (no generation; for a machine too busy to write the original's answers)."""
     from training.data import make_windows  # noqa: PLC0415
     pydoc = D.encode_docs(tok, D.stdlib_texts(D.STDLIB_HELDOUT), eos)
+    if not answers:
+        log("held-out: pydoc only (--heldout-answers skip)")
+        return make_windows(pydoc, seq_len, heldout_tokens)
     chat = D.encode_docs(tok, D.self_records(original, tok, D.HELDOUT_PROMPTS,
                                              cache_dir / "heldout_chat.jsonl", 160, log), eos)
     return torch.cat([make_windows(pydoc, seq_len, heldout_tokens),

@@ -236,7 +236,8 @@ def run(args) -> int:
     # self-distillation answers and is the teacher)
     key = {"data": args.data, "seq_len": args.seq_len, "cache_tokens": args.cache_tokens,
            "heldout_tokens": args.heldout_tokens, "topk": args.topk, "lower": lower, "seed": args.seed,
-           "hidden": H, "prompts": D.answer_prompts_digest(args.data, tok)}
+           "hidden": H, "prompts": D.answer_prompts_digest(args.data, tok),
+           **({"heldout_answers": "skip"} if args.heldout_answers == "skip" else {})}  # old keys unchanged
     meta_path = out / "cache/meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
     if meta is not None and meta["key"] == key:  # a complete cache of the same data: no data stage
@@ -247,7 +248,8 @@ def run(args) -> int:
     else:
         docs = D.read_sources(args.data, model, tok, out / "data", args.self_max_tokens, log)
         train_w, mix = training_windows(docs, tok, eos, args.seq_len, args.cache_tokens, args.seed)
-        held_w = heldout_windows(model, tok, eos, args.seq_len, args.heldout_tokens, out / "data", log)
+        held_w = heldout_windows(model, tok, eos, args.seq_len, args.heldout_tokens, out / "data", log,
+                                 args.heldout_answers == "generate")
         tc = FeatureCache(out / "cache/train", train_w.shape[0], args.seq_len, H, args.topk, lower)
         hc = FeatureCache(out / "cache/heldout", held_w.shape[0], args.seq_len, H, args.topk, lower)
         log(f"training windows: {train_w.shape[0]} x {args.seq_len} ({mix}); held-out: {held_w.shape[0]}")
@@ -388,6 +390,9 @@ def add_arguments(p):
     g.add_argument("--cache-tokens", type=int, default=160_000, help="training tokens to cache")
     g.add_argument("--cache-batch", type=int, default=4, help="windows per teacher forward")
     g.add_argument("--heldout-tokens", type=int, default=8192, help="held-out pydoc tokens (as mfs eval)")
+    g.add_argument("--heldout-answers", default="generate", choices=["generate", "skip"],
+                   help="the held-out set's chat part (the original's answers, OUT/data/heldout_chat.jsonl): "
+                        "generate (or read) it, or skip it (pydoc alone)")
     g.add_argument("--topk", type=int, default=64, help="teacher log-probabilities kept per position")
     g.add_argument("--ce-frac", type=float, default=0.125,
                    help="fraction of positions that also get the full-vocabulary cross-entropy")

@@ -233,7 +233,8 @@ def run(args) -> int:
                           deadline=None if stop_at is None else t_start + args.max_minutes * 60 * args.data_share,
                           batch=args.gen_batch)
     train_w, mix = training_windows(docs, tok, eos, args.seq_len, args.cache_tokens, args.seed)
-    held_w = heldout_windows(model, tok, eos, args.seq_len, args.heldout_tokens, out / "data", log)
+    held_w = heldout_windows(model, tok, eos, args.seq_len, args.heldout_tokens, out / "data", log,
+                             args.heldout_answers == "generate")
     prov = {"spec": args.data, "window_tokens": mix, "windows": int(train_w.shape[0]),
             "seq_len": args.seq_len, "heldout_tokens": int(held_w.numel()),
             "answers": D.answer_provenance(out / "data"), "data_seconds": round(time.monotonic() - t0, 1)}
@@ -301,7 +302,9 @@ def run(args) -> int:
     last_save = last_line = time.monotonic()
     model.train()
     if st.best is None:
+        t_e = time.monotonic()
         do_eval()
+        eval_s = time.monotonic() - t_e  # the final evaluation costs as much: the budget keeps it
     first = st.step
     last_step = min(args.steps, st.step + args.stop_after) if args.stop_after else args.steps
     reason = f"--steps {args.steps} reached"
@@ -359,6 +362,7 @@ def run(args) -> int:
 
 
 JOINT_SHARED = ("weights", "kl", "stop_after", "block_layers", "init", "cache_tokens", "heldout_tokens",
+                "heldout_answers",
                 "topk", "ce_frac", "eval_every", "patience", "decay_minutes")
 
 
