@@ -95,8 +95,8 @@ def time_quant_linears(timer: Timer, bandwidth: float) -> list[dict]:
             ms = timer(lambda xb=xb: F.linear(xb, wb))
             rows.append(_row("dense_bf16_linear", f"{name} batch {m}", n, k, m, ms, wb.numel() * 2, bandwidth))
         for r in rows[start:]:
-            print(f"{r['op']:18s} {r['case']:34s} {r['ms']:.4f} ms  {r['GBps']:6.0f} GB/s  "
-                  f"{r['x_floor']:5.1f}x floor", flush=True)
+            print(f"{r['op']:18s} {r['case']:34s} " + (f"not run: {r['error']}" if "error" in r else
+                  f"{r['ms']:.4f} ms  {r['GBps']:6.0f} GB/s  {r['x_floor']:5.1f}x floor"), flush=True)
     return rows
 
 

@@ -74,7 +74,8 @@ def _floor_bytes(model, ctx: int) -> tuple[int, int]:
     """Bytes a decode step must read: every weight but the embedding (one row of it; a tied head reads
     all of it: named_parameters lists the shared tensor once, as the head's or the embedding's), and
     the KV."""
-    tied = model.cfg.tie_embeddings
+    head_w = getattr(model.lm_head, "weight", None)  # quantized: the head has a tensor of its own
+    tied = head_w is not None and head_w is getattr(model.embed_tokens, "weight", None)
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                   if tied or not n.startswith("embed_tokens"))
     cfg = model.cfg
@@ -88,6 +89,7 @@ def time_decode_steps(timer: Timer, ctx: int, bandwidth: float) -> dict:
 
 
 def time_decode_step(timer: Timer, ctx: int, bandwidth: float, name: str = "1b") -> dict:
+    """One of SHAPES: bf16 with each backend, Triton through CUDA graphs, then int4 (eager, graphed)."""
     from kernels import TORCH_OPS, select_backend  # noqa: PLC0415
     backends = {"torch": TORCH_OPS, "triton": select_backend("triton", "cuda")}
     shape, tied, theta = SHAPES[name]
@@ -99,10 +101,10 @@ def time_decode_step(timer: Timer, ctx: int, bandwidth: float, name: str = "1b")
     result = {"model": name, "shape": shape, "tied_head": tied, "dtype": "bfloat16", "batch": 1, "ctx": ctx,
               "weight_bytes": weights, "kv_bytes": kv_bytes, "bandwidth_Bps": bandwidth,
               "floor_ms": floor_ms}
-    for name, ops in backends.items():
+    for backend, ops in backends.items():
         model.ops = ops
         ms = timer(lambda: model.forward_step(batch, kv))
-        result[name] = {"backend": ops.name, "step_ms": ms, "x_floor": ms / floor_ms}
+        result[backend] = {"backend": ops.name, "step_ms": ms, "x_floor": ms / floor_ms}
         print(f"decode step ({ops.name}): {ms:.3f} ms, {ms / floor_ms:.1f}x the {floor_ms:.3f} ms "
               "bandwidth floor", flush=True)
     ms = timer(_graphed_step(model, batch, kv))  # model.ops is the triton backend's now
@@ -122,7 +124,8 @@ def _time_int4_step(timer: Timer, ctx: int, bandwidth: float, name: str = "1b") 
     32, 8-bit head, fp32 activations and KV), the Triton backend; its floor is its own bytes."""
     from kernels import select_backend  # noqa: PLC0415
     from worker.formats import quantize_model  # noqa: PLC0415
-    model = _random_llama(select_backend("triton", "cuda")).float()
+    shape, tied, theta = SHAPES[name]
+    model = _random_llama(select_backend("triton", "cuda"), shape=shape, tied=tied, theta=theta).float()
     quantize_model(model, "int4", device="cuda")
     batch, kv = _decode_batch(model, ctx, SERVE.block_size)
     kv.k, kv.v = [t.float() for t in kv.k], [t.float() for t in kv.v]
@@ -137,6 +140,6 @@ def _time_int4_step(timer: Timer, ctx: int, bandwidth: float, name: str = "1b") 
           f"the {floor_ms:.3f} ms bandwidth floor", flush=True)
     del model, kv
     torch.cuda.empty_cache()
-    return {"weights": "int4", "activations": "float32", "weight_bytes": weights, "kv_bytes": kv_bytes,
+    return {"model": name, "weights": "int4", "activations": "float32", "weight_bytes": weights, "kv_bytes": kv_bytes,
             "floor_ms": floor_ms, "step_ms": ms, "x_floor": ms / floor_ms,
             "cuda_graphs": {"step_ms": graphs_ms, "x_floor": graphs_ms / floor_ms}}
