@@ -64,34 +64,35 @@ def _row(op: str, case: str, n: int, k: int, m: int, ms: float, nbytes: int, ban
             "GBps": nbytes / ms / 1e6, "floor_ms": floor_ms, "x_floor": ms / floor_ms, **kw}
 
 
-def time_quant_linears(timer: Timer, bandwidth: float) -> list[dict]:
+def time_quant_linears(timer: Timer, bandwidth: float, device: str = "cuda",
+                       shapes: dict[str, tuple[int, int]] | None = None) -> list[dict]:
     """At serving shapes, batch 1 and 16, bf16 activations (and fp32, what the quantized family served
     before): the Triton dequantize-matmul, tinygemm on the same 4-bit codes, and dense bf16
     ``F.linear`` of the same weight, each with the bytes its weight streams and its time against the
-    bandwidth floor for them."""
+    bandwidth floor for them. (``device``/``shapes``: tests run the same code on the CPU, tiny.)"""
     import torch.nn.functional as F  # noqa: PLC0415
 
     from kernels.quant_matmul import quant_matmul_fp64, quantize_groups  # noqa: PLC0415
     from kernels.quant_matmul_triton import quant_matmul_triton  # noqa: PLC0415
     rows = []
-    for name, (n, k) in QUANT_SHAPES.items():
-        dense = torch.randn(n, k, device="cuda") * 0.02
+    for name, (n, k) in (shapes or QUANT_SHAPES).items():
+        dense = torch.randn(n, k, device=device) * 0.02
         start = len(rows)
         for bits in (4, 8):
             packed = quantize_groups(dense, 32, bits)
             nbytes = sum(t.numel() * t.element_size() for t in packed)
             for m in (1, 16):
                 for dtype in (torch.bfloat16, torch.float32):
-                    x = torch.randn(m, k, device="cuda").to(dtype)
+                    x = torch.randn(m, k, device=device).to(dtype)
                     ms = timer(lambda x=x, p=packed, b=bits: quant_matmul_triton(x, *p, 32, b))
                     rows.append(_row("quant_matmul", f"{name} int{bits} {str(dtype)[6:]} batch {m}", n, k, m,
                                      ms, nbytes, bandwidth, bits=bits, dtype=str(dtype)[6:]))
                 if bits == 4:
-                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
                     rows += _tinygemm_row(timer, name, x, packed, nbytes, bandwidth, quant_matmul_fp64)
         wb = dense.to(torch.bfloat16)
         for m in (1, 16):
-            xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xb = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             ms = timer(lambda xb=xb: F.linear(xb, wb))
             rows.append(_row("dense_bf16_linear", f"{name} batch {m}", n, k, m, ms, wb.numel() * 2, bandwidth))
         for r in rows[start:]:

@@ -83,19 +83,24 @@ def _floor_bytes(model, ctx: int) -> tuple[int, int]:
     return weights, kv
 
 
-def time_decode_steps(timer: Timer, ctx: int, bandwidth: float) -> dict:
-    """The batch-1 decode step of each of SHAPES (the 1B Llama and the default family's base)."""
-    return {name: time_decode_step(timer, ctx, bandwidth, name) for name in SHAPES}
+def time_decode_steps(timer: Timer, ctx: int, bandwidth: float, device: str = "cuda",
+                      shapes: dict | None = None) -> dict:
+    """The batch-1 decode step of each of SHAPES (the 1B Llama and the default family's base).
+    (``device``/``shapes``: tests run the same code on the CPU, tiny, graphs not captured.)"""
+    return {name: time_decode_step(timer, ctx, bandwidth, name, device, shapes or SHAPES)
+            for name in (shapes or SHAPES)}
 
 
-def time_decode_step(timer: Timer, ctx: int, bandwidth: float, name: str = "1b") -> dict:
+def time_decode_step(timer: Timer, ctx: int, bandwidth: float, name: str = "1b", device: str = "cuda",
+                     shapes: dict | None = None) -> dict:
     """One of SHAPES: bf16 with each backend, Triton through CUDA graphs, then int4 (eager, graphed)."""
     from kernels import TORCH_OPS, select_backend  # noqa: PLC0415
-    backends = {"torch": TORCH_OPS, "triton": select_backend("triton", "cuda")}
-    shape, tied, theta = SHAPES[name]
+    backends = {"torch": TORCH_OPS, "triton": select_backend("triton", device)}
+    shapes = shapes or SHAPES
+    shape, tied, theta = shapes[name]
     print(f"-- decode step, {name} shape", flush=True)
-    model = _random_llama(TORCH_OPS, shape=shape, tied=tied, theta=theta)
-    batch, kv = _decode_batch(model, ctx, SERVE.block_size)
+    model = _random_llama(TORCH_OPS, device, shape=shape, tied=tied, theta=theta)
+    batch, kv = _decode_batch(model, ctx, SERVE.block_size, device)
     weights, kv_bytes = _floor_bytes(model, ctx)
     floor_ms = (weights + kv_bytes) / bandwidth * 1e3
     result = {"model": name, "shape": shape, "tied_head": tied, "dtype": "bfloat16", "batch": 1, "ctx": ctx,
@@ -115,19 +120,20 @@ def time_decode_step(timer: Timer, ctx: int, bandwidth: float, name: str = "1b")
           "bandwidth floor", flush=True)
     del model, kv
     torch.cuda.empty_cache()
-    result["int4"] = _time_int4_step(timer, ctx, bandwidth, name)
+    result["int4"] = _time_int4_step(timer, ctx, bandwidth, name, device, shapes)
     return result
 
 
-def _time_int4_step(timer: Timer, ctx: int, bandwidth: float, name: str = "1b") -> dict:
+def _time_int4_step(timer: Timer, ctx: int, bandwidth: float, name: str = "1b", device: str = "cuda",
+                    shapes: dict | None = None) -> dict:
     """The same model quantized as the family serves it on CUDA (``--weights int4``: 4-bit groups of
     32, 8-bit head, fp32 activations and KV), the Triton backend; its floor is its own bytes."""
     from kernels import select_backend  # noqa: PLC0415
     from worker.formats import quantize_model  # noqa: PLC0415
-    shape, tied, theta = SHAPES[name]
-    model = _random_llama(select_backend("triton", "cuda"), shape=shape, tied=tied, theta=theta).float()
-    quantize_model(model, "int4", device="cuda")
-    batch, kv = _decode_batch(model, ctx, SERVE.block_size)
+    shape, tied, theta = (shapes or SHAPES)[name]
+    model = _random_llama(select_backend("triton", device), device, shape=shape, tied=tied, theta=theta).float()
+    quantize_model(model, "int4", device=device, layout="groups")  # what CUDA serves, on any device
+    batch, kv = _decode_batch(model, ctx, SERVE.block_size, device)
     kv.k, kv.v = [t.float() for t in kv.k], [t.float() for t in kv.v]
     weights, _ = _floor_bytes(model, ctx)
     kv_bytes = 2 * ctx * model.cfg.num_layers * model.cfg.num_kv_heads * model.cfg.head_dim * 4
