@@ -42,6 +42,9 @@ def test_the_gpu_script_refuses_unknown_steps_and_a_missing_gpu(tmp_path):
     res = subprocess.run(["bash", ".ci/gpu", "--dry-run", str(tmp_path / "a"), "nonsense"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "unknown step nonsense" in res.stderr
+    import torch
+    if torch.cuda.is_available():
+        return  # a real run would start here
     res = subprocess.run(["bash", ".ci/gpu", str(tmp_path / "b"), "kernels"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHON": str(ROOT / ".venv/bin/python")})
     assert res.returncode == 2 and "no CUDA device" in res.stderr
