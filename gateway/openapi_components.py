@@ -148,8 +148,10 @@ def component_responses(f: Facts) -> dict:
                                "(invalid_api_key).", "WWW-Authenticate"),
         "NotFound": _error("Unknown model (model_not_found) or unknown path."),
         "PayloadTooLarge": _error(f"The body is over {f.max_body_bytes} bytes (request_too_large)."),
-        "RateLimited": _error(f"Over this key's requests or tokens per minute (rate_limit_exceeded), or "
-                              f"{f.max_inflight} requests in flight on this gateway (too_many_requests).",
+        "RateLimited": _error(f"Over this key's requests or tokens per minute (rate_limit_exceeded), the "
+                              f"gateway's queue full: its --max-waiting / --max-waiting-per-tier bound or an "
+                              f"expected wait past --max-queue-wait (queue_full), or {f.max_inflight} requests in "
+                              f"flight on this gateway (too_many_requests). Retry-After says when to retry.",
                               "Retry-After"),
         "Unavailable": _error("No live worker (no_live_worker), Redis unreachable (backend_unavailable), the "
                               "token stream broke (stream_interrupted, redis_interrupted), the request's worker "
