@@ -148,17 +148,21 @@ def evaluate_joint(model: NestedModel, original: Original, windows: torch.Tensor
                    batch: int = 4) -> dict:
     """Held-out perplexity of every tier and of the original; greedy agreement with the original."""
     nt = model.num_segments
-    nll, agree, count, nll_o = [0.0] * nt, [0] * nt, 0, 0.0
+    nll, agree, agree_top, count, nll_o = [0.0] * nt, [0] * nt, [0] * nt, 0, 0.0
     for i in range(0, windows.shape[0], batch):
         ids = windows[i:i + batch].to(model.embed_tokens.weight.device)
         tgt = ids[:, 1:].reshape(-1)
         o_logits = model.logits(original.hidden(ids)[:, :-1]).float().reshape(tgt.numel(), -1)
         nll_o += float(F.cross_entropy(o_logits, tgt, reduction="sum"))
         o_arg = o_logits.argmax(-1)
+        argm = []
         for t, h in enumerate(model.exit_hidden(ids)):
             lg = model.logits(h[:, :-1]).float().reshape(tgt.numel(), -1)
             nll[t] += float(F.cross_entropy(lg, tgt, reduction="sum"))
-            agree[t] += int((lg.argmax(-1) == o_arg).sum())
+            argm.append(lg.argmax(-1))
+            agree[t] += int((argm[-1] == o_arg).sum())
+        for t in range(nt):
+            agree_top[t] += int((argm[t] == argm[-1]).sum())
         count += tgt.numel()
     top = math.exp(nll[-1] / count)
     out = {"original_ppl": math.exp(nll_o / count), "top_ppl": top, "tokens": count, "tiers": {}}
@@ -166,7 +170,8 @@ def evaluate_joint(model: NestedModel, original: Original, windows: torch.Tensor
     for t in range(nt):
         ppl = math.exp(nll[t] / count)
         out["tiers"][model.tiers[t].name] = {"ppl": ppl, "ppl_vs_top": ppl / top,
-                                             "agree_original": agree[t] / count}
+                                             "agree_original": agree[t] / count,
+                                             "agree_top": agree_top[t] / count}
     return out
 
 
@@ -286,7 +291,7 @@ def run(args) -> int:
             return
         st.best, st.bad_evals = {"score": score, "step": st.step, "eval": ev}, 0
         quality = {"floor": dict(DEFAULT_FLOOR), **{n: {"ppl_vs_top": round(v["ppl_vs_top"], 3),
-                                                        "agree_top": round(v["agree_original"], 3)}
+                                                        "agree_top": round(v["agree_top"], 3)}
                                                     for n, v in list(ev["tiers"].items())[:-1]}}
         info = {"method": "joint", "step": st.step, "tokens": st.tokens, "train_minutes": rec["train_minutes"],
                 "rank": args.rank, "lambdas": lambdas, "kl": args.kl, "ce": args.ce, "topk": args.topk,
