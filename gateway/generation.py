@@ -187,7 +187,8 @@ class Generation:
         first = self.index == 0
         # Every declared parameter the body carries (core/params.py) passes as it is; the rest come from
         # the job (limits, stop ids, tier-level defaults) or the choice (its seed).
-        params = SamplingParams(**(p.sampling | {"seed": seed}),
+        # logprobs is parsed per endpoint (chat's top_logprobs, completions' integer), not in p.sampling
+        params = SamplingParams(**(p.sampling | {"seed": seed, "logprobs": p.logprobs}),
                                 max_tokens=max(1, j.max_tokens), stop_token_ids=tuple(sorted(self.stop_ids)),
                                 spec_draft_tier=j.spec_draft, spec_gamma=j.spec_gamma,
                                 spec_stop_confidence=j.spec_stop_confidence,
