@@ -76,31 +76,61 @@ def batch_tensors(arrs: dict[str, np.ndarray], idx: np.ndarray, lower: list[int]
     return {k: v.to(device) for k, v in out.items()}
 
 
-def step_losses(model: NestedModel, b: dict[str, torch.Tensor], lower: list[int], ce_w: float,
-                ce_frac: float, gen: torch.Generator, amp: torch.dtype | None) -> tuple[torch.Tensor, list[float], list[float]]:
-    total = torch.zeros((), device=b["ids"].device)
-    kls, ces = [], []
-    ids = b["ids"]
+def ce_sample(ids: torch.Tensor, ce_w: float, ce_frac: float,
+              gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions of ids [B, S] scored by cross-entropy this step (none when ``ce_w`` is 0), and
+    their next tokens."""
     B, S = ids.shape
     n_ce = max(1, int(B * (S - 1) * ce_frac)) if ce_w > 0 else 0
     ce_pos = torch.randperm(B * (S - 1), generator=gen)[:n_ce].to(ids.device)
-    targets = ids[:, 1:].reshape(-1).index_select(0, ce_pos)
+    return ce_pos, ids[:, 1:].reshape(-1).index_select(0, ce_pos)
+
+
+def exit_loss(model: NestedModel, h: torch.Tensor, tk_ids: torch.Tensor, tk_lp: torch.Tensor,
+              ce_pos: torch.Tensor, targets: torch.Tensor, kl_w: float,
+              ce_w: float) -> tuple[torch.Tensor, float, float]:
+    """One exit's loss from its hidden states h [B, S, H]: ``kl_w`` x top-k KL to the teacher plus
+    ``ce_w`` x cross-entropy at ``ce_pos``; and the KL's and the CE's values (CE 0.0 when none)."""
+    B, S = h.shape[:2]
+    kl = topk_kl(model, h.reshape(B * S, -1).float(), tk_ids.view(B * S, -1), tk_lp.view(B * S, -1))
+    loss, ce_v = kl_w * kl, 0.0
+    if ce_pos.numel():
+        hs = h[:, :-1].reshape(-1, h.shape[-1]).index_select(0, ce_pos).float()
+        ce = F.cross_entropy(model.logits(hs).float(), targets)
+        loss = loss + ce_w * ce
+        ce_v = float(ce.detach())
+    return loss, float(kl.detach()), ce_v
+
+
+def build_exit_model(args):
+    """The base of ``--base`` cut at ``--tiers`` with exit blocks initialised (``--init``), frozen, fp32,
+    torch ops: (model, tokenizer, base_ref, family, tiers)."""
+    base_path, base_ref, family = resolve_base_arg(args.base)
+    base = load_base(base_path)
+    tok = base.tokenizer
+    if tok is None:
+        raise ValueError("the base has no tokenizer; precipitation needs one to encode --data")
+    tiers = tier_specs(args.tiers, base.hf_config.num_hidden_layers, args.block_layers, args.init)
+    model = build_model(base, tiers, torch.float32, args.device, ops=TORCH_OPS)
+    model.init_exit_blocks(args.init)
+    model.requires_grad_(False).eval()
+    return model, tok, base_ref, family, tiers
+
+
+def step_losses(model: NestedModel, b: dict[str, torch.Tensor], lower: list[int], ce_w: float,
+                ce_frac: float, gen: torch.Generator, amp: torch.dtype | None) -> tuple[torch.Tensor, list[float], list[float]]:
+    ids = b["ids"]
+    ce_pos, targets = ce_sample(ids, ce_w, ce_frac, gen)
+    total = torch.zeros((), device=ids.device)
+    kls, ces = [], []
     for t in lower:
         with torch.autocast("cpu" if not ids.is_cuda else "cuda", dtype=amp or torch.bfloat16,
                             enabled=amp is not None):
             h = model.exit_from_trunk(t, b[f"trunk{t}"])
-        hf = h.reshape(B * S, -1).float()
-        kl = topk_kl(model, hf, b["topk_ids"].view(B * S, -1), b["topk_lp"].view(B * S, -1))
-        loss = kl
-        ce_v = 0.0
-        if n_ce:
-            hs = h[:, :-1].reshape(-1, h.shape[-1]).index_select(0, ce_pos).float()
-            ce = F.cross_entropy(model.logits(hs).float(), targets)
-            loss = loss + ce_w * ce
-            ce_v = float(ce.detach())
+        loss, kl, ce = exit_loss(model, h, b["topk_ids"], b["topk_lp"], ce_pos, targets, 1.0, ce_w)
         total = total + loss
-        kls.append(float(kl.detach()))
-        ces.append(ce_v)
+        kls.append(kl)
+        ces.append(ce)
     return total, kls, ces
 
 
@@ -214,16 +244,7 @@ def run(args) -> int:
 
     amp = autocast_dtype(args.autocast, args.device)
     log(f"exit-block precipitation: {args.threads} thread(s), autocast {amp or 'off (fp32)'}")
-    base_path, base_ref, family = resolve_base_arg(args.base)
-    base = load_base(base_path)
-    tok = base.tokenizer
-    if tok is None:
-        raise ValueError("the base has no tokenizer; precipitation needs one to encode --data")
-    tiers = tier_specs(args.tiers, base.hf_config.num_hidden_layers, args.block_layers, args.init)
-    model = build_model(base, tiers, torch.float32, args.device, ops=TORCH_OPS)
-    del base
-    model.init_exit_blocks(args.init)
-    model.requires_grad_(False).eval()
+    model, tok, base_ref, family, tiers = build_exit_model(args)
     lower = list(range(model.num_segments - 1))
     if not lower:
         raise ValueError("--tiers needs at least two tiers: exit blocks are for the lower ones")

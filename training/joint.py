@@ -28,14 +28,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from family.manifest import DEFAULT_FLOOR, Manifest, resolve_base_arg
-from kernels import TORCH_OPS
+from family.manifest import DEFAULT_FLOOR, Manifest
 from training import data as D
 from training.exit_features import heldout_windows, training_windows
-from training.exitblocks import exit_parameters, tier_specs, topk_kl
+from training.exitblocks import build_exit_model, ce_sample, exit_loss, exit_parameters
 from worker import checkpoint as ckpt
-from worker.family import build_model
-from worker.loader import load_base
 from worker.model import NestedModel
 
 STATE = "state/trainer.pt"
@@ -63,17 +60,9 @@ def artifact_bytes(model: NestedModel, dtype_bytes: int = 2) -> int:
 
 def build_joint(args, log=print):
     """(model with exit blocks and no adapters yet, tokenizer, base_ref, family, tiers)."""
-    base_path, base_ref, family = resolve_base_arg(args.base)
-    base = load_base(base_path)
-    tok = base.tokenizer
-    if tok is None:
-        raise ValueError("the base has no tokenizer; precipitation needs one to encode --data")
-    tiers = tier_specs(args.tiers, base.hf_config.num_hidden_layers, args.block_layers, args.init)
+    model, tok, base_ref, family, tiers = build_exit_model(args)
     if len(tiers) < 2:
         raise ValueError("--tiers needs at least two tiers for --method joint")
-    model = build_model(base, tiers, torch.float32, args.device, ops=TORCH_OPS)
-    model.init_exit_blocks(args.init)
-    model.requires_grad_(False).eval()
     return model, tok, base_ref, family, tiers
 
 
@@ -118,10 +107,7 @@ def joint_loss(model: NestedModel, ids: torch.Tensor, tk_ids: torch.Tensor, tk_l
                lambdas: list[float], kl_w: float, ce_w: float, ce_frac: float,
                gen: torch.Generator) -> tuple[torch.Tensor, list[float], list[float]]:
     """ids [B, S]; teacher top-k [B, S, k] -> (sum_t lambda_t L_t, KL per tier, CE per tier)."""
-    B, S = ids.shape
-    n_ce = max(1, int(B * (S - 1) * ce_frac)) if ce_w > 0 else 0
-    ce_pos = torch.randperm(B * (S - 1), generator=gen)[:n_ce].to(ids.device)
-    targets = ids[:, 1:].reshape(-1).index_select(0, ce_pos)
+    ce_pos, targets = ce_sample(ids, ce_w, ce_frac, gen)
     total = torch.zeros((), device=ids.device)
     kls, ces = [], []
     for lam, h in zip(lambdas, model.exit_hidden(ids)):
@@ -129,17 +115,10 @@ def joint_loss(model: NestedModel, ids: torch.Tensor, tk_ids: torch.Tensor, tk_l
             kls.append(float("nan"))
             ces.append(float("nan"))
             continue
-        kl = topk_kl(model, h.reshape(B * S, -1).float(), tk_ids.view(B * S, -1), tk_lp.view(B * S, -1))
-        loss = kl_w * kl
-        ce_v = 0.0
-        if n_ce:
-            hs = h[:, :-1].reshape(-1, h.shape[-1]).index_select(0, ce_pos).float()
-            ce = F.cross_entropy(model.logits(hs).float(), targets)
-            loss = loss + ce_w * ce
-            ce_v = float(ce.detach())
+        loss, kl, ce = exit_loss(model, h, tk_ids, tk_lp, ce_pos, targets, kl_w, ce_w)
         total = total + lam * loss
-        kls.append(float(kl.detach()))
-        ces.append(ce_v)
+        kls.append(kl)
+        ces.append(ce)
     return total, kls, ces
 
 
