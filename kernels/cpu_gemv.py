@@ -111,10 +111,15 @@ def _run(cmd: list[str], cxx: str, what: str) -> None:
 
 def build(sources: Path | Sequence[Path] = SOURCES, cxx: str | None = None,
           headers: Sequence[Path] | None = None) -> Path:
-    """The operator library of ``sources`` (one file or several, linked together), compiled once into
-    the cache, each source on its own thread. ``headers``: what they include, part of the cache key
-    (default: every .h beside them). Raises RuntimeError with the compiler's message if it fails."""
-    sources = [sources] if isinstance(sources, Path) else list(sources)
+    """The operator library of ``sources`` (one file, several linked together, or a folder's
+    cpu_gemv*.cpp — an older checkout's kernels/ for A/B probes), compiled once into the cache, each
+    source on its own thread. ``headers``: what they include, part of the cache key (default: every .h
+    beside them). Raises RuntimeError with the compiler's message if it fails."""
+    if isinstance(sources, Path):
+        sources = sorted(sources.glob("cpu_gemv*.cpp")) if sources.is_dir() else [sources]
+    sources = sorted(sources)  # one cache entry per set of sources, whatever order they came in
+    if not sources:
+        raise ValueError("no cpu_gemv*.cpp source to build")
     if headers is None:
         headers = sorted({h for p in sources for h in p.parent.glob("*.h")})
     cxx = cxx or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")

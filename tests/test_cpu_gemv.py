@@ -400,3 +400,13 @@ def test_the_w4a8_head_runs_int8_a8():
                        + rows.bias)
     with pytest.raises(ValueError, match="per 32 inputs"):
         Int8A8Linear.from_float(torch.randn(8, 40))
+
+
+def test_build_takes_a_folder_of_sources_as_the_probes_pass_it(tmp_path):
+    """`cpu_gemv.build(folder)` builds the folder's cpu_gemv*.cpp (the A/B probes pass an older
+    checkout's kernels/); an empty folder is refused."""
+    from pathlib import Path  # noqa: PLC0415
+    from kernels import cpu_gemv  # noqa: PLC0415
+    assert cpu_gemv.build(Path(cpu_gemv.__file__).parent) == cpu_gemv.build()
+    with pytest.raises(ValueError, match="no cpu_gemv"):
+        cpu_gemv.build(tmp_path)

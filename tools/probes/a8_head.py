@@ -5,18 +5,11 @@ from pathlib import Path
 from kernels import cpu_gemv
 
 
-def sources(arg: str) -> list[Path]:
-    """SOURCE: a folder of cpu_gemv*.cpp files (kernels/, or an older checkout's) or one .cpp file (a
-    kernel from before the operators were split into several files)."""
-    p = Path(arg)
-    return sorted(p.glob("cpu_gemv*.cpp")) if p.is_dir() else [p]
-
-
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     torch.set_num_threads(2)
-    lib = cpu_gemv.build(sources(sys.argv[1])); torch.ops.load_library(str(lib))
+    lib = cpu_gemv.build(Path(sys.argv[1])); torch.ops.load_library(str(lib))
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-127, 128, (49152, 576), dtype=torch.int8, generator=g); s = torch.rand(49152) * 0.01
     op = torch.ops.mfs.int8_a8_gemv

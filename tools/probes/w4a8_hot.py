@@ -7,18 +7,11 @@ from pathlib import Path
 from kernels import cpu_gemv
 
 
-def sources(arg: str) -> list[Path]:
-    """SOURCE: a folder of cpu_gemv*.cpp files (kernels/, or an older checkout's) or one .cpp file (a
-    kernel from before the operators were split into several files)."""
-    p = Path(arg)
-    return sorted(p.glob("cpu_gemv*.cpp")) if p.is_dir() else [p]
-
-
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     torch.set_num_threads(1)
-    lib = cpu_gemv.build(sources(sys.argv[1])); torch.ops.load_library(str(lib))
+    lib = cpu_gemv.build(Path(sys.argv[1])); torch.ops.load_library(str(lib))
     g = torch.Generator().manual_seed(0)
     N, K = 512, 1536
     q = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g); dm = (torch.rand(N, K // 32, 2, generator=g) * 0.01).half()
