@@ -144,13 +144,15 @@ class WorkerLoop:
                 recover = False
                 for _, entries in resp or []:
                     for entry_id, fields in entries:
+                        acked = False
                         if last_id is None or _entry_key(entry_id) > _entry_key(last_id):
                             try:
-                                self.execute(P.decode(fields))
+                                acked = self.execute(P.decode(fields), ack=(stream, entry_id))
                             except (ValueError, TypeError, KeyError) as e:
                                 log.error("bad plan dropped", worker=self.id, entry=entry_id, error=str(e))
                             last_id = entry_id
-                        self.r.xack(stream, P.WORKER_GROUP, entry_id)
+                        if not acked:  # a plan dropped or already executed: acknowledged on its own
+                            self.r.xack(stream, P.WORKER_GROUP, entry_id)
                 if last_id is not None and time.monotonic() - trimmed > 5.0:
                     self.r.xtrim(stream, minid=last_id, approximate=True)  # executed plans can go
                     trimmed = time.monotonic()
@@ -166,14 +168,17 @@ class WorkerLoop:
                 time.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
 
-    def execute(self, plan: P.StepPlan) -> None:
+    def execute(self, plan: P.StepPlan, ack: tuple | None = None) -> bool:
+        """Runs one plan and delivers its token events and result. ``ack`` (stream, entry id): the plan's
+        acknowledgement goes in the same round trip as the result (one less per step on the worker's path
+        to its next plan); True when it did, False when the plan was dropped unexecuted."""
         if plan.worker_started and plan.worker_started != self.started:
             log.warning("plan for a previous life dropped", worker=self.id, step=plan.step_id)
-            return  # its block tables may point at cached KV this life never computed
+            return False  # its block tables may point at cached KV this life never computed
         if plan.epoch < self.epoch:
             log.warning("plan from a former scheduler leader dropped", worker=self.id, epoch=plan.epoch,
                         current=self.epoch)
-            return
+            return False
         if plan.epoch > self.epoch:
             if self.live:  # the new leader re-plans them from what it knows; forget this life's copies
                 log.info("new scheduler leader: requests reset", worker=self.id, epoch=plan.epoch,
@@ -233,8 +238,11 @@ class WorkerLoop:
         res = P.StepResult(self.id, plan.step_id, out.tokens, dt, out.num_tokens, plan.epoch, out.drafts,
                            out.verified, out.accepted, out.escalate, out.draft_conf)
         pipe.xadd(self.shard.done_stream, res.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
+        if ack is not None:
+            pipe.xack(ack[0], P.WORKER_GROUP, ack[1])
         self._deliver(pipe.command_stack[:])
         self.steps += 1
+        return ack is not None
 
     def _deliver(self, commands: list) -> None:
         """Writes a step's token events and result, retrying through a lost connection: the step is done

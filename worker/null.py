@@ -89,12 +89,13 @@ class NullWorker(WorkerLoop):
         self.gaps: list[tuple[float, float]] = []  # (wall clock when the plan arrived, gap in s)
         self._published: float | None = None
 
-    def execute(self, plan: P.StepPlan) -> None:
+    def execute(self, plan: P.StepPlan, ack: tuple | None = None) -> bool:
         arrived = time.perf_counter()
         if self._published is not None:
             self.gaps.append((time.time(), arrived - self._published))
-        super().execute(plan)
+        done = super().execute(plan, ack)
         self._published = time.perf_counter()
+        return done
 
 
 def parse_shards(spec: str) -> list[str]:
