@@ -61,6 +61,9 @@ def build(say=print) -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-cache-dir", "--force-reinstall",
                     "--no-deps", f"llama-cpp-python=={VERSION}"], check=True,
                    env=dict(os.environ, CMAKE_ARGS=args, FORCE_CMAKE="1"))
+    # --no-deps keeps the rebuild from reinstalling numpy and the rest; on a fresh environment its own
+    # dependencies (diskcache, jinja2, ...) are still missing: pip adds them, leaving the build as it is
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"llama-cpp-python=={VERSION}"], check=True)
 
 
 def ensure(gguf: str, allow_build: bool, say=print) -> tuple[bool, str]:

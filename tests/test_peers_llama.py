@@ -61,3 +61,16 @@ def test_api_runs_summarize_as_the_in_process_contenders_do():
     s = summarize_runs(runs, wall=5.0, new_tokens=5)
     assert s["tokens"] == 10 and s["tokens_per_s"] == 2.0
     assert s["ttft_ms"] == pytest.approx(750.0) and s["tpot_ms"] == pytest.approx(750.0)  # (2/4 + 4/4) / 2 s
+
+
+def test_the_rebuild_also_installs_what_llama_cpp_python_needs(monkeypatch):
+    """The rebuild is --no-deps (it must not reinstall numpy and the rest); a fresh environment then
+    lacks llama-cpp-python's own dependencies (it died on `import diskcache`), so a plain install of the
+    same version follows, which adds them and leaves the build in place."""
+    calls = []
+    monkeypatch.setattr(llama_build.subprocess, "run", lambda argv, **kw: calls.append((argv, kw.get("env"))))
+    llama_build.build(say=lambda msg: None)
+    (rebuild, env), (deps, _) = calls
+    assert {"--no-deps", "--force-reinstall"} <= set(rebuild) and "GGML_NATIVE=OFF" in env["CMAKE_ARGS"]
+    assert deps[-1] == rebuild[-1] == f"llama-cpp-python=={llama_build.VERSION}"
+    assert not {"--no-deps", "--force-reinstall"} & set(deps)
