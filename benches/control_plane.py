@@ -155,7 +155,10 @@ def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, m
         for s in range(shards):
             prof = ["cProfile", "-o", f"{profile}.shard{s}" if shards > 1 else str(profile), "-m"] if profile else []
             scheds.append(spawn(f"scheduler-{tag}-s{s}", prof + [
-                "scheduler", "--redis-url", rs.url, "--max-num-seqs", str(max(rows, 1)), "--shard", str(s)]))
+                "scheduler", "--redis-url", rs.url, "--max-num-seqs", str(max(rows, 1)), "--shard", str(s),
+                # a plan a step: what is measured is the control plane of every step, which multi-step
+                # plans (the scheduler's default --decode-steps) pay once per plan
+                "--decode-steps", "1"]))
         shard_list = ",".join(str(s) for s in range(shards))
         nulls = []
         for k in range(math.ceil(workers / WORKERS_PER_PROCESS)):

@@ -28,11 +28,11 @@ from benches.lib import model_ids
 SERVING = re.compile(r"serving at (http://\S+?)/v1")
 
 
-def start_mfs_up(model: str, start_timeout_s: float) -> tuple[subprocess.Popen, str, Path, float]:
-    """``mfs up --model MODEL --port 0`` as a child; returns it, its URL, its log and the launch time."""
+def start_mfs_up(model: str, start_timeout_s: float, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, Path, float]:
+    """``mfs up --model MODEL --port 0 [EXTRA]`` as a child; returns it, its URL, its log and the launch time."""
     log = Path(tempfile.mkdtemp(prefix="mfs-peers-api-")) / "mfs-up.log"
     launched = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "mfs.cli", "up", "--model", model, "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "mfs.cli", "up", "--model", model, "--port", "0", *extra],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     deadline = launched + start_timeout_s

@@ -96,6 +96,7 @@ class StatsSnapshot:
     steps: int = 0                    # results handled; with the next two, the transport share
     step_roundtrip_s: float = 0.0     # plan sent -> result handled, summed
     step_forward_s: float = 0.0       # the workers' own step time, summed
+    forward_steps: int = 0            # forward steps those results ran (more than `steps`: multi-step plans)
     # per segment, summed over workers
     prefill_computed: dict[int, int] = field(default_factory=dict)
     prefill_reused: dict[int, int] = field(default_factory=dict)

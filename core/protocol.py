@@ -347,6 +347,9 @@ class StepPlan(Record):
     drop: list[str] = field(default_factory=list)    # requests the worker may forget
     worker_started: str = ""  # the worker life it was made for: block tables of another life are stale
     epoch: int = 0            # the leading scheduler's generation: a newer one resets the worker's requests
+    # Multi-step decoding (every row plain decode): the worker runs this many steps, each row fed its
+    # own sampled token, a row stopping at its end or where its block tables end.
+    steps: int = 1
 
 
 @dataclass(slots=True)
@@ -363,6 +366,7 @@ class StepResult(Record):
     accepted: dict = field(default_factory=dict)   # request_id -> drafts accepted
     escalate: list = field(default_factory=list)   # cascade requests that move one tier up (no token)
     draft_conf: dict = field(default_factory=dict)  # request_id -> the draft tier's confidence in its draft
+    decoded: dict = field(default_factory=dict)  # a multi-step plan's: request_id -> every token it made
 
 
 RECORDS = {r.TYPE: r for r in (Submit, Cancel, TokenEvent, TokenBatch, StepPlan, StepResult)}

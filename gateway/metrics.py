@@ -46,6 +46,11 @@ class Metrics:
                                    "batches (cumulative, as the scheduler reports it)", registry=r)
         self.escalations = Gauge("mfs_scheduler_escalations", "Tier escalations (cumulative)", registry=r)
         self.preemptions = Gauge("mfs_scheduler_preemptions", "Preemptions (cumulative)", registry=r)
+        self.plans = Gauge("mfs_scheduler_plans", "Step plans whose result the scheduler handled "
+                           "(cumulative)", registry=r)
+        self.forward_steps = Gauge("mfs_scheduler_forward_steps", "Forward steps those plans ran: more than "
+                                   "the plans when multi-step decoding (--decode-steps) runs several a plan "
+                                   "(cumulative)", registry=r)
         # Prefix reuse (issue 5), per KV segment, cumulative as the scheduler reports it. A request of
         # tier k counts in segments 0..k; tokens are prompt tokens, blocks are full prompt blocks.
         seg = ["segment"]
@@ -149,7 +154,8 @@ class Metrics:
                 for s, v in enumerate(segs if isinstance(segs, (list, tuple)) else [segs]):
                     gauge.labels(str(worker), str(s)).set(_num(v))
         for gauge, key in ((self.path_switches, "path_switches"), (self.escalations, "escalations"),
-                           (self.preemptions, "preemptions")):
+                           (self.preemptions, "preemptions"), (self.plans, "steps"),
+                           (self.forward_steps, "forward_steps")):
             gauge.set(_num(stats.get(key, 0)))
         self._refresh_reuse(stats)
         self.multilevel.update(stats, tier_names)

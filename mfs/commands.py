@@ -136,6 +136,11 @@ def add_up(sub) -> None:
     p.add_argument("--shards", type=int, default=1,
                    help="control-plane shards, each with its own leader and request stream; worker i joins "
                         "shard i mod SHARDS (docs/SCALING.md)")
+    from scheduler.config import SchedulerProcessConfig, parse_steps  # noqa: PLC0415
+    p.add_argument("--decode-steps", type=parse_steps, default=SchedulerProcessConfig.__dataclass_fields__["decode_steps"].default,
+                   help="multi-step decoding: while a worker's requests all decode plainly and none waits, one "
+                        "plan runs this many forward steps (the scheduler's round trip paid once); 1: plan "
+                        "every step (default %(default)s)")
     p.add_argument("--log-dir", default=None, help="one log file per process (default: a new temp dir)")
     p.add_argument("--restart-limit", type=int, default=5,
                    help="a process that exits is restarted with backoff; more than this many restarts of "

@@ -30,6 +30,13 @@ def parse_quota(spec: str | None) -> dict[int, float]:
     return out
 
 
+def parse_steps(spec: str) -> int:
+    n = int(spec)
+    if n < 1:
+        raise ValueError(f"{n} steps: a plan runs at least one")
+    return n
+
+
 @dataclass(slots=True)
 class SchedulerProcessConfig:
     max_num_batched_tokens: int = _step("max_num_batched_tokens", "per-step token budget")
@@ -45,6 +52,10 @@ class SchedulerProcessConfig:
     lazy_exits: bool = _step("lazy_exits", "rows skip the exit-block KV of lower tiers their request never "
                                            "reads; a lower-tier request reusing such blocks fills it first "
                                            "(--no-lazy-exits: every row writes every exit it crosses)")
+    decode_steps: int = opt(8, "multi-step decoding: while every running request of a worker is decoding "
+                               "plainly and none waits, its plan runs this many steps (each row fed its own "
+                               "token) before the scheduler plans again; a request arriving meanwhile waits "
+                               "for them. 1: plan every step", parse=parse_steps)
     directory_ttl_s: float = opt(600.0, "lifetime of KV directory entries")
     affinity_abs_threshold: int = opt(4, "cache affinity yields when the preferred worker has more than this "
                                          "many requests above the least loaded one...")

@@ -292,15 +292,37 @@ class StepScheduler(PrefixCaching):
             self.stats.forward_tokens += sum(n for _, n in rows)
         return ScheduledStep(rows, new, drop, catchups, draft_rows, verify_rows, fills, self.lazy_exits)
 
+    def extend_decode(self, step: ScheduledStep, k: int) -> int:
+        """Multi-step decoding: how many decode steps the worker may run ``step`` for without the
+        scheduler in between (it feeds each row's sampled token back and stops a row at its end), 1 when
+        the step is not plain decoding of every running request. The rows' tables grow to hold their
+        next k tokens (never more than a row can still make); a row that cannot grow without a
+        preemption keeps the step at 1 (the blocks already grown serve its next steps anyway)."""
+        if (k <= 1 or self.waiting or step.new or step.drafts or step.verifies or step.catchups or step.fills
+                or not step.rows):
+            return 1
+        for req, n in step.rows:
+            p = req.params
+            if (n != 1 or req.num_computed_tokens + 1 != req.num_tokens or p.cascade_threshold is not None
+                    or p.spec_draft_tier is not None or p.prompt_logprobs is not None and not req.output_ids):
+                return 1
+        for req, _ in step.rows:
+            left = min(req.params.max_tokens - len(req.output_ids), self.cfg.max_model_len - req.num_tokens)
+            if left > 1 and not self._allocate(req, min(k, left)):
+                return 1
+        return k
+
     def update(self, step: ScheduledStep, tokens: dict[str, int],
                verified: dict[str, list[int]] | None = None, accepted: dict[str, int] | None = None,
                escalate: list[str] | None = None, drafts: dict[str, int] | None = None,
-               draft_conf: dict[str, float] | None = None) -> list[RequestOutput]:
+               draft_conf: dict[str, float] | None = None,
+               decoded: dict[str, list[int]] | None = None) -> list[RequestOutput]:
         """Advance the step's rows and append each sampled token; finished requests free blocks.
         Draft rows add their token (`drafts`; read from `tokens` when not given) to their request's
         round; verification rows commit the tokens the runner committed (`verified`, with `accepted`
         drafts among them). An escalated request (`escalate`) got no token: its last position is
-        recomputed at the next tier up after its catch-up."""
+        recomputed at the next tier up after its catch-up. ``decoded``: a multi-step plan's rows (see
+        :meth:`extend_decode`), every token each made, one position computed per token."""
         drafted = tokens if drafts is None else drafts
         esc = set(escalate or ())
         bs = self.cfg.block_size
@@ -313,6 +335,9 @@ class StepScheduler(PrefixCaching):
                 start, p = req.num_computed_tokens, len(req.prompt_ids)
                 for s in range(self._segments(req)):
                     self.stats.prefill_computed[s] += max(0, min(start + n, p) - start)
+                if decoded and req.request_id in decoded:  # registered below, once its tokens are in
+                    req.num_computed_tokens += len(decoded[req.request_id])
+                    continue
                 req.num_computed_tokens += n - (req.request_id in esc)
                 self._register_full_blocks(req)
         for req, _, _ in step.drafts:
@@ -327,6 +352,7 @@ class StepScheduler(PrefixCaching):
                 req.num_computed_tokens += len(committed)
                 self._register_full_blocks(req)
                 new[req.request_id] = committed
+        new.update(decoded or {})
         outs = []
         for req in [r for r, _ in step.rows] + [r for r, _, _ in step.verifies]:
             toks = new.get(req.request_id)
@@ -340,6 +366,8 @@ class StepScheduler(PrefixCaching):
                                        req.stop_ids, self.cfg.max_model_len)
                 if reason:
                     break
+            if decoded and req.request_id in decoded:
+                self._register_full_blocks(req)
             if reason:
                 self.running.remove(req)
                 self._release(req)

@@ -53,6 +53,6 @@ def new_requests(step: ScheduledStep) -> list[P.NewRequest]:
             for r in step.new]
 
 
-def build_plan(step: ScheduledStep, step_id: int, worker_started: str, epoch: int) -> P.StepPlan:
+def build_plan(step: ScheduledStep, step_id: int, worker_started: str, epoch: int, steps: int = 1) -> P.StepPlan:
     return P.StepPlan(step_id, new=new_requests(step), rows=plan_rows(step), drop=step.drop,
-                      worker_started=worker_started, epoch=epoch)
+                      worker_started=worker_started, epoch=epoch, steps=steps)

@@ -79,6 +79,7 @@ class SchedulerService:
         self.step_count = 0
         self.step_roundtrip_s = 0.0
         self.step_forward_s = 0.0
+        self.forward_steps = 0  # forward steps run by those plans (multi-step plans run several)
         self.running = True
         # While a loop round runs, its one pipeline: every write of the round goes through it, in order
         # (a cancel's progress delete must follow the progress append of the step before it).
@@ -181,10 +182,11 @@ class SchedulerService:
         self.step_count += 1
         self.step_roundtrip_s += time.monotonic() - w.sent_at
         self.step_forward_s += res.forward_s
+        self.forward_steps += max(map(len, res.decoded.values()), default=1)
         reqs = {r.request_id: r for r, _ in w.inflight.rows}
         reqs.update((r.request_id, r) for r, _, _ in w.inflight.verifies)
         for o in w.core.update(w.inflight, res.tokens, res.verified, res.accepted, res.escalate, res.drafts,
-                               res.draft_conf):
+                               res.draft_conf, res.decoded):
             req = reqs[o.request_id]
             if o.finished:
                 self.registry.placement.pop(o.request_id, None)
@@ -211,7 +213,8 @@ class SchedulerService:
             if not (sched.rows or sched.drafts or sched.verifies or sched.catchups):
                 continue
             w.step_id += 1
-            plan = build_plan(sched, w.step_id, w.started, self.lease.epoch)
+            steps = w.core.extend_decode(sched, self.cfg.decode_steps)
+            plan = build_plan(sched, w.step_id, w.started, self.lease.epoch, steps)
             pipe.xadd(P.plan_stream(w.worker_id), plan.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
             w.inflight, w.sent_at = sched, time.monotonic()
 
@@ -219,7 +222,8 @@ class SchedulerService:
         snap = snapshot(self.registry, leader=self.consumer, shard=self.shard.name, epoch=self.lease.epoch,
                         takeovers=self.takeovers,
                         gateway_cancels=self.reaper.gateway_cancels, steps=self.step_count,
-                        step_roundtrip_s=self.step_roundtrip_s, step_forward_s=self.step_forward_s)
+                        step_roundtrip_s=self.step_roundtrip_s, step_forward_s=self.step_forward_s,
+                        forward_steps=self.forward_steps)
         self.r.hset(P.STATS_KEY, self.shard.stats_field, snap.encode())
 
     # ---- leadership ----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from scheduler.registry import WorkerRegistry
 
 def snapshot(registry: WorkerRegistry, **service) -> StatsSnapshot:
     """``service``: the service's own counters (leader, shard, epoch, takeovers, gateway_cancels, steps,
-    step_roundtrip_s, step_forward_s)."""
+    step_roundtrip_s, step_forward_s, forward_steps)."""
     workers = registry.workers
     waiting: dict[int, int] = {}
     running: dict[int, int] = {}

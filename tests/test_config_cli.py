@@ -154,7 +154,7 @@ def test_gateway_flags_fill_its_config_and_nested_limits():
 
 
 PROCESS_ONLY = {"directory_ttl_s", "affinity_abs_threshold", "affinity_rel_threshold", "lease_s", "housekeeping_s",
-                "shard"}
+                "shard", "decode_steps"}  # decode_steps: the service asks extend_decode for it
 
 
 def test_every_scheduler_knob_reaches_the_workers_step_scheduler_or_is_the_process_own(redis_url):  # noqa: F811

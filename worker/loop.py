@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,6 +33,7 @@ class Live:
     seq_offset: int = 0  # tokens the client already has from a previous worker
     draft_proposed: int = 0
     draft_accepted: int = 0
+    greedy: bool = True  # its tokens are the same when it is re-planned elsewhere
 
 
 @dataclass(slots=True)
@@ -71,6 +73,9 @@ class WorkerLoop:
         self.stop = threading.Event()
         self.steps = 0
         self.epoch = 0  # the newest scheduler generation seen in a plan
+        # A multi-step plan's token events of its steps but the last are written from here, in order,
+        # while the next step computes (a round trip to Redis is ~1 ms on a busy 2-core machine)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="events")
 
     # ---- registration ------------------------------------------------------------------------
     def info(self) -> WorkerInfo:
@@ -193,10 +198,43 @@ class WorkerLoop:
         for nr in plan.new:
             self.runner.add(nr.request_id, nr.params, nr.prompt_ids, nr.seq_offset)
             self.live[nr.request_id] = Live(nr.gateway_id, nr.tier, nr.prompt_len, nr.params.max_tokens,
-                                            frozenset(nr.stop_ids), nr.cached_tokens, nr.seq_offset)
-        rows = plan.rows
-        out = self.runner.execute(rows)
+                                            frozenset(nr.stop_ids), nr.cached_tokens, nr.seq_offset,
+                                            greedy=nr.params.greedy)
+        # A multi-step plan streams each step's greedy tokens at once; a sampling request's wait for the
+        # result's round trip: should this worker die before it, the request is re-planned from the
+        # tokens the scheduler knows, and a client must not hold sampled tokens it will not continue from.
+        rows, num_tokens, decoded, held, sent = plan.rows, 0, {}, [], []
+        for i in range(plan.steps):
+            out = self.runner.execute(rows)
+            num_tokens += out.num_tokens
+            pipe = self.r.pipeline(transaction=False)
+            if plan.steps == 1:
+                self._emit(rows, out, pipe)
+                break
+            self._emit(rows, out, pipe, held)
+            for rid, tok in out.tokens.items():
+                decoded.setdefault(rid, []).append(tok)
+            rows = self._next_rows(rows, out) if i + 1 < plan.steps else []
+            if not rows:
+                break
+            if pipe.command_stack:  # this step's greedy tokens reach their clients now
+                sent.append(self._writer.submit(self._deliver, pipe.command_stack[:]))
         dt = time.perf_counter() - t0
+        self._send_events(held, pipe)
+        res = P.StepResult(self.id, plan.step_id, {} if decoded else out.tokens, dt, num_tokens, plan.epoch,
+                           out.drafts, out.verified, out.accepted, out.escalate, out.draft_conf, decoded)
+        pipe.xadd(self.shard.done_stream, res.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
+        if ack is not None:
+            pipe.xack(ack[0], P.WORKER_GROUP, ack[1])
+        for f in sent:  # the steps' events first (a failed delivery raises here, as below)
+            f.result()
+        self._deliver(pipe.command_stack[:])
+        self.steps += 1
+        return ack is not None
+
+    def _emit(self, rows: list[P.PlanRow], out, pipe, held: list | None = None) -> None:
+        """One step's token events into `pipe`, one entry per gateway; a request that ends is forgotten.
+        `held`: where a multi-step plan keeps a sampling request's events until its result goes."""
         # What a client sees: plain rows' tokens and verification rows' committed tokens; never drafts.
         emitted = {rid: [tok] for rid, tok in out.tokens.items()}
         emitted.update(out.verified)
@@ -204,8 +242,7 @@ class WorkerLoop:
         # draft row, not a catch-up row, not an exit fill)
         row_of = {r.request_id: r for r in rows
                   if r.sample_all or (r.enter == 0 and not r.draft and not r.exit_only)}
-        pipe = self.r.pipeline(transaction=False)
-        by_gateway: dict[str, list[P.TokenEvent]] = {}
+        now: list[tuple[str, P.TokenEvent]] = []
         for rid, toks in emitted.items():
             live, row = self.live.get(rid), row_of.get(rid)
             if live is None or row is None:
@@ -229,20 +266,33 @@ class WorkerLoop:
                               draft_accepted=live.draft_accepted, logprobs=out.logprobs.get(rid, [])[:len(sent)],
                               prompt_logprobs=out.prompt_logprobs.get(rid, []) if first else [],
                               path=getattr(out, "path", ""))  # the null runner's steps name none
-            by_gateway.setdefault(live.gateway_id, []).append(ev)
+            (now if held is None or live.greedy else held).append((live.gateway_id, ev))
             if reason:
                 self.live.pop(rid, None)
                 self.runner.drop([rid])
+        self._send_events(now, pipe)
+
+    @staticmethod
+    def _send_events(events: list[tuple[str, P.TokenEvent]], pipe) -> None:
+        by_gateway: dict[str, list[P.TokenEvent]] = {}
+        for gw, ev in events:
+            by_gateway.setdefault(gw, []).append(ev)
         for gw, evs in by_gateway.items():  # one entry per gateway per step
             pipe.xadd(P.out_stream(gw), P.batch_entry(evs), maxlen=P.STREAM_MAXLEN, approximate=True)
-        res = P.StepResult(self.id, plan.step_id, out.tokens, dt, out.num_tokens, plan.epoch, out.drafts,
-                           out.verified, out.accepted, out.escalate, out.draft_conf)
-        pipe.xadd(self.shard.done_stream, res.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
-        if ack is not None:
-            pipe.xack(ack[0], P.WORKER_GROUP, ack[1])
-        self._deliver(pipe.command_stack[:])
-        self.steps += 1
-        return ack is not None
+
+    def _next_rows(self, rows: list[P.PlanRow], out) -> list[P.PlanRow]:
+        """A multi-step plan's next rows: each live row fed the token it sampled, while its block tables
+        hold the next position (the scheduler grew them for the plan's steps)."""
+        nxt = []
+        for r in rows:
+            tok = out.tokens.get(r.request_id)
+            pos = r.start_pos + len(r.token_ids)
+            if tok is None or r.request_id not in self.live \
+                    or pos >= min(len(t) for t in r.block_tables) * self.spec.block_size:
+                continue
+            nxt.append(P.PlanRow(r.request_id, r.tier, [tok], pos, r.block_tables, True, r.num_output + 1,
+                                 exit_kv=r.exit_kv))
+        return nxt
 
     def _deliver(self, commands: list) -> None:
         """Writes a step's token events and result, retrying through a lost connection: the step is done
