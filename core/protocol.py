@@ -17,8 +17,8 @@ name                              type        what
 ``mfs:stats``                     hash        scheduler gauges/counters for ``/metrics`` (msgpack)
 ``mfs:kv:session:{session}``      hash + TTL  KV directory: a session's worker (+ its ``started``), tier,
                                               block-hash chains per segment (msgpack), last use
-``mfs:kv:block:{hash}``           set + TTL   KV directory: workers holding the prefix block ``hash`` (hex)
-``mfs:kv:held:{worker}``          set + TTL   KV directory: block hashes listed for a worker (to drop them)
+``mfs:kv:held:{worker}``          set + TTL   KV directory: the prefix block hashes a worker holds (raw
+                                              16 bytes each; ``SMISMEMBER`` asks for several)
 ``mfs:kv:sessions:{worker}``      set + TTL   KV directory: sessions last placed on a worker
 ``mfs:ratelimit:{key-id}``        hash + TTL  a gateway API key's rate-limit buckets (``r``, ``t``, ``ts``);
                                               ``key-id`` is a hash prefix, never the key
@@ -141,10 +141,6 @@ def gateway_key(gateway: str) -> str:
 
 def kv_session_key(session: str) -> str:
     return f"mfs:kv:session:{session}"
-
-
-def kv_block_key(block_hash_hex: str) -> str:
-    return f"mfs:kv:block:{block_hash_hex}"
 
 
 def kv_held_key(worker: str) -> str:

@@ -2,10 +2,12 @@
 
 It is a *hint* for placement, never the truth: the scheduler's own block pools decide what a request
 reuses, so a stale entry (an evicted block, a dead or restarted worker) costs a cache miss, not a
-wrong answer. The scheduler writes it: blocks cached and evicted per worker (one Lua script per batch,
-atomic), a session's worker, tier and block-hash chains when one of its turns finishes (MULTI), and
-drops a worker's entries when the worker (re)joins or leaves. Every entry expires after ``ttl_s``.
-Key names live in core/protocol.py.
+wrong answer. The scheduler writes it: blocks cached and evicted per worker (MULTI per batch), a session's worker,
+tier and block-hash chains when one of its turns finishes (MULTI), and drops a worker's entries when the
+worker (re)joins or leaves. A worker's blocks are one set of raw 16-byte hashes (``mfs:kv:held:{worker}``,
+~60 bytes a block in Redis; a key per block cost ~5x that); a placement asks each candidate worker's set
+with one SMISMEMBER. Every entry expires ``ttl_s`` after its last write: a worker's set while it caches
+or evicts anything. Key names live in core/protocol.py.
 """
 from __future__ import annotations
 
@@ -17,34 +19,14 @@ import redis
 
 from core import protocol as P
 
-# KEYS: the worker's held set, then one block key per hash; ARGV: worker, ttl, number of additions,
-# then the hashes (hex) in KEYS order: the first `n` are now held, the rest were evicted.
-_RECORD = """
-local worker, ttl, nadd = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-for i = 2, #KEYS do
-  local h = ARGV[i + 2]
-  if i - 1 <= nadd then
-    redis.call('SADD', KEYS[i], worker)
-    redis.call('EXPIRE', KEYS[i], ttl)
-    redis.call('SADD', KEYS[1], h)
-  else
-    redis.call('SREM', KEYS[i], worker)
-    redis.call('SREM', KEYS[1], h)
-  end
-end
-redis.call('EXPIRE', KEYS[1], ttl)
-return #KEYS - 1
-"""
-
-# KEYS: the worker's held set, its sessions set; ARGV: worker, block key prefix, session key prefix.
+# KEYS: the worker's held set, its sessions set; ARGV: worker, session key prefix.
 _DROP = """
-local held = redis.call('SMEMBERS', KEYS[1])
-for _, h in ipairs(held) do redis.call('SREM', ARGV[2] .. h, ARGV[1]) end
+local held = redis.call('SCARD', KEYS[1])
 for _, s in ipairs(redis.call('SMEMBERS', KEYS[2])) do
-  if redis.call('HGET', ARGV[3] .. s, 'worker') == ARGV[1] then redis.call('DEL', ARGV[3] .. s) end
+  if redis.call('HGET', ARGV[2] .. s, 'worker') == ARGV[1] then redis.call('DEL', ARGV[2] .. s) end
 end
 redis.call('DEL', KEYS[1], KEYS[2])
-return #held
+return held
 """
 
 
@@ -74,7 +56,6 @@ class BlockDirectory:
     def __init__(self, r: redis.Redis, ttl_s: float = 600.0):
         self.r = r
         self.ttl_s = max(1, int(ttl_s))
-        self._record = r.register_script(_RECORD)
         self._drop = r.register_script(_DROP)
 
     # ---- writes -------------------------------------------------------------------------------
@@ -85,10 +66,17 @@ class BlockDirectory:
             last[h] = held
         if not last:
             return 0
-        order = [h for h, v in last.items() if v] + [h for h, v in last.items() if not v]
-        hexes = [h.hex() for h in order]
-        keys = [P.kv_held_key(worker)] + [P.kv_block_key(x) for x in hexes]
-        return self._record(keys=keys, args=[worker, self.ttl_s, sum(last.values())] + hexes)
+        key = P.kv_held_key(worker)
+        added = [h for h, v in last.items() if v]
+        gone = [h for h, v in last.items() if not v]
+        p = self.r.pipeline(transaction=True)
+        if added:
+            p.sadd(key, *added)
+        if gone:
+            p.srem(key, *gone)
+        p.expire(key, self.ttl_s)
+        p.execute()
+        return len(last)
 
     def touch_session(self, session: str, worker: str, started: str, tier: int,
                       chains: list[list[bytes]], shard: str = P.DEFAULT_SHARD) -> None:
@@ -105,7 +93,7 @@ class BlockDirectory:
     def drop_worker(self, worker: str) -> int:
         """Forgets everything listed for a worker (it restarted or left); returns the blocks dropped."""
         return self._drop(keys=[P.kv_held_key(worker), P.kv_sessions_key(worker)],
-                          args=[worker, P.kv_block_key(""), P.kv_session_key("")])
+                          args=[worker, P.kv_session_key("")])
 
     # ---- reads --------------------------------------------------------------------------------
     def session(self, session: str) -> SessionEntry | None:
@@ -122,15 +110,15 @@ class BlockDirectory:
         if not uniq or not workers:
             return {w: 0 for w in workers}
         p = self.r.pipeline(transaction=False)
-        for h in uniq:
-            p.smembers(P.kv_block_key(h.hex()))
-        holders = {h: {m.decode() for m in ms} for h, ms in zip(uniq, p.execute())}
-        out = {}
         for w in workers:
+            p.smismember(P.kv_held_key(w), uniq)
+        out = {}
+        for w, flags in zip(workers, p.execute()):
+            has = {h for h, f in zip(uniq, flags) if f}
             n = None
             for chain in chains:
                 k = 0
-                while k < len(chain) and w in holders[chain[k]]:
+                while k < len(chain) and chain[k] in has:
                     k += 1
                 n = k if n is None else min(n, k)
             out[w] = n or 0

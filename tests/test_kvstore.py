@@ -27,7 +27,9 @@ def test_directory_lists_blocks_per_worker_with_the_last_word_winning(redis_url)
     d.record("dA", [(s0[2], False), (s1[0], False), (s1[0], True)])
     assert d.held_blocks([s0, s1], ["dA"]) == {"dA": 2}
     assert d.num_held("dA") == 7
-    assert 0 < d.r.ttl(P.kv_block_key(s0[0].hex())) <= 30 and 0 < d.r.ttl(P.kv_held_key("dA")) <= 30
+    assert 0 < d.r.ttl(P.kv_held_key("dA")) <= 30
+    assert d.r.sismember(P.kv_held_key("dA"), s0[0]) and not d.r.sismember(P.kv_held_key("dA"), s0[2])
+    assert not d.r.keys("mfs:kv:block:*")  # one set per worker, no key per block
 
 
 def test_directory_sessions_and_dropping_a_worker(redis_url):  # noqa: F811
