@@ -65,8 +65,9 @@ def print_table(out: dict) -> None:
             print(f"{'':<30}first token {r['first_token_after_launch_s']:.1f} s after `mfs up` was launched; "
                   f"served as {r['first_answer_mfs']} first, {r['last_answer_mfs']} last")
             if r.get("compiled_after_launch_s") is not None:
-                print(f"{'':<30}compiled decode in use {r['compiled_after_launch_s']:.1f} s after launch "
-                      "(the timed runs waited for it)")
+                full = r.get("compiled_all_after_launch_s")
+                print(f"{'':<30}compiled decode in use {r['compiled_after_launch_s']:.1f} s after launch (top "
+                      f"tier), every tier's {'-' if full is None else f'{full:.1f} s'} (the timed runs waited)")
     if out.get("repeats", 1) > 1:
         print(f"(medians over {out['repeats']} rounds)")
     for name, r in out.get("vs_llama_cpp", {}).items():

@@ -238,6 +238,11 @@ class TokenLogprob:
     top_logprobs: list[float] = field(default_factory=list)
 
 
+# A worker's decode execution paths (worker/execution.py): eager; inductor's graphs for the trunk only
+# (exit blocks eager, while theirs build), then for the exit blocks too; CUDA graphs.
+EXECUTION_PATHS = ("eager", "inductor-trunk", "inductor", "cuda-graphs")
+
+
 @dataclass(slots=True)
 class TokenEvent(Record):
     """Tokens of one request; ``seq`` is the index of ``token_ids[0]`` among its output tokens, so
@@ -260,8 +265,8 @@ class TokenEvent(Record):
     draft_accepted: int = 0         # ...and accepted by the verifying tier
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids (when asked)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (seq 0 only)
-    # the execution path of the step that computed these tokens (worker/execution.py: eager, inductor,
-    # cuda-graphs; "" from a worker that runs no model): compiled graphs may round otherwise than the eager
+    # the execution path of the step that computed these tokens (one of EXECUTION_PATHS; "" from a worker
+    # that runs no model): compiled graphs may round otherwise than the eager
     # ops, and a worker swaps its path while it serves, so a response names the paths that served it
     path: str = ""
 

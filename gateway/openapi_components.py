@@ -3,6 +3,7 @@
 the shared error responses and the headers."""
 from __future__ import annotations
 
+from core.protocol import EXECUTION_PATHS
 from gateway.openai_api import MAX_LOGPROBS, MAX_N
 from gateway.openapi_base import Facts, nullable, obj, ref
 from gateway.openapi_requests import request_schemas
@@ -29,7 +30,7 @@ def component_schemas(f: Facts) -> dict:
     }, ["prompt_tokens", "completion_tokens", "total_tokens"])
     served = obj({"tiers": {"type": "array", "minItems": 1, "items": tier},
                    "escalations": count,
-                   "paths": {"type": "array", "items": {"enum": ["eager", "inductor", "cuda-graphs"]},
+                   "paths": {"type": "array", "items": {"enum": list(EXECUTION_PATHS)},
                              "description": "the workers' execution paths that computed the tokens, in order "
                                             "of first use (compiled graphs may round otherwise than eager)"}},
                   ["tiers", "escalations"],

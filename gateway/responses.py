@@ -28,7 +28,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
 
 def served(tier_ids: list[str], paths: list[str] | None = None) -> dict:
     """The ``mfs`` response extension: the tiers that produced the tokens, in order, and the workers'
-    execution paths that computed them (eager, inductor, cuda-graphs: a worker swaps in its compiled
+    execution paths that computed them (``core.protocol.EXECUTION_PATHS``: a worker swaps in its compiled
     graphs while it serves, and they may round otherwise), in order of first use; absent when no worker
     named one (a worker that runs no model)."""
     out = {"tiers": list(tier_ids), "escalations": max(0, len(tier_ids) - 1)}

@@ -40,6 +40,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -147,6 +148,31 @@ def build(sources: Path | Sequence[Path] = SOURCES, cxx: str | None = None,
             _run(_link(cxx, objects, tmp), cxx, "linking " + ", ".join(p.name for p in sources))
             os.replace(tmp, lib)  # atomic: a reader never loads a half-written library
     return lib
+
+
+_background: dict[tuple, threading.Thread] = {}
+
+
+def build_in_background(sources: Sequence[Path] = SOURCES, env: str = "MFS_CPU_GEMV") -> threading.Thread | None:
+    """Starts :func:`build` of ``sources`` on a thread (once per process) where :func:`pick_operator`
+    would load them (a CPU with AVX2 or AVX-512, ``env`` not 0), so a cold start's compile (~10 s)
+    overlaps the work before their first use (reading and dequantizing the weights). Best effort: a
+    failure is left for the loader, which builds again (after this thread, by the cache's lock) and
+    reports it."""
+    if os.environ.get(env, "1") == "0" or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    key = tuple(sorted(str(p) for p in sources))
+    if key in _background:
+        return _background[key]
+
+    def run() -> None:
+        try:
+            build(list(sources))
+        except (RuntimeError, OSError, ValueError):
+            pass
+    t = _background[key] = threading.Thread(target=run, daemon=True, name="build-cpu-operators")
+    t.start()
+    return t
 
 
 _loaded: list[bool] = []

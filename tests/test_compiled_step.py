@@ -44,15 +44,18 @@ def test_compiled_decode_matches_eager(llama_dir, weights, attention, monkeypatc
         from worker.compiled_step import int8_rows
         eager.lm_head.rows_kernel = int8_rows
     calls = {"n": 0, "exit": 0}
-    inner = comp.execution.graph
     exit_layers = {id(layer) for blk in comp.exit_blocks.values() for layer in blk}
     assert compiled_exits(comp) == {0, 1}  # both blocks are built as the trunk's layers
 
-    def counting(layers, *a, **kw):
-        calls["n"] += 1
-        calls["exit"] += all(id(layer) in exit_layers for layer in layers)
-        return inner(layers, *a, **kw)
-    comp.execution.graph = counting
+    def counting(inner, exit_graph):
+        def call(layers, *a, **kw):
+            assert exit_graph == all(id(layer) in exit_layers for layer in layers)  # each through its own
+            calls["n"] += 1
+            calls["exit"] += exit_graph
+            return inner(layers, *a, **kw)
+        return call
+    comp.execution.graph = counting(comp.execution.graph, False)
+    comp.execution.exit_graph = counting(comp.execution.exit_graph, True)
     a, eng_a = _run(eager)
     b, eng_b = _run(comp)
     assert len(a) == len(b)

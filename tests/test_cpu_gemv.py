@@ -107,6 +107,29 @@ def test_a_failed_build_says_why(tmp_path, monkeypatch):
         cpu_gemv.build(src)
 
 
+def test_a_background_build_fills_the_cache_once_and_leaves_failures_to_the_loader(tmp_path, monkeypatch):
+    """build_in_background: the library in the cache when its thread ends, one thread per set of sources,
+    none where the operators would not be loaded; a source that fails leaves the error to build()."""
+    monkeypatch.setenv("MFS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_gemv, "_background", {})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    good, bad = tmp_path / "good.cpp", tmp_path / "bad.cpp"
+    good.write_text("extern \"C\" int mfs_probe() { return 1; }\n")
+    bad.write_text("this is not C++\n")
+    t = cpu_gemv.build_in_background([good], "MFS_PROBE_OP")
+    assert cpu_gemv.build_in_background([good], "MFS_PROBE_OP") is t
+    t.join(120)
+    assert list((tmp_path / "cache" / "kernels").glob("*/libmfs_cpu_gemv.so"))
+    cpu_gemv.build_in_background([bad], "MFS_PROBE_OP").join(120)  # no exception escapes the thread
+    with pytest.raises(RuntimeError, match="failed on bad.cpp"):
+        cpu_gemv.build(bad)
+    monkeypatch.setenv("MFS_PROBE_OP", "0")
+    assert cpu_gemv.build_in_background([tmp_path / "other.cpp"], "MFS_PROBE_OP") is None
+    monkeypatch.delenv("MFS_PROBE_OP")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert cpu_gemv.build_in_background([tmp_path / "other.cpp"], "MFS_PROBE_OP") is None
+
+
 def test_an_int8_linear_on_avx2_runs_it(monkeypatch):
     from worker.formats import Int8Linear
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")

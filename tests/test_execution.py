@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from engine import Engine
-from worker.execution import EAGER, INDUCTOR, choose, compile_decode, path_name
+from worker.execution import EAGER, INDUCTOR, INDUCTOR_TRUNK, choose, compile_decode, compiled_exits, path_name
 from worker.execution_swap import BackgroundCompile
 from worker.family import load_family
 from worker.sampling import SamplingParams
@@ -42,19 +42,49 @@ def test_a_runner_serves_eagerly_while_its_graphs_build_then_swaps_them_in(llama
         _tokens(eng, [(f"b{k}", [5, 9, 33, 7][: 2 + k % 3], k % 3)], paths)
         if paths[-1] == EAGER:  # not swapped in yet: the served model is as it was
             assert model.execution is None and getattr(model.lm_head, "rows_kernel", None) is head_kernel
+        if paths[-1] == INDUCTOR_TRUNK:  # the trunk's graphs; the exit blocks still eager
+            assert compiled_exits(model) == frozenset() and model.execution.exit_graph is not None
         k += 1
     bg.thread.join()
-    assert bg.error is None and bg.seconds > 0
-    assert paths[0] == EAGER and set(paths) <= {EAGER, INDUCTOR}
-    if INDUCTOR in paths:  # swapped once, for good
-        assert EAGER not in paths[paths.index(INDUCTOR):]
+    assert bg.error is None and 0 < bg.first_seconds < bg.seconds
+    assert paths[0] == EAGER and set(paths) <= {EAGER, INDUCTOR_TRUNK, INDUCTOR}
+    # the trunk's graphs first, then the exit blocks' too: each swap for good, never back
+    rank = {EAGER: 0, INDUCTOR_TRUNK: 1, INDUCTOR: 2}
+    assert all(rank[a] <= rank[b] for a, b in zip(paths, paths[1:])), paths
     mix = [(f"m{i}", [3 + i, 5, 9, 2, 7][: 2 + i % 4], t) for i, t in enumerate([0, 0, 0, 1, 1, 2])]
     before = counters["stats"]["unique_graphs"]
     after_paths: list[str] = []
     compiled = _tokens(eng, mix, after_paths)
-    assert set(after_paths) == {INDUCTOR} and counters["stats"]["unique_graphs"] == before
+    assert set(after_paths) == {INDUCTOR} and compiled_exits(model) == {0} and counters["stats"]["unique_graphs"] == before
     eager = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights="w4a8").model
     assert _tokens(Engine(eager, block_size=4, num_blocks=64), mix, []) == compiled
+
+
+def test_the_trunk_only_path_keeps_exit_blocks_eager_and_shares_the_graphs(llama_dir):
+    """A worker's first swap (inductor-trunk): the segments through the trunk's graph, every exit block
+    eager, the exit blocks' own compiled function never called; its tokens are the whole path's for the
+    top tier (whose steps run no exit block)."""
+    model = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights="w4a8").model
+    compile_decode(model)
+    whole = model.execution
+    trunk = whole.trunk_only()
+    assert (trunk.name, trunk.exits, trunk.graph) == (INDUCTOR_TRUNK, frozenset(), whole.graph)
+    assert whole.name == INDUCTOR and whole.exits == {0} and whole.exit_graph is not None
+    calls = {"trunk": 0, "exit": 0}
+
+    def counted(key, f):
+        def call(*a, **kw):
+            calls[key] += 1
+            return f(*a, **kw)
+        return call
+    trunk.graph = counted("trunk", whole.graph)
+    trunk.exit_graph = counted("exit", whole.exit_graph)
+    trunk.apply(model)
+    paths: list[str] = []
+    out = _tokens(Engine(model, block_size=4, num_blocks=64), [("t0", [5, 9, 33, 7], 0), ("t2", [4, 4, 8], 2)], paths)
+    assert set(paths) == {INDUCTOR_TRUNK} and calls["trunk"] > 0 and calls["exit"] == 0
+    whole.apply(model)
+    assert _tokens(Engine(model, block_size=4, num_blocks=64), [("t2", [4, 4, 8], 2)], [])["t2"] == out["t2"]
 
 
 def test_the_path_is_chosen_once_and_a_flag_is_never_ignored(llama_dir):

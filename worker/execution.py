@@ -12,7 +12,8 @@ Three paths, one picked per model at load (:func:`pick`):
 
 * ``eager`` -- the model's own layers, op by op;
 * ``inductor`` -- CPU, the torch ops: each segment's layers as one inductor graph, and on AVX-512 an
-  int8 LM head compiled in fp32 (:mod:`worker.compiled_step`);
+  int8 LM head compiled in fp32 (:mod:`worker.compiled_step`); ``inductor-trunk`` is the same with every
+  exit block eager (a serving worker's first swap, while the exit blocks' graphs build);
 * ``cuda-graphs`` -- CUDA, the Triton ops: CUDA graphs per batch-size bucket (:mod:`worker.decode_graphs`).
 
 The compiled paths' results may round differently from the eager ops' in the last bits (fused
@@ -21,18 +22,22 @@ computed each token (``TokenEvent.path``, the response's ``mfs.paths``).
 """
 from __future__ import annotations
 
+import copy
 import shutil
 from typing import TYPE_CHECKING
 
 import torch
 
+from core.protocol import EXECUTION_PATHS
 from worker.compiled_step import compiled_decode_segment, compiled_head_kernel, layer_signature, write_segment_kv
 from worker.formats import compile_refusal, rows_kernel_head, uncompilable, ungraphable
 
 if TYPE_CHECKING:
     from worker.model import NestedModel
 
-EAGER, INDUCTOR, CUDA_GRAPHS = "eager", "inductor", "cuda-graphs"
+# INDUCTOR_TRUNK: inductor's graphs for the trunk's segments while the exit blocks' are still building (a
+# serving worker swaps it in first, worker/execution_swap.py); exit blocks run eagerly under it
+EAGER, INDUCTOR_TRUNK, INDUCTOR, CUDA_GRAPHS = EXECUTION_PATHS
 
 
 def path_name(model: "NestedModel") -> str:
@@ -124,18 +129,26 @@ class InductorDecode:
     """Each segment's trunk layers as one inductor graph over decode rows (worker/compiled_step.py),
     exit blocks built as the trunk's layers through the same graph, and the int8 head's compiled kernel
     where it pays (:func:`worker.compiled_step.compiled_head_kernel`)."""
-    name = INDUCTOR
-
     def __init__(self, model: "NestedModel"):
         self.graph = compiled_decode_segment(model.cfg, list(model.layers))
         # an exit block whose layers are built as the trunk's (same modules, parameter shapes and dtypes)
-        # runs through the same graph; any other stays eager
+        # runs through a graph of its own length; any other stays eager. The exit blocks' graphs are a
+        # second compiled function (its own dynamo cache): a worker builds them on one thread while another
+        # serves the trunk's (worker/execution_swap.py)
         trunk = layer_signature(model.layers[0])
         self.exits = frozenset(int(k) for k, blk in model.exit_blocks.items()
                                if all(layer_signature(layer) == trunk for layer in blk))
+        self.exit_graph = compiled_decode_segment(model.cfg, list(model.layers)) if self.exits else None
+        self.name = INDUCTOR
         # an int8 head (worker/formats/int8.py: Int8Linear) where its scheme takes a compiled kernel; AVX-512
         # only. Set on the model it is applied to, not here: a worker builds this path while it serves eagerly.
         self.head_kernel = compiled_head_kernel() if rows_kernel_head(model) else None
+
+    def trunk_only(self) -> "InductorDecode":
+        """This path with every exit block eager (``inductor-trunk``), sharing its graphs."""
+        out = copy.copy(self)
+        out.exits, out.name = frozenset(), INDUCTOR_TRUNK
+        return out
 
     def apply(self, model) -> None:
         """The model's all-decode steps through this path from its next step on (and its int8 head's kernel)."""
@@ -159,11 +172,13 @@ class InductorDecode:
         # its last layer's MLP for every row, then the caller takes the sampled ones (each row's values
         # are its own)
         return self.layers(model, tuple(blk), h, residual, pos, seg, kv.k[s], kv.v[s],
-                           len(model.segment_layers(s)))
+                           len(model.segment_layers(s)), self.exit_graph)
 
-    def layers(self, model, layers: tuple, h, residual, pos, seg, k_cache, v_cache, first_kv: int):
+    def layers(self, model, layers: tuple, h, residual, pos, seg, k_cache, v_cache, first_kv: int,
+               graph=None):
         """``layers`` over decode rows (one token each) as the compiled graph, their KV layers
-        ``first_kv`` on in the pools; writes the rows' new K/V."""
+        ``first_kv`` on in the pools; writes the rows' new K/V. ``graph``: the compiled function (the
+        segments' by default)."""
         # dynamo guards on how an input was made (a view or not, its offset, an inference tensor or not):
         # an exit's rows (the segment's tail, positions built with the step) and a segment's (a prefix of
         # the batch) arrive either way, so each is copied here, made alike -- a few rows' copy instead of
@@ -176,7 +191,7 @@ class InductorDecode:
         # graph reads only the first), so its width never takes the size 1 dynamo specializes a graph on
         bt = seg.block_tables
         bt = bt.expand(-1, 2).contiguous() if bt.shape[1] == 1 else bt.clone()
-        h, residual, ks, vs = self.graph(layers, h, residual, pos, model.cos_sin, kp, vp, bt,
+        h, residual, ks, vs = (graph or self.graph)(layers, h, residual, pos, model.cos_sin, kp, vp, bt,
                                          seg.ctx_lens.clone(), max(seg.ctx_lens_host), k_cache.shape[2])
         write_segment_kv(kp, vp, seg.slot_mapping, ks, vs)
         return h, residual

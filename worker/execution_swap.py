@@ -3,7 +3,11 @@
 The worker registers at once and serves on the eager path. A background thread builds the compiled path
 meanwhile and hands it to the runner, which applies it between two steps (``ModelRunner.swap_in``); each
 token event names the path its step ran (``TokenEvent.path``), so a client sees which computed it (the
-compiled graphs may round differently from the eager ops: worker/execution.py).
+compiled graphs may round differently from the eager ops: worker/execution.py). Inductor's path comes in
+two swaps: first the trunk's graphs (``inductor-trunk``: exit blocks eager), then, once the exit blocks'
+graphs are built too, the whole path (``inductor``). The trunk's graphs are a third of the build (two of
+six graphs for the default family, the largest ones); the top tier's requests compute the same under
+both.
 
 Inductor's graphs are built by running throw-away requests (``ModelRunner.warm_up``) through a *shadow*
 of the model -- the same modules and weights, its own ``execution`` and its own copy of the LM head
@@ -42,13 +46,14 @@ def shadow(model):
 class BackgroundCompile:
     """Builds ``path`` (worker/execution.py: inductor or cuda-graphs) for ``runner``'s model on a thread and
     swaps it in when built. ``done`` is set at the end either way; ``error`` says why it failed (the
-    worker then keeps serving eagerly), ``seconds`` how long the build took."""
+    worker then keeps serving eagerly), ``seconds`` how long the build took, ``first_seconds`` how long
+    until its first swap (inductor's trunk graphs; the whole build where there is one swap)."""
 
     def __init__(self, runner: ModelRunner, path: str):
         self.runner, self.path = runner, path
         self.done = threading.Event()
         self.error: str | None = None
-        self.seconds = 0.0
+        self.seconds = self.first_seconds = 0.0
         self.thread = threading.Thread(target=self._build, daemon=True, name="compile-decode")
 
     def start(self) -> "BackgroundCompile":
@@ -65,12 +70,24 @@ class BackgroundCompile:
             else:
                 built = InductorDecode(model)
                 sh = shadow(model)
-                built.apply(sh)
                 scratch = ModelRunner(sh, [SCRATCH_BLOCKS] * model.num_segments, self.runner.block_size,
                                       tier_map=self.runner.tier_map)
-                scratch.warm_up()
+                if built.exits:  # the trunk's graphs first, swapped in while the exit blocks' build
+                    trunk = built.trunk_only()
+                    trunk.apply(sh)
+                    scratch.warm_up(part="top")
+                    self.first_seconds = time.perf_counter() - t0
+                    self.runner.swap_in(trunk)
+                    log.info("trunk graphs built; the step loop swaps them in (exit blocks eager until "
+                             "theirs are built)", path=trunk.name, seconds=round(self.first_seconds, 1))
+                    built.apply(sh)
+                    scratch.warm_up(part="exits")
+                else:
+                    built.apply(sh)
+                    scratch.warm_up()
                 del scratch
             self.seconds = time.perf_counter() - t0
+            self.first_seconds = self.first_seconds or self.seconds
             self.runner.swap_in(built)
             log.info("compiled decode built; the step loop swaps it in before its next step", path=self.path,
                      seconds=round(self.seconds, 1))

@@ -61,6 +61,9 @@ def load_family(model: str = "default", tiers: str | None = None, dtype: str | N
     if tiers and mdir is not None:
         manifest.tiers = parse_tiers(tiers, max(t.layers for t in manifest.tiers))
         manifest.weights = None if manifest.weights and manifest.weights.get("kind") == "delta" else manifest.weights
+    if weights != "fp32" and device == "cpu":  # our CPU operators compile while the weights are read
+        from kernels.cpu_gemv import build_in_background  # noqa: PLC0415
+        build_in_background()
     base = load_base(resolve_base(manifest.base, mdir))
     tdtype = _DTYPES[dtype or manifest.dtype]
     nm = build_model(base, manifest.tiers, tdtype, device, max_positions,

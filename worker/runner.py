@@ -132,14 +132,15 @@ class ModelRunner:
                     raise ValueError(f"request {request_id}: its output so far does not follow its grammar")
             self.matchers[request_id] = m
 
-    def warm_up(self, steps: int = 2) -> float:
+    def warm_up(self, steps: int = 2, part: str = "all") -> float:
         """Runs throw-away requests so that compiled graphs (worker/execution.py) are built
         before any client waits: through the top tier, and through each lower tier whose exit block the
         graph serves (a block's own length is its own graph): one request decoding alone, then two
         together (the compiler specializes a batch of one), each over more than one KV block per
         segment, as real contexts are. Uses the first blocks of every pool; a real request never reads
         them before writing (each reads only positions its own rows wrote), and the warm-up requests are
-        dropped after. Returns the seconds it took."""
+        dropped after. ``part``: ``top`` only the top tier (the trunk's graphs), ``exits`` only the lower
+        tiers (their exit blocks' graphs), ``all`` both. Returns the seconds it took."""
         import time  # noqa: PLC0415
         t0 = time.perf_counter()
         model = self.model
@@ -150,7 +151,10 @@ class ModelRunner:
             raise ValueError(f"warm_up needs {2 * need} KV blocks per segment; the pools have "
                              f"{min(self.kv.num_blocks)}")
         self.record_graphs()  # CUDA graphs: every bucket, largest first, before the steps below use any
-        local = [top] + [s for s in model.exit_block_segments if s in compiled_exits(model)]
+        if part not in ("all", "top", "exits"):
+            raise ValueError(f"warm_up part {part!r}: expected all, top or exits")
+        local = ([top] if part != "exits" else []) + (
+            [s for s in model.exit_block_segments if s in compiled_exits(model)] if part != "top" else [])
         prompt = [1 + k % 7 for k in range(n)]
         for t in local:
             if self.tier_map is None:

@@ -36,7 +36,7 @@ class WorkerConfig(ModelArgs):
     compile: Literal["auto", "on", "off"] = opt(
         "off", "all-decode steps as compiled graphs, built in the background while the worker serves on the "
                "eager path, swapped in between two steps (worker/execution_swap.py): on CPU (the torch ops) "
-               "inductor's, cached under $MFS_CACHE/inductor; on CUDA (the triton ops) CUDA graphs per "
+               "inductor's, cached under $MFS_CACHE/inductor (the trunk's graphs first, then the exit blocks'); on CUDA (the triton ops) CUDA graphs per "
                "batch-size bucket. auto: where they build (what `mfs up` and compose.yaml pass); on: refused "
                "where they cannot; off: eager")
 
@@ -48,11 +48,19 @@ class WorkerService(WorkerLoop):
         from worker.family import load_family  # noqa: PLC0415
         from worker.model import standalone_tier  # noqa: PLC0415
         standalone = cfg.standalone_tier is not None
+        if str(cfg.device).startswith("cpu"):  # a cold start compiles our operators while it reads the weights
+            from kernels import cpu_attention, cpu_gemv  # noqa: PLC0415
+            if cfg.weights != "fp32":
+                cpu_gemv.build_in_background()
+            if cfg.compile != "off":
+                cpu_gemv.build_in_background([cpu_attention.SOURCE], "MFS_CPU_ATTENTION")
         from worker.formats import resolve_mode  # noqa: PLC0415
-        self.weights = resolve_mode(cfg.weights, cfg.device)
         # A standalone tier is cut from the fp32 family, then quantized like the nested one.
         fam = load_family(cfg.model, tiers=cfg.tiers, dtype=cfg.dtype, device=cfg.device,
                           kernels=cfg.kernels, weights="fp32" if standalone else cfg.weights)
+        # after the load: resolving auto waits for our operators (it asks whether they serve), which
+        # compile while the weights are read (a bad --weights is refused by the load's quantization first)
+        self.weights = resolve_mode(cfg.weights, cfg.device)
         model, base = fam.model, fam.base  # base: its tokenizer, read for the first grammar request
         ntiers = len(model.tiers)
         if standalone:

@@ -18,15 +18,17 @@ def main() -> None:
     model = compiled_nested("w4a8")
     mk = lambda: engine(model)  # noqa: E731
     seen = {}
-    real = model.execution.graph
-    def grab(layers, *a):
-        seen.setdefault(len(layers), (layers, a))
-        return real(layers, *a)
-    model.execution.graph = grab
+    real, real_exit = model.execution.graph, model.execution.exit_graph
+    def grabbing(f):
+        def grab(layers, *a):
+            seen.setdefault(len(layers), (f, layers, a))
+            return f(layers, *a)
+        return grab
+    model.execution.graph, model.execution.exit_graph = grabbing(real), grabbing(real_exit)
     eng = mk()
     eng.add_request("r0", list(range(100, 140)), 1, SamplingParams(max_tokens=200, ignore_eos=True))
     for _ in range(8): eng.step()
-    model.execution.graph = real
+    model.execution.graph, model.execution.exit_graph = real, real_exit
     cap = {}
     def backend(gm, ex):
         fn = compile_fx(gm, ex, config_patches=dict(cs.CPU_OPTIONS))
@@ -40,7 +42,7 @@ def main() -> None:
         return statistics.median(ts) * 1e6
     with torch.inference_mode():
         for L in sorted(seen):
-            layers, a = seen[L]
+            real_fn, layers, a = seen[L]
             fn = cs.make_decode_segment(model.cfg)
             code = fn.__code__.replace(co_name=f"probe_{L}")
             fn = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
@@ -48,7 +50,7 @@ def main() -> None:
             cb(layers, *a)
             direct, ex = cap["fn"], [int(e) if isinstance(e, torch.SymInt) else e for e in cap["ex"]]
             for rnd in range(2):
-                full = timeit(lambda: real(layers, *a)); dyn = timeit(lambda: cb(layers, *a)); dr = timeit(lambda: direct(*ex))
+                full = timeit(lambda: real_fn(layers, *a)); dyn = timeit(lambda: cb(layers, *a)); dr = timeit(lambda: direct(*ex))
                 print(f"{L} layers, {a[0].shape[0]} row: torch.compile call {full:.1f} us, capture-backend call {dyn:.1f} us, inductor callable direct {dr:.1f} us ({len(ex)} inputs)")
             with profile(activities=[ProfilerActivity.CPU]) as p:
                 for _ in range(100): direct(*ex)

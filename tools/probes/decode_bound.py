@@ -88,12 +88,15 @@ def median_step_ms(eng: Engine, steps: int) -> float:
 
 
 def time_graph_calls(m, record: Callable[[int, int, float], None]) -> None:
-    """Every compiled graph call of ``m`` (after compile_decode) reported as record(layers, rows, seconds)."""
-    f = m.execution.graph
-
-    def call(layers, h, *a):
-        t = time.perf_counter()
-        out = f(layers, h, *a)
-        record(len(layers), h.shape[0], time.perf_counter() - t)
-        return out
-    m.execution.graph = call
+    """Every compiled graph call of ``m`` (after compile_decode; the segments' and the exit blocks')
+    reported as record(layers, rows, seconds)."""
+    def timed(f):
+        def call(layers, h, *a):
+            t = time.perf_counter()
+            out = f(layers, h, *a)
+            record(len(layers), h.shape[0], time.perf_counter() - t)
+            return out
+        return call
+    m.execution.graph = timed(m.execution.graph)
+    if m.execution.exit_graph is not None:
+        m.execution.exit_graph = timed(m.execution.exit_graph)
