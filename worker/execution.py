@@ -127,7 +127,7 @@ class CudaGraphDecode:
 
 class InductorDecode:
     """Each segment's trunk layers as one inductor graph over decode rows (worker/compiled_step.py),
-    exit blocks built as the trunk's layers through the same graph, and the int8 head's compiled kernel
+    exit blocks built as the trunk's layers through graphs of a second compiled function, and the int8 head's compiled kernel
     where it pays (:func:`worker.compiled_step.compiled_head_kernel`)."""
     def __init__(self, model: "NestedModel"):
         self.graph = compiled_decode_segment(model.cfg, list(model.layers))
