@@ -5,6 +5,14 @@ from core.logs import configure
 configure(level="WARNING")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The costliest test files first, each file's tests in their own order (tests/support/costs.py)."""
+    from tests.support import costs
+    files = list(dict.fromkeys(item.nodeid.split("::")[0] for item in items))
+    rank = {f: i for i, f in enumerate(costs.order(files, costs.load()))}
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
+
+
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
     from tests.support.factories import tiny_llama

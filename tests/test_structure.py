@@ -70,3 +70,18 @@ def test_the_import_check_sees_each_form(tmp_path):
         assert any(is_test_module(m) for m in imported_modules(f, tmp_path)), src
     f.write_text("from tests.support.wait import wait_for\nfrom .support import procs\nimport pytest\n")
     assert not any(is_test_module(m) for m in imported_modules(f, tmp_path))
+
+
+def test_the_suite_hands_out_its_costliest_files_first(tmp_path):
+    """make test runs files on two workers in the order conftest.py gives: the costliest first (a long
+    file started last leaves one worker idle), an unknown file as the median; the table is read from a
+    JUnit report."""
+    from tests.support import costs
+    assert costs.order(["a", "b", "c", "new"], {"a": 1.0, "b": 30.0, "c": 5.0}) == ["b", "c", "new", "a"]
+    report = tmp_path / "junit.xml"
+    report.write_text('<testsuites><testsuite><testcase classname="tests.test_x" name="t1" time="2.5"/>'
+                      '<testcase classname="tests.test_x" name="t2" time="1.0"/>'
+                      '<testcase classname="tests.test_y" name="t" time="9"/></testsuite></testsuites>')
+    assert costs.from_junit(str(report)) == {"tests/test_y.py": 9.0, "tests/test_x.py": 3.5}
+    here = {f"tests/{p.name}" for p in Path(__file__).parent.glob("test_*.py")}
+    assert costs.load() and set(costs.load()) <= here  # the shipped table names files that exist
