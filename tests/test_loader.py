@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -119,3 +120,40 @@ def test_a_ggufs_cache_is_named_by_its_content_so_copies_share_it(tmp_path, monk
     assert gguf_cache_dir(b, "m.gguf") == first != gguf_cache_dir(c, "m.gguf")
     assert gguf_cache_dir(a, "m.gguf") == first  # the remembered hash
     assert len(list((tmp_path / "cache" / "gguf" / "by-path").iterdir())) == 3
+
+
+def test_processes_loading_one_uncached_gguf_together_dequantize_it_once(tmp_path, monkeypatch):
+    """The workers of a cold `mfs up` start together: one dequantizes the GGUF (transformers, here a stand-in
+    that takes a while and writes the cache's marker), the others wait on its lock, then read its cache.
+    Each load opens the lock file itself, so threads contend as processes do (flock)."""
+    import threading
+    import time
+    from worker import loader
+    monkeypatch.setenv("MFS_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(range(256)))
+    converted, inside, overlap = [], [0], []
+
+    def convert(src, dtype):
+        inside[0] += 1
+        overlap.append(inside[0])
+        time.sleep(0.5)
+        src.cache_dir.mkdir(parents=True)
+        (src.cache_dir / ".complete").write_text("x")
+        converted.append(src.original)
+        inside[0] -= 1
+        return SimpleNamespace(model_type="llama"), {"w": torch.zeros(1)}
+
+    def read_cached(src, dtype):
+        return (SimpleNamespace(model_type="llama"), {"w": torch.ones(1)}) if src.cached else None
+
+    monkeypatch.setattr(loader, "_read_transformers", convert)
+    monkeypatch.setattr(loader, "_read_cached", read_cached)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(load_base(tmp_path / "m.gguf", with_tokenizer=False)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(converted) == 1 and overlap == [1]  # one conversion, never two at once
+    assert sorted(float(b.state_dict["w"]) for b in got) == [0.0, 1.0, 1.0]  # the others read its cache

@@ -8,9 +8,11 @@ exist locally.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -53,12 +55,41 @@ def load_base(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     tokenizer is read when first used (``.tokenizer``)."""
     src = locate(path)
     fast = _read_cached(src, dtype)
-    if fast is not None:
-        hf_config, sd = fast
-        log.info("loading base weights", source=src.original, arch=hf_config.model_type, cached=src.cached)
-        return BaseWeights(hf_config, sd, src.original, (src.folder, None) if with_tokenizer else None)
+    if fast is None and src.gguf:
+        # one process dequantizes a GGUF at a time (the workers of a cold `mfs up` start together): the
+        # others wait, then read its cache
+        with _converting(src):
+            src = locate(path)
+            fast = _read_cached(src, dtype)
+            if fast is None:
+                return _from_transformers(src, dtype, with_tokenizer)
+    if fast is None:
+        return _from_transformers(src, dtype, with_tokenizer)
+    hf_config, sd = fast
+    log.info("loading base weights", source=src.original, arch=hf_config.model_type, cached=src.cached)
+    return BaseWeights(hf_config, sd, src.original, (src.folder, None) if with_tokenizer else None)
+
+
+def _from_transformers(src: BaseSource, dtype: torch.dtype, with_tokenizer: bool) -> BaseWeights:
     hf_config, sd = _read_transformers(src, dtype)
     return BaseWeights(hf_config, sd, src.original, (src.folder, src.gguf) if with_tokenizer else None)
+
+
+@contextmanager
+def _converting(src: BaseSource):
+    """An exclusive lock (flock) on ``<cache_dir>.lock`` while a GGUF is dequantized into its cache."""
+    lock_path = src.cache_dir.with_name(src.cache_dir.name + ".lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process dequantizing this GGUF", source=src.original)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _read_cached(src: BaseSource, dtype: torch.dtype) -> tuple[SimpleNamespace, dict[str, torch.Tensor]] | None:
