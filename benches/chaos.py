@@ -2,7 +2,7 @@
 
 It starts the service itself (`mfs up`'s pieces: an embedded Redis, a leading and a standby scheduler,
 ``--workers`` workers) with *two* gateways behind no proxy, and restarts whatever dies as `mfs up` does
-(``service.launch.Supervisor``, with a restart limit high enough for the soak). Then:
+(``service.supervise.Supervisor``, with a restart limit high enough for the soak). Then:
 
 1. *reference*: each of ``--prompts`` prompts once, alone, greedy: the fault-free answer;
 2. *capacity*: a closed loop of ``--probe-concurrency`` clients for ``--probe-s`` seconds;
@@ -45,7 +45,8 @@ def body(i: int, tokens: int, model: str) -> dict:
 
 class Chaos:
     def __init__(self, args):
-        from service.launch import RestartPolicy, Service, Supervisor, free_port  # noqa: PLC0415
+        from service.launch import Service, free_port  # noqa: PLC0415
+        from service.supervise import RestartPolicy, Supervisor  # noqa: PLC0415
         self.args = args
         self.rng = random.Random(args.seed)
         self.svc = Service(args.model, workers=args.workers, schedulers=2)

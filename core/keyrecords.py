@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import msgpack
 
-from core.protocol import DEFAULT_SHARD, from_wire
+from core.protocol import DEFAULT_SHARD, from_wire, worker_key
 
 
 def encode_progress(tokens: list[int]) -> bytes:
@@ -119,3 +119,15 @@ class StatsSnapshot:
     @classmethod
     def decode(cls, raw: bytes | None) -> StatsSnapshot | None:
         return from_wire(cls, msgpack.unpackb(raw, raw=False, strict_map_key=False)) if raw else None
+
+
+# Deletes a worker's registration only while it is the life with that pid: a restarted life, with its own
+# pid, keeps its own. Run by whoever saw the process exit (`mfs up`'s supervisor).
+_WITHDRAW = "if redis.call('HGET', KEYS[1], 'pid') == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+def withdraw_registration(r, worker_id: str, pid: int) -> bool:
+    """Removes the registration of the worker ``worker_id`` whose process ``pid`` has exited, so the
+    scheduler's next refresh (every 0.5 s) moves its requests, instead of the 5 s of its heartbeat's TTL.
+    True when it was that life's registration and is gone."""
+    return bool(r.eval(_WITHDRAW, 1, worker_key(worker_id), str(pid)))

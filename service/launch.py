@@ -15,8 +15,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -307,80 +305,6 @@ def worker_threads(workers: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // max(1, workers))
 
 
-def exit_text(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with status {returncode}"
-
-
-@dataclass
-class RestartPolicy:
-    """A child that exits is started again after `backoff_s`, doubled for each restart of the same
-    child within `window_s` (at most `max_backoff_s`); a child that would need more than `limit`
-    restarts within `window_s` is crash-looping, and the supervisor gives up. limit=0: never restart."""
-    limit: int = 5
-    window_s: float = 120.0
-    backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.limit < 0 or self.window_s <= 0 or self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
-            raise ValueError(f"bad restart policy {self}: limit >= 0, window > 0, 0 <= backoff <= max backoff")
-
-    def delay(self, recent: int) -> float:
-        return min(self.max_backoff_s, self.backoff_s * 2 ** recent)
-
-
-@dataclass
-class Supervisor:
-    """Watches a started Service's children and restarts the ones that exit (see RestartPolicy).
-    `poll()` is called from one loop; it never blocks on a backoff."""
-    svc: Service
-    policy: RestartPolicy = field(default_factory=RestartPolicy)
-    say: Callable[[str], None] = print
-    clock: Callable[[], float] = time.monotonic
-    restarts: dict[str, list[float]] = field(default_factory=dict)  # name -> when it was restarted
-    due: dict[str, float] = field(default_factory=dict)             # name -> when to restart it
-
-    def poll(self) -> str | None:
-        """Restarts what is due; returns why to stop everything (a crash loop), else None."""
-        now = self.clock()
-        for name, p in self.svc.children().items():
-            if name in self.due or p.poll() is None:
-                continue
-            recent = [t for t in self.restarts.get(name, []) if now - t < self.policy.window_s]
-            self.restarts[name] = recent
-            log_file = self.svc.log_dir / ("redis/redis.log" if name == "redis" else f"{name}.log")
-            if len(recent) >= self.policy.limit:
-                return (f"{name} {exit_text(p.returncode)} after {len(recent)} restart(s) within "
-                        f"{self.policy.window_s:.0f}s: crash loop, giving up (see {log_file})")
-            delay = self.policy.delay(len(recent))
-            self.due[name] = now + delay
-            self.say(f"mfs up: {name} {exit_text(p.returncode)}; restarting it in {delay:.0f}s "
-                     f"(restart {len(recent) + 1} of at most {self.policy.limit} within "
-                     f"{self.policy.window_s:.0f}s; log: {log_file})")
-        for name, when in list(self.due.items()):
-            if now < when:
-                continue
-            del self.due[name]
-            self.restarts.setdefault(name, []).append(now)
-            try:
-                proc = self.svc.restart(name)
-            except (OSError, RuntimeError) as e:  # e.g. Redis could not bind its port yet
-                recent = len(self.restarts[name])
-                if recent >= self.policy.limit:
-                    return f"{name} could not be restarted ({e}): giving up"
-                self.due[name] = now + self.policy.delay(recent)
-                self.say(f"mfs up: restarting {name} failed ({e}); trying again in "
-                         f"{self.policy.delay(recent):.0f}s")
-                continue
-            self.say(f"mfs up: {name} restarted (pid {proc.pid})")
-        return None
-
-
 def try_command(url: str) -> str:
     """One line a user can paste: a short chat request to the family id (the gateway picks the tier)."""
     import json  # noqa: PLC0415
@@ -402,6 +326,7 @@ def up(args) -> int:
     for flag in ("device", "kernels"):
         if getattr(args, flag, None):
             worker_args += [f"--{flag}", getattr(args, flag)]
+    from service.supervise import RestartPolicy, Supervisor  # noqa: PLC0415
     policy = RestartPolicy(limit=args.restart_limit, window_s=args.restart_window)
     from core.redisconn import DEFAULT_TIMEOUT_S, target_from_args  # noqa: PLC0415
     external = args.redis_url or args.redis_sentinel

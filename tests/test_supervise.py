@@ -19,7 +19,9 @@ import redis
 
 from core import protocol as P
 from core.keyrecords import StatsSnapshot, WorkerInfo
-from service.launch import RestartPolicy, free_port
+from service.launch import free_port
+from service.supervise import RestartPolicy, Supervisor
+from tests.support.redis_server import redis_url  # noqa: F401 - the session fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MODEL = "smollm2-135m-medium"
@@ -207,6 +209,7 @@ def test_a_killed_worker_is_restarted_and_all_16_streams_complete_equal(up):
     err = "".join(svc.stderr)
     assert "worker-w1 was killed by SIGKILL; restarting it in 1s" in err
     assert "worker-w1 restarted (pid" in err
+    assert "worker-w1's registration withdrawn" in err  # its streams moved at once, not after the TTL
     svc.wait_workers(2, 30)
     print(f"worker SIGKILL under mfs up: 16/16 streams equal to the fault-free run, {replanned} re-planned, "
           f"the replacement registered {killed['back']:.1f}s after the kill")
@@ -279,6 +282,36 @@ def test_restart_policy_backoff_doubles_up_to_its_cap_and_rejects_nonsense():
     for bad in ({"limit": -1}, {"window_s": 0}, {"backoff_s": 5, "max_backoff_s": 1}):
         with pytest.raises(ValueError):
             RestartPolicy(**bad)
+
+
+def test_an_exited_worker_s_registration_is_withdrawn_only_while_it_is_that_process_s(redis_url, tmp_path):
+    """The supervisor deletes a dead worker's registration at once (the scheduler then moves its
+    requests at its next refresh, not when the 5 s TTL ends), but never a restarted life's."""
+    r = redis.Redis.from_url(redis_url)
+    dead = {wid: subprocess.Popen(["true"]) for wid in ("w0", "w1")}
+    for p in dead.values():
+        p.wait()
+    for wid, pid in (("w0", dead["w0"].pid), ("w1", dead["w1"].pid + 1)):  # w1: a newer life registered
+        info = WorkerInfo(tiers=[0], num_tiers=1, num_blocks=[8], block_size=4, max_model_len=64,
+                          vocab_size=32, eos=[0], started=f"1.0-{pid}", pid=pid)
+        r.hset(P.worker_key(wid), mapping=info.to_hash())
+
+    class Svc:  # what Supervisor reads of a Service
+        log_dir = tmp_path
+        def __init__(self, url):
+            self.redis_url = url
+        def children(self):
+            return {f"worker-{wid}": p for wid, p in dead.items()}
+
+    said: list[str] = []
+    sup = Supervisor(Svc(redis_url), RestartPolicy(backoff_s=60, max_backoff_s=60), say=said.append)
+    assert sup.poll() is None
+    assert not r.exists(P.worker_key("w0"))
+    assert r.exists(P.worker_key("w1"))
+    assert "mfs up: worker-w0's registration withdrawn: the scheduler moves its requests now" in said
+    assert not [line for line in said if "worker-w1's registration" in line]
+    assert not Supervisor(Svc("redis://127.0.0.1:1/0"), say=said.append).withdraw("worker-w1", 1)  # no Redis
+    r.delete(P.worker_key("w1"))
 
 
 def test_a_sigkilled_mfs_up_leaves_no_child_running(up):

@@ -1,0 +1,110 @@
+"""`mfs up`'s supervisor: restarts the children of a started Service that exit (RestartPolicy), and, when
+a worker exits, withdraws its registration at once so the scheduler moves its requests now rather than
+when its heartbeat's TTL runs out (core.keyrecords.withdraw_registration)."""
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from service.launch import Service
+
+WORKER_PREFIX = "worker-"  # Service names a worker's process worker-{its --worker-id}
+
+
+def exit_text(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+@dataclass
+class RestartPolicy:
+    """A child that exits is started again after `backoff_s`, doubled for each restart of the same
+    child within `window_s` (at most `max_backoff_s`); a child that would need more than `limit`
+    restarts within `window_s` is crash-looping, and the supervisor gives up. limit=0: never restart."""
+    limit: int = 5
+    window_s: float = 120.0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.limit < 0 or self.window_s <= 0 or self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError(f"bad restart policy {self}: limit >= 0, window > 0, 0 <= backoff <= max backoff")
+
+    def delay(self, recent: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** recent)
+
+
+@dataclass
+class Supervisor:
+    """Watches a started Service's children and restarts the ones that exit (see RestartPolicy).
+    `poll()` is called from one loop; it never blocks on a backoff."""
+    svc: Service
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    say: Callable[[str], None] = print
+    clock: Callable[[], float] = time.monotonic
+    restarts: dict[str, list[float]] = field(default_factory=dict)  # name -> when it was restarted
+    due: dict[str, float] = field(default_factory=dict)             # name -> when to restart it
+
+    def withdraw(self, name: str, pid: int) -> bool:
+        """The exited worker ``name``'s registration, deleted if it is still that process's; False
+        where it is not (a clean stop deregisters itself) or Redis does not answer (down too: its TTL
+        ends it). Waits on Redis half a second at most (a Sentinel target: its own second)."""
+        import redis  # noqa: PLC0415
+
+        from core.keyrecords import withdraw_registration  # noqa: PLC0415
+        from core.redisconn import connect  # noqa: PLC0415
+        # a client of its own each time: Redis may have been restarted since the last worker exited
+        r = connect(self.svc.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        try:
+            return withdraw_registration(r, name.removeprefix(WORKER_PREFIX), pid)
+        except (redis.RedisError, OSError):
+            return False
+        finally:
+            r.close()
+
+    def poll(self) -> str | None:
+        """Restarts what is due; returns why to stop everything (a crash loop), else None."""
+        now = self.clock()
+        for name, p in self.svc.children().items():
+            if name in self.due or p.poll() is None:
+                continue
+            if name.startswith(WORKER_PREFIX) and self.withdraw(name, p.pid):
+                self.say(f"mfs up: {name}'s registration withdrawn: the scheduler moves its requests now")
+            recent = [t for t in self.restarts.get(name, []) if now - t < self.policy.window_s]
+            self.restarts[name] = recent
+            log_file = self.svc.log_dir / ("redis/redis.log" if name == "redis" else f"{name}.log")
+            if len(recent) >= self.policy.limit:
+                return (f"{name} {exit_text(p.returncode)} after {len(recent)} restart(s) within "
+                        f"{self.policy.window_s:.0f}s: crash loop, giving up (see {log_file})")
+            delay = self.policy.delay(len(recent))
+            self.due[name] = now + delay
+            self.say(f"mfs up: {name} {exit_text(p.returncode)}; restarting it in {delay:.0f}s "
+                     f"(restart {len(recent) + 1} of at most {self.policy.limit} within "
+                     f"{self.policy.window_s:.0f}s; log: {log_file})")
+        for name, when in list(self.due.items()):
+            if now < when:
+                continue
+            del self.due[name]
+            self.restarts.setdefault(name, []).append(now)
+            try:
+                proc = self.svc.restart(name)
+            except (OSError, RuntimeError) as e:  # e.g. Redis could not bind its port yet
+                recent = len(self.restarts[name])
+                if recent >= self.policy.limit:
+                    return f"{name} could not be restarted ({e}): giving up"
+                self.due[name] = now + self.policy.delay(recent)
+                self.say(f"mfs up: restarting {name} failed ({e}); trying again in "
+                         f"{self.policy.delay(recent):.0f}s")
+                continue
+            self.say(f"mfs up: {name} restarted (pid {proc.pid})")
+        return None
+
+
