@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 import redis
 
 from core import protocol as P
+from core.keyrecords import RELEASE_IF_HELD
 
 # Take the lease and the next epoch (above every epoch a worker has seen: Redis may have lost the counter).
 _ACQUIRE = """
@@ -33,7 +34,6 @@ if (not v) and redis.call('GET', KEYS[2]) == ARGV[3] then
 end
 return 0
 """
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 # A leader's round of writes, applied only while the shard's epoch is still the leader's: Redis itself
 # fences a round that was delayed in flight (a partition, TCP retransmitting it after the link is back)
 # past a takeover. ARGV: the epoch, then per command its argument count and its arguments. Each command
@@ -68,7 +68,7 @@ class Lease:
         self._last_renew = 0.0
         self._acquire = r.register_script(_ACQUIRE)
         self._renew = r.register_script(_RENEW)
-        self._release = r.register_script(_RELEASE)
+        self._release = r.register_script(RELEASE_IF_HELD)
         self._fenced = r.register_script(_FENCED)
 
     def acquire(self) -> bool:

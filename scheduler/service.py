@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import socket
 import time
 from collections.abc import Callable
 
@@ -37,7 +36,7 @@ import redis
 import structlog
 
 from core import protocol as P
-from core.keyrecords import decode_progress, encode_progress
+from core.keyrecords import decode_progress, encode_progress, scheduler_consumer
 from core.cli import add_args, from_args
 from core.logs import configure, install_stop_signals
 from core.redisconn import RedisTarget, add_redis_args, connect, target_from_args
@@ -64,8 +63,7 @@ class SchedulerService:
         self.target = redis_target if isinstance(redis_target, RedisTarget) else RedisTarget.parse(redis_target)
         self.r = connect(self.target)
         self.cfg = cfg = cfg or SchedulerProcessConfig()
-        # unique per process across hosts: two containers both run their scheduler as pid 1
-        self.consumer = consumer or f"sched-{socket.gethostname()}-{os.getpid()}"
+        self.consumer = consumer or scheduler_consumer(os.getpid())
         self.shard = P.Shard(cfg.shard)  # the shard it plans for: its streams, workers set, lease, epoch
         self.lease = Lease(self.r, self.consumer, cfg.lease_s, shard=self.shard, clock=clock)
         self.leader = False

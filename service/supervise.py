@@ -1,6 +1,6 @@
-"""`mfs up`'s supervisor: restarts the children of a started Service that exit (RestartPolicy), and, when
-a worker exits, withdraws its registration at once so the scheduler moves its requests now rather than
-when its heartbeat's TTL runs out (core.keyrecords.withdraw_registration)."""
+"""`mfs up`'s supervisor: restarts the children of a started Service that exit (RestartPolicy), and gives
+back at once what an exited one held in Redis -- a worker's registration, a scheduler's lease -- so the
+others act now rather than when its TTL runs out (core.keyrecords)."""
 from __future__ import annotations
 
 import signal
@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from service.launch import Service
 
 WORKER_PREFIX = "worker-"  # Service names a worker's process worker-{its --worker-id}
+SCHEDULER_PREFIX = "scheduler"  # and its schedulers scheduler, scheduler-2, scheduler-s1, ...
 
 
 def exit_text(returncode: int) -> str:
@@ -53,22 +54,38 @@ class Supervisor:
     restarts: dict[str, list[float]] = field(default_factory=dict)  # name -> when it was restarted
     due: dict[str, float] = field(default_factory=dict)             # name -> when to restart it
 
-    def withdraw(self, name: str, pid: int) -> bool:
-        """The exited worker ``name``'s registration, deleted if it is still that process's; False
-        where it is not (a clean stop deregisters itself) or Redis does not answer (down too: its TTL
-        ends it). Waits on Redis half a second at most (a Sentinel target: its own second)."""
+    def give_back(self, name: str, pid: int) -> str | None:
+        """What the exited child ``name`` (process ``pid``) held in Redis, given back now if it is still
+        that process's: a worker's registration (the scheduler moves its requests at its next refresh,
+        not when the 5 s TTL ends), a scheduler's lease (a standby takes over at its next poll, not when
+        the 3 s lease expires). Returns what was given back, None where nothing was (a clean stop gives
+        back its own; Redis down too: the TTLs end them). Waits on Redis half a second at most (a
+        Sentinel target: its own second)."""
         import redis  # noqa: PLC0415
 
-        from core.keyrecords import withdraw_registration  # noqa: PLC0415
+        from core.keyrecords import release_leadership, withdraw_registration  # noqa: PLC0415
         from core.redisconn import connect  # noqa: PLC0415
-        # a client of its own each time: Redis may have been restarted since the last worker exited
+        if name.startswith(WORKER_PREFIX):
+            def act(r):
+                return withdraw_registration(r, name.removeprefix(WORKER_PREFIX), pid) and "registration"
+        elif name.startswith(SCHEDULER_PREFIX):
+            def act(r):
+                return release_leadership(r, self._shard_of(name), pid) and "leadership"
+        else:
+            return None
+        # a client of its own each time: Redis may have been restarted since the last child exited
         r = connect(self.svc.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
         try:
-            return withdraw_registration(r, name.removeprefix(WORKER_PREFIX), pid)
+            return act(r) or None
         except (redis.RedisError, OSError):
-            return False
+            return None
         finally:
             r.close()
+
+    def _shard_of(self, name: str) -> str:
+        from core.protocol import DEFAULT_SHARD  # noqa: PLC0415
+        args = getattr(self.svc, "commands", {}).get(name, ("", []))[1]
+        return args[args.index("--shard") + 1] if "--shard" in args[:-1] else DEFAULT_SHARD
 
     def poll(self) -> str | None:
         """Restarts what is due; returns why to stop everything (a crash loop), else None."""
@@ -76,8 +93,11 @@ class Supervisor:
         for name, p in self.svc.children().items():
             if name in self.due or p.poll() is None:
                 continue
-            if name.startswith(WORKER_PREFIX) and self.withdraw(name, p.pid):
-                self.say(f"mfs up: {name}'s registration withdrawn: the scheduler moves its requests now")
+            given = self.give_back(name, p.pid)
+            if given:
+                self.say(f"mfs up: {name}'s {given} given back: "
+                         + ("the scheduler moves its requests now" if given == "registration"
+                            else "a standby takes over now"))
             recent = [t for t in self.restarts.get(name, []) if now - t < self.policy.window_s]
             self.restarts[name] = recent
             log_file = self.svc.log_dir / ("redis/redis.log" if name == "redis" else f"{name}.log")

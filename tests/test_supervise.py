@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from core import protocol as P
-from core.keyrecords import StatsSnapshot, WorkerInfo
+from core.keyrecords import StatsSnapshot, WorkerInfo, scheduler_consumer
 from service.launch import free_port
 from service.supervise import RestartPolicy, Supervisor
 from tests.support.redis_server import redis_url  # noqa: F401 - the session fixture
@@ -209,7 +209,7 @@ def test_a_killed_worker_is_restarted_and_all_16_streams_complete_equal(up):
     err = "".join(svc.stderr)
     assert "worker-w1 was killed by SIGKILL; restarting it in 1s" in err
     assert "worker-w1 restarted (pid" in err
-    assert "worker-w1's registration withdrawn" in err  # its streams moved at once, not after the TTL
+    assert "worker-w1's registration given back" in err  # its streams moved at once, not after the TTL
     svc.wait_workers(2, 30)
     print(f"worker SIGKILL under mfs up: 16/16 streams equal to the fault-free run, {replanned} re-planned, "
           f"the replacement registered {killed['back']:.1f}s after the kill")
@@ -284,34 +284,42 @@ def test_restart_policy_backoff_doubles_up_to_its_cap_and_rejects_nonsense():
             RestartPolicy(**bad)
 
 
-def test_an_exited_worker_s_registration_is_withdrawn_only_while_it_is_that_process_s(redis_url, tmp_path):
-    """The supervisor deletes a dead worker's registration at once (the scheduler then moves its
-    requests at its next refresh, not when the 5 s TTL ends), but never a restarted life's."""
+def test_what_an_exited_child_held_is_given_back_only_while_it_is_that_process_s(redis_url, tmp_path):
+    """The supervisor deletes a dead worker's registration and a dead leader's lease at once (the
+    scheduler moves the worker's requests at its next refresh, a standby leads at its next poll, not when
+    the 5 s TTL or the 3 s lease ends), but never what a restarted life or another scheduler holds."""
     r = redis.Redis.from_url(redis_url)
-    dead = {wid: subprocess.Popen(["true"]) for wid in ("w0", "w1")}
+    names = ("worker-w0", "worker-w1", "scheduler", "scheduler-s1", "scheduler-s2")
+    dead = {name: subprocess.Popen(["true"]) for name in names}
     for p in dead.values():
         p.wait()
-    for wid, pid in (("w0", dead["w0"].pid), ("w1", dead["w1"].pid + 1)):  # w1: a newer life registered
+    for wid, pid in (("w0", dead["worker-w0"].pid), ("w1", dead["worker-w1"].pid + 1)):  # w1: a new life
         info = WorkerInfo(tiers=[0], num_tiers=1, num_blocks=[8], block_size=4, max_model_len=64,
                           vocab_size=32, eos=[0], started=f"1.0-{pid}", pid=pid)
         r.hset(P.worker_key(wid), mapping=info.to_hash())
+    r.set(P.Shard().leader_key, scheduler_consumer(dead["scheduler"].pid))
+    r.set(P.Shard("1").leader_key, scheduler_consumer(dead["scheduler-s1"].pid + 1))  # another one leads
+    r.set(P.Shard("2").leader_key, scheduler_consumer(dead["scheduler-s2"].pid))
 
     class Svc:  # what Supervisor reads of a Service
         log_dir = tmp_path
+        commands = {f"scheduler-s{k}": ("scheduler", ["--redis-url", redis_url, "--shard", str(k)]) for k in (1, 2)}
         def __init__(self, url):
             self.redis_url = url
         def children(self):
-            return {f"worker-{wid}": p for wid, p in dead.items()}
+            return dead
 
     said: list[str] = []
     sup = Supervisor(Svc(redis_url), RestartPolicy(backoff_s=60, max_backoff_s=60), say=said.append)
     assert sup.poll() is None
-    assert not r.exists(P.worker_key("w0"))
-    assert r.exists(P.worker_key("w1"))
-    assert "mfs up: worker-w0's registration withdrawn: the scheduler moves its requests now" in said
-    assert not [line for line in said if "worker-w1's registration" in line]
-    assert not Supervisor(Svc("redis://127.0.0.1:1/0"), say=said.append).withdraw("worker-w1", 1)  # no Redis
-    r.delete(P.worker_key("w1"))
+    assert not r.exists(P.worker_key("w0")) and not r.exists(P.Shard().leader_key)
+    assert not r.exists(P.Shard("2").leader_key)  # its own shard's lease, read from its --shard
+    assert r.exists(P.worker_key("w1")) and r.exists(P.Shard("1").leader_key)
+    assert "mfs up: worker-w0's registration given back: the scheduler moves its requests now" in said
+    assert "mfs up: scheduler's leadership given back: a standby takes over now" in said
+    assert not [line for line in said if "given back" in line and ("w1" in line or "-s1" in line)], said
+    assert Supervisor(Svc("redis://127.0.0.1:1/0")).give_back("worker-w1", 1) is None  # no Redis
+    r.delete(P.worker_key("w1"), P.Shard("1").leader_key)
 
 
 def test_a_sigkilled_mfs_up_leaves_no_child_running(up):
