@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import msgpack
 
-from core.protocol import DEFAULT_SHARD, Shard, from_wire, worker_key
+from core.protocol import DEFAULT_SHARD, Shard, from_wire, gateway_key, worker_key
 
 
 def encode_progress(tokens: list[int]) -> bytes:
@@ -129,6 +129,14 @@ _WITHDRAW = "if redis.call('HGET', KEYS[1], 'pid') == ARGV[1] then return redis.
 # A lease (the scheduler's leadership), while it names that holder; also how a leader hands it over itself:
 RELEASE_IF_HELD = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
+# A gateway's heartbeat (JSON naming its host and pid), while it names that process:
+_FORGET_GATEWAY = """
+local ok, beat = pcall(cjson.decode, redis.call('GET', KEYS[1]) or 'null')
+if ok and type(beat) == 'table' and beat['host'] == ARGV[1] and tonumber(beat['pid']) == tonumber(ARGV[2]) then
+  return redis.call('DEL', KEYS[1])
+end
+return 0"""
+
 
 def scheduler_consumer(pid: int, host: str | None = None) -> str:
     """A scheduler process's name in the ``scheduler`` group and on its lease (unless ``--consumer``
@@ -147,3 +155,12 @@ def withdraw_registration(r, worker_id: str, pid: int) -> bool:
     scheduler's next refresh (every 0.5 s) moves its requests, instead of the 5 s of its heartbeat's TTL.
     True when it was that life's registration and is gone."""
     return bool(r.eval(_WITHDRAW, 1, worker_key(worker_id), str(pid)))
+
+
+def forget_gateway(r, pid: int) -> bool:
+    """Deletes the heartbeat of the gateway process ``pid`` of this host (it has exited; gateway ids are
+    random per process, so the keys are scanned): the scheduler cancels its requests and frees their KV
+    at its next housekeeping (2 s) instead of when the 5 s TTL ends."""
+    host = socket.gethostname()
+    keys = list(r.scan_iter(match=gateway_key("*"), count=100))
+    return sum(r.eval(_FORGET_GATEWAY, 1, key, host, pid) for key in keys) > 0  # each key checked

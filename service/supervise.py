@@ -1,6 +1,6 @@
 """`mfs up`'s supervisor: restarts the children of a started Service that exit (RestartPolicy), and gives
-back at once what an exited one held in Redis -- a worker's registration, a scheduler's lease -- so the
-others act now rather than when its TTL runs out (core.keyrecords)."""
+back at once what an exited one held in Redis -- a worker's registration, a scheduler's lease, a gateway's
+heartbeat -- so the others act now rather than when its TTL runs out (core.keyrecords)."""
 from __future__ import annotations
 
 import signal
@@ -14,6 +14,11 @@ if TYPE_CHECKING:
 
 WORKER_PREFIX = "worker-"  # Service names a worker's process worker-{its --worker-id}
 SCHEDULER_PREFIX = "scheduler"  # and its schedulers scheduler, scheduler-2, scheduler-s1, ...
+GATEWAY_PREFIX = "gateway"      # and its gateways gateway, gateway-2, ...
+
+AFTER_GIVING_BACK = {"registration": "the scheduler moves its requests now",
+                     "leadership": "a standby takes over now",
+                     "heartbeat": "the scheduler cancels its requests now"}
 
 
 def exit_text(returncode: int) -> str:
@@ -58,12 +63,13 @@ class Supervisor:
         """What the exited child ``name`` (process ``pid``) held in Redis, given back now if it is still
         that process's: a worker's registration (the scheduler moves its requests at its next refresh,
         not when the 5 s TTL ends), a scheduler's lease (a standby takes over at its next poll, not when
-        the 3 s lease expires). Returns what was given back, None where nothing was (a clean stop gives
+        the 3 s lease expires), a gateway's heartbeat (the scheduler cancels its requests, whose client
+        went with it, at its next housekeeping). Returns what was given back, None where nothing was (a clean stop gives
         back its own; Redis down too: the TTLs end them). Waits on Redis half a second at most (a
         Sentinel target: its own second)."""
         import redis  # noqa: PLC0415
 
-        from core.keyrecords import release_leadership, withdraw_registration  # noqa: PLC0415
+        from core.keyrecords import forget_gateway, release_leadership, withdraw_registration  # noqa: PLC0415
         from core.redisconn import connect  # noqa: PLC0415
         if name.startswith(WORKER_PREFIX):
             def act(r):
@@ -71,6 +77,9 @@ class Supervisor:
         elif name.startswith(SCHEDULER_PREFIX):
             def act(r):
                 return release_leadership(r, self._shard_of(name), pid) and "leadership"
+        elif name.startswith(GATEWAY_PREFIX):
+            def act(r):
+                return forget_gateway(r, pid) and "heartbeat"
         else:
             return None
         # a client of its own each time: Redis may have been restarted since the last child exited
@@ -95,9 +104,7 @@ class Supervisor:
                 continue
             given = self.give_back(name, p.pid)
             if given:
-                self.say(f"mfs up: {name}'s {given} given back: "
-                         + ("the scheduler moves its requests now" if given == "registration"
-                            else "a standby takes over now"))
+                self.say(f"mfs up: {name}'s {given} given back: {AFTER_GIVING_BACK[given]}")
             recent = [t for t in self.restarts.get(name, []) if now - t < self.policy.window_s]
             self.restarts[name] = recent
             log_file = self.svc.log_dir / ("redis/redis.log" if name == "redis" else f"{name}.log")

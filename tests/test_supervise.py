@@ -5,6 +5,7 @@ import concurrent.futures as cf
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -238,6 +239,7 @@ def test_killed_redis_and_gateway_are_restarted_and_serve_again(up):
                 pass
             time.sleep(0.5)
         assert f"{name} was killed by SIGKILL; restarting it" in "".join(svc.stderr)
+    assert "gateway's heartbeat given back" in "".join(svc.stderr)  # its requests cancelled without the TTL
     assert svc.outer.poll() is None
 
 
@@ -285,11 +287,12 @@ def test_restart_policy_backoff_doubles_up_to_its_cap_and_rejects_nonsense():
 
 
 def test_what_an_exited_child_held_is_given_back_only_while_it_is_that_process_s(redis_url, tmp_path):
-    """The supervisor deletes a dead worker's registration and a dead leader's lease at once (the
-    scheduler moves the worker's requests at its next refresh, a standby leads at its next poll, not when
-    the 5 s TTL or the 3 s lease ends), but never what a restarted life or another scheduler holds."""
+    """The supervisor deletes a dead worker's registration, a dead leader's lease and a dead gateway's
+    heartbeat at once (the scheduler moves the worker's requests at its next refresh, a standby leads at
+    its next poll, the gateway's requests are cancelled at the next housekeeping, not when the TTLs end),
+    but never what a restarted life, another scheduler or another host's gateway holds."""
     r = redis.Redis.from_url(redis_url)
-    names = ("worker-w0", "worker-w1", "scheduler", "scheduler-s1", "scheduler-s2")
+    names = ("worker-w0", "worker-w1", "scheduler", "scheduler-s1", "scheduler-s2", "gateway")
     dead = {name: subprocess.Popen(["true"]) for name in names}
     for p in dead.values():
         p.wait()
@@ -300,6 +303,9 @@ def test_what_an_exited_child_held_is_given_back_only_while_it_is_that_process_s
     r.set(P.Shard().leader_key, scheduler_consumer(dead["scheduler"].pid))
     r.set(P.Shard("1").leader_key, scheduler_consumer(dead["scheduler-s1"].pid + 1))  # another one leads
     r.set(P.Shard("2").leader_key, scheduler_consumer(dead["scheduler-s2"].pid))
+    here, gw_pid = socket.gethostname(), dead["gateway"].pid
+    for gw, host, pid in (("gw-dead", here, gw_pid), ("gw-elsewhere", "another-host", gw_pid), ("gw-new", here, gw_pid + 1)):
+        r.set(P.gateway_key(gw), json.dumps({"host": host, "pid": pid, "t": 1.0, "waiting": 0}), ex=60)
 
     class Svc:  # what Supervisor reads of a Service
         log_dir = tmp_path
@@ -314,12 +320,15 @@ def test_what_an_exited_child_held_is_given_back_only_while_it_is_that_process_s
     assert sup.poll() is None
     assert not r.exists(P.worker_key("w0")) and not r.exists(P.Shard().leader_key)
     assert not r.exists(P.Shard("2").leader_key)  # its own shard's lease, read from its --shard
+    assert not r.exists(P.gateway_key("gw-dead"))
+    assert r.exists(P.gateway_key("gw-elsewhere")) and r.exists(P.gateway_key("gw-new"))
+    assert "mfs up: gateway's heartbeat given back: the scheduler cancels its requests now" in said
     assert r.exists(P.worker_key("w1")) and r.exists(P.Shard("1").leader_key)
     assert "mfs up: worker-w0's registration given back: the scheduler moves its requests now" in said
     assert "mfs up: scheduler's leadership given back: a standby takes over now" in said
     assert not [line for line in said if "given back" in line and ("w1" in line or "-s1" in line)], said
     assert Supervisor(Svc("redis://127.0.0.1:1/0")).give_back("worker-w1", 1) is None  # no Redis
-    r.delete(P.worker_key("w1"), P.Shard("1").leader_key)
+    r.delete(P.worker_key("w1"), P.Shard("1").leader_key, P.gateway_key("gw-elsewhere"), P.gateway_key("gw-new"))
 
 
 def test_a_sigkilled_mfs_up_leaves_no_child_running(up):
