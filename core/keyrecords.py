@@ -138,10 +138,10 @@ end
 return 0"""
 
 
-def scheduler_consumer(pid: int, host: str | None = None) -> str:
-    """A scheduler process's name in the ``scheduler`` group and on its lease (unless ``--consumer``
-    names it): unique across hosts, since two containers both run their scheduler as pid 1."""
-    return f"sched-{host or socket.gethostname()}-{pid}"
+def scheduler_consumer(pid: int) -> str:
+    """The scheduler process ``pid`` of this host: its name in the ``scheduler`` group and on its lease
+    (unless ``--consumer`` names it); unique across hosts, since two containers both run theirs as pid 1."""
+    return f"sched-{socket.gethostname()}-{pid}"
 
 
 def release_leadership(r, shard: str, pid: int) -> bool:

@@ -64,28 +64,25 @@ class Supervisor:
         that process's: a worker's registration (the scheduler moves its requests at its next refresh,
         not when the 5 s TTL ends), a scheduler's lease (a standby takes over at its next poll, not when
         the 3 s lease expires), a gateway's heartbeat (the scheduler cancels its requests, whose client
-        went with it, at its next housekeeping). Returns what was given back, None where nothing was (a clean stop gives
-        back its own; Redis down too: the TTLs end them). Waits on Redis half a second at most (a
-        Sentinel target: its own second)."""
+        went with it, at its next housekeeping). Returns what was given back; None where nothing was (a
+        clean stop gives back its own; Redis down too: the TTLs end them). Waits on Redis half a second
+        at most (a Sentinel target: its own second)."""
         import redis  # noqa: PLC0415
 
-        from core.keyrecords import forget_gateway, release_leadership, withdraw_registration  # noqa: PLC0415
+        from core import keyrecords as K  # noqa: PLC0415
         from core.redisconn import connect  # noqa: PLC0415
         if name.startswith(WORKER_PREFIX):
-            def act(r):
-                return withdraw_registration(r, name.removeprefix(WORKER_PREFIX), pid) and "registration"
+            what, act = "registration", lambda r: K.withdraw_registration(r, name.removeprefix(WORKER_PREFIX), pid)
         elif name.startswith(SCHEDULER_PREFIX):
-            def act(r):
-                return release_leadership(r, self._shard_of(name), pid) and "leadership"
+            what, act = "leadership", lambda r: K.release_leadership(r, self._shard_of(name), pid)
         elif name.startswith(GATEWAY_PREFIX):
-            def act(r):
-                return forget_gateway(r, pid) and "heartbeat"
+            what, act = "heartbeat", lambda r: K.forget_gateway(r, pid)
         else:
             return None
         # a client of its own each time: Redis may have been restarted since the last child exited
         r = connect(self.svc.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
         try:
-            return act(r) or None
+            return what if act(r) else None
         except (redis.RedisError, OSError):
             return None
         finally:
@@ -93,7 +90,7 @@ class Supervisor:
 
     def _shard_of(self, name: str) -> str:
         from core.protocol import DEFAULT_SHARD  # noqa: PLC0415
-        args = getattr(self.svc, "commands", {}).get(name, ("", []))[1]
+        args = self.svc.commands.get(name, ("", []))[1]
         return args[args.index("--shard") + 1] if "--shard" in args[:-1] else DEFAULT_SHARD
 
     def poll(self) -> str | None:

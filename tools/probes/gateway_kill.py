@@ -32,19 +32,27 @@ def stream(url: str, i: int) -> None:
 
 
 def running(r) -> int:
+    """Requests the leading scheduler holds (running or waiting), from its stats of the last half second."""
     snap = StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler"))
-    return sum(snap.running.values()) + sum(snap.waiting.values()) if snap else -1
+    if snap is None:
+        raise RuntimeError("no scheduler stats in Redis")
+    return sum(snap.running.values()) + sum(snap.waiting.values())
 
 
 def one(svc: Service, r, rows: int, supervised: bool) -> float:
     for i in range(rows):
         threading.Thread(target=stream, args=(svc.url, i), daemon=True).start()
+    deadline = time.monotonic() + 120
     while running(r) < rows:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{rows} requests were not all running within 120 s")
         time.sleep(0.05)
     os.kill(svc.procs["gateway"].pid, signal.SIGKILL)
     t0 = time.monotonic()
     sup = Supervisor(svc, RestartPolicy(backoff_s=30, max_backoff_s=30), say=lambda m: None)
     while running(r) > 0:
+        if time.monotonic() - t0 > 120:
+            raise TimeoutError("the killed gateway's requests still ran 120 s after the kill")
         if supervised:
             sup.poll()
         time.sleep(0.05)
