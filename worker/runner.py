@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from core.protocol import PlanRow, TokenLogprob
+from kernels.cpu_argmax import argmax_rows
 from worker.batch import build_step, order_rows
 from worker.execution import EAGER, compiled_exits, decode_graphs, path_name
 from worker.grammar import Grammars, mask_rows
@@ -252,8 +253,11 @@ class ModelRunner:
             out.escalate = [rid for _, rid in plain if rid in escalating]
             plain = [(k, rid) for k, rid in plain if rid not in escalating]
         if plain:
-            sub = logits.index_select(0, torch.tensor([k for k, _ in plain], dtype=torch.long,
-                                                      device=logits.device))
+            ks = [k for k, _ in plain]
+            if ks == list(range(ks[0], ks[0] + len(ks))):  # consecutive rows (every plain decode step): a view
+                sub = logits[ks[0]:ks[0] + len(ks)]
+            else:
+                sub = logits.index_select(0, torch.tensor(ks, dtype=torch.long, device=logits.device))
             states = [self.sampling[rid] for _, rid in plain]
             ps = [st[0] for st in states]
             proc = process_logits(sub, ps, [self.counts.get(rid) for _, rid in plain],
@@ -376,7 +380,7 @@ class ModelRunner:
             row_logits = self._ruled(rid, row_logits.expand(len(r.drafts) + 1, -1), list(r.drafts), True)[-1:]
         row_logits = row_logits[0]
         if params.greedy:
-            return int(torch.argmax(row_logits))
+            return int(argmax_rows(row_logits[None])[0])
         q = probs_for(row_logits.cpu(), params)
         self.draft_probs.setdefault(rid, {})[r.start_pos + len(r.token_ids) - 1] = q.float()
         return draw(q, gen)
@@ -392,7 +396,7 @@ class ModelRunner:
         lg = self._processed(rid, lg, [drafts[:i] for i in range(len(drafts))])
         lg = self._ruled(rid, lg, drafts)  # and the grammar's mask there (the drafts are checked against it)
         if params.greedy:
-            return accept_greedy(drafts, torch.argmax(lg, dim=-1).tolist())
+            return accept_greedy(drafts, argmax_rows(lg).tolist())
         p = torch.stack([probs_for(row, params) for row in lg.cpu()])
         q = [kept.get(r.start_pos + i) for i in range(len(drafts))]
         return accept_sampled(p, q, drafts, gen)
