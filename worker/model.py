@@ -388,8 +388,9 @@ class NestedModel(nn.Module):
     def _logits(self, exits: list[torch.Tensor], batch: "StepTensors") -> torch.Tensor:
         if not exits:
             return self.embed_tokens.weight.new_empty((0, self.cfg.vocab_size))
-        logits = self.lm_head(torch.cat(exits))  # exit order: lowest tier first
-        return logits.index_select(0, batch.exit_to_row_order)
+        # exit order (lowest tier first) -> row order on the hidden states, not on the [rows, vocab] logits:
+        # the head computes each row alone, so the logits are the same bit for bit
+        return self.lm_head(torch.cat(exits).index_select(0, batch.exit_to_row_order))
 
 
 _INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_",

@@ -49,7 +49,8 @@ class WorkerService(WorkerLoop):
         from worker.model import standalone_tier  # noqa: PLC0415
         standalone = cfg.standalone_tier is not None
         if str(cfg.device).startswith("cpu"):  # a cold start compiles our operators while it reads the weights
-            from kernels import cpu_attention, cpu_gemv  # noqa: PLC0415
+            from kernels import cpu_argmax, cpu_attention, cpu_gemv  # noqa: PLC0415
+            cpu_gemv.build_in_background([cpu_argmax.SOURCE], "MFS_CPU_ARGMAX")  # greedy sampling's
             if cfg.weights != "fp32":
                 cpu_gemv.build_in_background()
             if cfg.compile != "off":
@@ -86,6 +87,9 @@ class WorkerService(WorkerLoop):
                        f"threads of {len(os.sched_getaffinity(0))} cores; decode {self.path} ({why})")
         self.compiling = None if self.path == EAGER else BackgroundCompile(runner, self.path)
         self.model = model
+        if str(cfg.device).startswith("cpu"):  # greedy sampling's operator, loaded (built meanwhile) before serving
+            from kernels.cpu_argmax import argmax_kernel  # noqa: PLC0415
+            argmax_kernel()
         mcfg = model.cfg
         spec = WorkerSpec(tiers, ntiers, num_blocks, cfg.block_size, min(cfg.max_model_len, model.max_positions),
                           mcfg.vocab_size, list(mcfg.eos_token_ids), device=str(runner.device),

@@ -37,22 +37,24 @@ class Switches:
     * ``MFS_CPU_GEMV=0|1`` -- our int8 CPU operator off / required (read by kernels/cpu_gemv.py);
     * ``MFS_CPU_GEMV_ISA=avx2|avx512-vnni`` -- which build of our CPU operators (kernels/cpu_gemv.py);
     * ``MFS_KERNELS=auto|torch|triton`` -- the op table (kernels/ops.py);
-    * ``MFS_CPU_ATTENTION=0`` -- the graph's gather and SDPA instead of our attention operator.
+    * ``MFS_CPU_ATTENTION=0`` -- the graph's gather and SDPA instead of our attention operator;
+    * ``MFS_CPU_ARGMAX=0`` -- greedy sampling through ``torch.argmax`` instead of our operator.
 
-    The kernel layer reads its own three when it builds or picks an operator (it sits below worker/);
+    The kernel layer reads its own four when it builds or picks an operator (it sits below worker/);
     this record is where the formats read theirs and where every one is listed and checked."""
     w4a8_tiles: bool = True
     cpu_gemv: str = ""
     cpu_gemv_isa: str = ""
     kernels: str = ""
     cpu_attention: str = ""
+    cpu_argmax: str = ""
 
     @classmethod
     def from_env(cls) -> "Switches":
         env = os.environ
         s = cls(w4a8_tiles=env.get("MFS_W4A8_TILES", "1") != "0", cpu_gemv=env.get("MFS_CPU_GEMV", ""),
                 cpu_gemv_isa=env.get("MFS_CPU_GEMV_ISA", ""), kernels=env.get("MFS_KERNELS", ""),
-                cpu_attention=env.get("MFS_CPU_ATTENTION", ""))
+                cpu_attention=env.get("MFS_CPU_ATTENTION", ""), cpu_argmax=env.get("MFS_CPU_ARGMAX", ""))
         for name, value, allowed in (("MFS_W4A8_TILES", env.get("MFS_W4A8_TILES", "1"), ("0", "1")),
                                      ("MFS_CPU_GEMV_ISA", s.cpu_gemv_isa, ("", "avx2", "avx512-vnni")),
                                      ("MFS_KERNELS", s.kernels.lower(), ("", "auto", "torch", "triton"))):
