@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -73,9 +72,6 @@ class WorkerLoop:
         self.stop = threading.Event()
         self.steps = 0
         self.epoch = 0  # the newest scheduler generation seen in a plan
-        # A multi-step plan's token events of its steps but the last are written from here, in order,
-        # while the next step computes (a round trip to Redis is ~1 ms on a busy 2-core machine)
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="events")
 
     # ---- registration ------------------------------------------------------------------------
     def info(self) -> WorkerInfo:
@@ -203,7 +199,7 @@ class WorkerLoop:
         # A multi-step plan streams each step's greedy tokens at once; a sampling request's wait for the
         # result's round trip: should this worker die before it, the request is re-planned from the
         # tokens the scheduler knows, and a client must not hold sampled tokens it will not continue from.
-        rows, num_tokens, decoded, held, sent = plan.rows, 0, {}, [], []
+        rows, num_tokens, decoded, held, writing = plan.rows, 0, {}, [], 0.0
         for i in range(plan.steps):
             out = self.runner.execute(rows)
             num_tokens += out.num_tokens
@@ -217,17 +213,19 @@ class WorkerLoop:
             rows = self._next_rows(rows, out) if i + 1 < plan.steps else []
             if not rows:
                 break
-            if pipe.command_stack:  # this step's greedy tokens reach their clients now
-                sent.append(self._writer.submit(self._deliver, pipe.command_stack[:]))
-        dt = time.perf_counter() - t0
+            if pipe.command_stack:  # this step's greedy tokens reach their clients now, before the next
+                # step: written here, not from a writer thread while it computes (on 2 cores that thread
+                # slowed the forward's OpenMP threads more than the round trip costs: journal, 35th session)
+                tw = time.perf_counter()
+                self._deliver(pipe.command_stack[:])
+                writing += time.perf_counter() - tw
+        dt = time.perf_counter() - t0 - writing  # the plan's own work (forward_s), not its writes
         self._send_events(held, pipe)
         res = P.StepResult(self.id, plan.step_id, {} if decoded else out.tokens, dt, num_tokens, plan.epoch,
                            out.drafts, out.verified, out.accepted, out.escalate, out.draft_conf, decoded)
         pipe.xadd(self.shard.done_stream, res.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
         if ack is not None:
             pipe.xack(ack[0], P.WORKER_GROUP, ack[1])
-        for f in sent:  # the steps' events first (a failed delivery raises here, as below)
-            f.result()
         self._deliver(pipe.command_stack[:])
         self.steps += 1
         return ack is not None
