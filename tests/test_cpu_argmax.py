@@ -32,9 +32,12 @@ def test_ties_give_the_first_maximum(op, n):
     x[1, n - 1] = x[1, 0] = 2.0   # the first and the last
     x[2, :] = -1.0   # all equal: 0
     x[3, n - 1] = 0.5   # only the last
-    x[0, 0] = -0.0
     assert torch.equal(op(x), torch.argmax(x, dim=-1))
     assert op(x).tolist() == [n // 2, 0, 0, n - 1]
+    z = torch.full((2, n), -1.0)
+    z[0, 0], z[0, n - 1] = -0.0, 0.0  # -0.0 == +0.0: the first of them
+    z[1, n - 1] = -0.0
+    assert op(z).tolist() == torch.argmax(z, dim=-1).tolist() == [0, n - 1]
 
 
 @pytest.mark.parametrize("n", [5, 24, 1003])
@@ -69,9 +72,12 @@ def test_bad_input_is_refused(op):
         op(torch.empty(2, 0))
 
 
-def test_argmax_rows_takes_torchs_path_where_the_operator_does_not_apply():
+def test_argmax_rows_takes_torchs_path_where_the_operator_does_not_apply(op, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_argmax, "_choice", [lambda x: calls.append(x.shape) or op(x)])
     for x in (torch.randn(3, 9, dtype=torch.float64), torch.randn(3, 9).to(torch.bfloat16), torch.randn(9, 3).t()):
         assert torch.equal(cpu_argmax.argmax_rows(x), torch.argmax(x, dim=-1))
+    assert calls == []  # float64, bf16 and rows not contiguous went to torch
 
 
 def test_greedy_sampling_goes_through_the_operator(op, monkeypatch):
