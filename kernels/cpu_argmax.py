@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from kernels.cpu_gemv import build, pick_operator
+from kernels.cpu_gemv import load_once, pick_operator
 
 SOURCE = Path(__file__).with_name("cpu_argmax.cpp")
 _loaded: list[bool] = []
@@ -20,15 +20,12 @@ _choice: list = []
 
 def load() -> None:
     """Builds (if needed) and loads the operator once per process; registers its shape function."""
-    if _loaded:
-        return
-    torch.ops.load_library(str(build(SOURCE)))
+    def register() -> None:
+        @torch.library.register_fake("mfs::argmax_rows")
+        def _(x):
+            return x.new_empty(x.shape[:1], dtype=torch.long)
 
-    @torch.library.register_fake("mfs::argmax_rows")
-    def _(x):
-        return x.new_empty(x.shape[:1], dtype=torch.long)
-
-    _loaded.append(True)
+    load_once(_loaded, SOURCE, register)
 
 
 def argmax_kernel() -> Callable | None:

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from kernels.cpu_gemv import build, pick_operator
+from kernels.cpu_gemv import load_once, pick_operator
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 _loaded: list[bool] = []
@@ -21,15 +21,12 @@ _choice: list = []
 
 def load() -> None:
     """Builds (if needed) and loads the operator once per process; registers its shape function."""
-    if _loaded:
-        return
-    torch.ops.load_library(str(build(SOURCE)))
+    def register() -> None:
+        @torch.library.register_fake("mfs::decode_attention")
+        def _(q, k_pool, v_pool, flat, last, k_new, v_new, scale):
+            return q.new_empty(q.shape)
 
-    @torch.library.register_fake("mfs::decode_attention")
-    def _(q, k_pool, v_pool, flat, last, k_new, v_new, scale):
-        return q.new_empty(q.shape)
-
-    _loaded.append(True)
+    load_once(_loaded, SOURCE, register)
 
 
 def decode_attention_reference(q, k_pool, v_pool, flat, last, k_new, v_new, scale: float) -> torch.Tensor:

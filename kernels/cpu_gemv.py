@@ -300,6 +300,16 @@ def int8_a8_gemv_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tenso
     return ((dot * dx.double()[:, None, :]).sum(-1) * scales.double()[None]).float()
 
 
+def load_once(loaded: list, source: Path, register: Callable[[], None]) -> None:
+    """Builds (if needed) and loads the operator library of ``source`` once per process, then calls
+    ``register`` (its shape functions); ``loaded`` (a list, empty until then) remembers it."""
+    if loaded:
+        return
+    torch.ops.load_library(str(build(source)))
+    register()
+    loaded.append(True)
+
+
 def pick_operator(cache: list, env: str, load_lib: Callable[[], None], name: str, what: str, fallback: str,
                   detail: str = "") -> Callable | None:
     """``torch.ops.mfs.<name>`` (``load_lib()`` builds and loads its library) on a CPU where torch reports
@@ -335,6 +345,6 @@ def int8_gemv_kernel() -> Callable | None:
                          "_weight_int8pack_mm (bf16)", detail=", fp32")
 
 
-__all__ = ["build", "load", "pick_operator", "int8_gemv_kernel", "pack_q4_rows",
+__all__ = ["build", "load", "load_once", "pick_operator", "int8_gemv_kernel", "pack_q4_rows",
            "unpack_q4_rows", "tile_q4_rows", "untile_q4_rows", "tile_int8_rows", "untile_int8_rows", "quantize_activations_q8", "w4a8_gemv_reference",
            "int8_a8_gemv_reference"]

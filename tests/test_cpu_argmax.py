@@ -1,15 +1,14 @@
 """``mfs::argmax_rows`` (kernels/cpu_argmax.cpp): torch.argmax's answer along the last dim -- the first
 maximum, a row's first NaN, rows of -inf, lengths off the 8-lane and 16-lane steps, strided rows --
 its errors, and greedy sampling through it."""
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import cpu_argmax
+from kernels.cpu_gemv import cpu_flags
 
-_flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-if not {"avx2", "fma"} <= set(_flags):
+if not {"avx2", "fma"} <= cpu_flags():
     pytest.skip("the operator needs AVX2 and FMA", allow_module_level=True)
 
 
