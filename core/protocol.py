@@ -351,6 +351,9 @@ class StepPlan(Record):
     # Multi-step decoding (every row plain decode): the worker runs this many steps, each row fed its
     # own sampled token, a row stopping at its end or where its block tables end.
     steps: int = 1
+    # ...and sends its greedy tokens to their clients every this many steps (a request's first and last
+    # tokens at once): fewer wake-ups of Redis, gateway and client a token, larger chunks of text
+    stream_every: int = 1
 
 
 @dataclass(slots=True)

@@ -141,6 +141,11 @@ def add_up(sub) -> None:
                    help="multi-step decoding: while a worker's requests all decode plainly and none waits, one "
                         "plan runs this many forward steps (the scheduler's round trip paid once); 1: plan "
                         "every step (default %(default)s)")
+    p.add_argument("--stream-interval", type=parse_steps,
+                   default=SchedulerProcessConfig.__dataclass_fields__["stream_interval"].default,
+                   help="a multi-step plan sends its greedy tokens every this many steps (a request's first and "
+                        "last at once): fewer wake-ups a token on a machine whose cores the model keeps busy, "
+                        "larger chunks of text; 1: every token (default %(default)s)")
     p.add_argument("--log-dir", default=None, help="one log file per process (default: a new temp dir)")
     p.add_argument("--restart-limit", type=int, default=5,
                    help="a process that exits is restarted with backoff; more than this many restarts of "

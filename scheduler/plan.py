@@ -53,6 +53,7 @@ def new_requests(step: ScheduledStep) -> list[P.NewRequest]:
             for r in step.new]
 
 
-def build_plan(step: ScheduledStep, step_id: int, worker_started: str, epoch: int, steps: int = 1) -> P.StepPlan:
+def build_plan(step: ScheduledStep, step_id: int, worker_started: str, epoch: int, steps: int = 1,
+               stream_every: int = 1) -> P.StepPlan:
     return P.StepPlan(step_id, new=new_requests(step), rows=plan_rows(step), drop=step.drop,
-                      worker_started=worker_started, epoch=epoch, steps=steps)
+                      worker_started=worker_started, epoch=epoch, steps=steps, stream_every=stream_every)

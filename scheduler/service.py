@@ -212,7 +212,7 @@ class SchedulerService:
                 continue
             w.step_id += 1
             steps = w.core.extend_decode(sched, self.cfg.decode_steps)
-            plan = build_plan(sched, w.step_id, w.started, self.lease.epoch, steps)
+            plan = build_plan(sched, w.step_id, w.started, self.lease.epoch, steps, self.cfg.stream_interval)
             pipe.xadd(P.plan_stream(w.worker_id), plan.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
             w.inflight, w.sent_at = sched, time.monotonic()
 

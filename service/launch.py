@@ -333,7 +333,8 @@ def up(args) -> int:
     svc = Service(args.model, tiers=args.tiers, workers=args.workers, layout=args.layout,
                   host=args.host, port=args.port, worker_args=worker_args, dtype=args.dtype,
                   schedulers=args.schedulers, shards=args.shards, log_dir=args.log_dir, die_with_parent=True,
-                  scheduler_args=["--decode-steps", str(args.decode_steps)],
+                  scheduler_args=["--decode-steps", str(args.decode_steps),
+                                  "--stream-interval", str(args.stream_interval)],
                   redis_url=target_from_args(args).as_url() if external else None,
                   redis_timeout=args.redis_timeout if args.redis_timeout != DEFAULT_TIMEOUT_S else None)
 

@@ -3,6 +3,7 @@ all decode plainly, one plan runs several forward steps, each row fed its own sa
 the KV blocks left cached and the blocks left free are those of planning every step; a sampling request's
 tokens reach its client only with the plan's result, a greedy request's at every step."""
 import threading
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -15,7 +16,8 @@ from scheduler.service import SchedulerService
 from tests.support.pipeline import GW, Reader, stats_after, submit
 from tests.support.redis_server import redis_url  # noqa: F401 - the session fixture
 from tests.support.wait import wait_for
-from worker.null import NullWorker, null_token
+from worker.loop import pending_merge
+from worker.null import NullRunner, NullWorker, null_token
 
 EOS = 7
 
@@ -99,7 +101,7 @@ def test_through_redis_greedy_tokens_stream_each_step_and_sampled_ones_with_the_
     r = redis.Redis.from_url(redis_url)
     r.flushdb()
     worker = NullWorker("w-ms", r, step_s=0.002, num_tiers=1)
-    svc = SchedulerService(redis_url, SchedulerProcessConfig(decode_steps=4), consumer="ms")
+    svc = SchedulerService(redis_url, SchedulerProcessConfig(decode_steps=4, stream_interval=1), consumer="ms")
     threads = [threading.Thread(target=worker.run, daemon=True), threading.Thread(target=svc.run, daemon=True)]
     for t in threads:
         t.start()
@@ -123,6 +125,104 @@ def test_through_redis_greedy_tokens_stream_each_step_and_sampled_ones_with_the_
             t.join(5)
 
 
+class PathRunner(NullRunner):
+    """A null runner whose steps name an execution path: "eager" for its first `switch_after` steps, then
+    "inductor" (a worker swapping in its compiled graphs while it serves)."""
+
+    def __init__(self, step_s: float, switch_after: int):
+        super().__init__(step_s)
+        self.calls, self.switch_after = 0, switch_after
+
+    def execute(self, rows):
+        out = super().execute(rows)
+        self.calls += 1
+        fields = {k: getattr(out, k) for k in out.__slots__}
+        return SimpleNamespace(**fields, path="eager" if self.calls <= self.switch_after else "inductor")
+
+
+def run_pipeline(redis_url, cfg: SchedulerProcessConfig, runner=None, **params) -> list[P.TokenEvent]:
+    """One greedy request "g" of a 3-token prompt through a scheduler and a null worker: its token events,
+    in the order they were written."""
+    r = redis.Redis.from_url(redis_url)
+    r.flushdb()
+    worker = NullWorker("w-si", r, step_s=0.002, num_tiers=1)
+    if runner is not None:
+        worker.runner = runner
+    svc = SchedulerService(redis_url, cfg, consumer="si")
+    threads = [threading.Thread(target=worker.run, daemon=True), threading.Thread(target=svc.run, daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: r.sismember(P.WORKERS_SET, "w-si"), 10, "the worker to register")
+        submit(r, "g", [3, 4, 5], 0, ignore_eos=True, **params)
+        rd = Reader(r)
+        rd.until(lambda: rd.finished("g"), 30)
+        assert rd.tokens("g") == [null_token("g", 3 + i) for i in range(params["max_tokens"])]
+        return rd.events["g"]
+    finally:
+        svc.running = False
+        worker.stop.set()
+        for t in threads:
+            t.join(5)
+
+
+@pytest.mark.timeout(120)
+def test_greedy_tokens_go_every_stream_interval_steps_the_first_and_last_at_once(redis_url):
+    evs = run_pipeline(redis_url, SchedulerProcessConfig(decode_steps=4, stream_interval=2), max_tokens=12)
+    sizes = [len(e.token_ids) for e in evs]
+    assert sizes[0] == 1 and evs[0].seq == 0  # the first token does not wait for a second
+    assert max(sizes) == 2 and sizes.count(2) >= 4, sizes  # then two tokens an event
+    assert evs[-1].finished and not any(e.finished for e in evs[:-1])
+    every = run_pipeline(redis_url, SchedulerProcessConfig(decode_steps=4, stream_interval=1), max_tokens=12)
+    assert [len(e.token_ids) for e in every] == [1] * 12
+
+
+@pytest.mark.timeout(120)
+def test_a_merged_event_never_spans_a_path_swap(redis_url):
+    # 4 steps a plan, sent every 4: without the swap's flush, steps 3-6 (eager, then inductor) would
+    # go as one event naming one path
+    evs = run_pipeline(redis_url, SchedulerProcessConfig(decode_steps=4, stream_interval=4),
+                       PathRunner(0.002, switch_after=3), max_tokens=10)
+    assert {e.path for e in evs} == {"eager", "inductor"}
+    for e in evs:  # token k came from the runner's call k + 1
+        assert {"eager" if e.seq + j < 3 else "inductor" for j in range(len(e.token_ids))} == {e.path}, \
+            [(x.seq, len(x.token_ids), x.path) for x in evs]
+    assert max(len(e.token_ids) for e in evs) > 1
+
+
+def test_a_request_that_ends_inside_a_plan_is_sent_at_once(redis_url):
+    # one 8-step plan sent every 8 steps: "h" ends at its third step (max_tokens 4, one token already
+    # out); its last event, and "g"'s tokens so far, must not wait for the plan's end
+    r = redis.Redis.from_url(redis_url)
+    r.flushdb()
+    worker = NullWorker("w-end", r, step_s=0.0, num_tiers=1)
+    worker.register()
+    new = [P.NewRequest(rid, GW, 0, 3, SamplingParams(max_tokens=m, ignore_eos=True), [])
+           for rid, m in (("g", 20), ("h", 4))]
+    rows = [P.PlanRow(rid, 0, [null_token(rid, 3)], 3, [[i]], True, 1) for i, rid in enumerate(("g", "h"))]
+    worker.execute(P.StepPlan(1, new=new, rows=rows, worker_started=worker.started, steps=8, stream_every=8))
+    entries = [P.token_events(f) for _, f in r.xrange(P.out_stream(GW))]
+    assert [[(e.request_id, len(e.token_ids), e.finished) for e in evs] for evs in entries] == \
+        [[("g", 3, False), ("h", 3, True)], [("g", 5, False)]]
+    worker.deregister()
+
+
+def test_pending_merge_extends_a_requests_event_and_keeps_its_start():
+    a1 = P.TokenEvent("a", 5, [11], tier=0, prompt_tokens=3, cached_tokens=2,
+                      logprobs=[P.TokenLogprob(11, -0.5)])
+    a2 = P.TokenEvent("a", 6, [12], finished=True, finish_reason="length", tier=1, draft_proposed=4,
+                      draft_accepted=3, logprobs=[P.TokenLogprob(12, -0.25)])
+    b1 = P.TokenEvent("b", 0, [40])
+    pending: dict = {}
+    pending_merge(pending, [("gw1", a1), ("gw2", b1)])
+    pending_merge(pending, [("gw1", a2)])
+    gw, a = pending["a"]
+    assert gw == "gw1" and (a.seq, a.token_ids, a.prompt_tokens, a.cached_tokens) == (5, [11, 12], 3, 2)
+    assert [lp.token for lp in a.logprobs] == [11, 12]
+    assert (a.finished, a.finish_reason, a.tier, a.draft_proposed, a.draft_accepted) == (True, "length", 1, 4, 3)
+    assert pending["b"] == ("gw2", b1) and b1.token_ids == [40]
+
+
 def test_the_flag_is_checked_and_reaches_the_scheduler_config():
     import argparse
 
@@ -131,5 +231,9 @@ def test_the_flag_is_checked_and_reaches_the_scheduler_config():
     add_args(p, SchedulerProcessConfig)
     assert from_args(SchedulerProcessConfig, p.parse_args(["--decode-steps", "3"])).decode_steps == 3
     assert SchedulerProcessConfig().decode_steps == 8
+    assert from_args(SchedulerProcessConfig, p.parse_args(["--stream-interval", "2"])).stream_interval == 2
+    assert SchedulerProcessConfig().stream_interval == 4
+    with pytest.raises(SystemExit):
+        p.parse_args(["--stream-interval", "0"])
     with pytest.raises(SystemExit):
         p.parse_args(["--decode-steps", "0"])

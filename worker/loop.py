@@ -196,31 +196,40 @@ class WorkerLoop:
             self.live[nr.request_id] = Live(nr.gateway_id, nr.tier, nr.prompt_len, nr.params.max_tokens,
                                             frozenset(nr.stop_ids), nr.cached_tokens, nr.seq_offset,
                                             greedy=nr.params.greedy)
-        # A multi-step plan streams each step's greedy tokens at once; a sampling request's wait for the
-        # result's round trip: should this worker die before it, the request is re-planned from the
+        # A multi-step plan streams its greedy tokens every `stream_every` steps (a request's first and last
+        # at once); a sampling request's wait for the result's round trip: should this worker die before it, the request is re-planned from the
         # tokens the scheduler knows, and a client must not hold sampled tokens it will not continue from.
         rows, num_tokens, decoded, held, writing = plan.rows, 0, {}, [], 0.0
+        pending: dict[str, tuple[str, P.TokenEvent]] = {}  # greedy events not sent yet, one per request
         for i in range(plan.steps):
             out = self.runner.execute(rows)
             num_tokens += out.num_tokens
             pipe = self.r.pipeline(transaction=False)
             if plan.steps == 1:
-                self._emit(rows, out, pipe)
+                self._send_events(self._emit(rows, out)[0], pipe)
                 break
-            self._emit(rows, out, pipe, held)
+            now, urgent = self._emit(rows, out, held)
             for rid, tok in out.tokens.items():
                 decoded.setdefault(rid, []).append(tok)
             rows = self._next_rows(rows, out) if i + 1 < plan.steps else []
+            if any(pending.get(ev.request_id, (0, ev))[1].path != ev.path for _, ev in now):
+                self._send_events(list(pending.values()), pipe)  # one event, one path: the swap's step
+                pending.clear()
+            pending_merge(pending, now)
             if not rows:
                 break
-            if pipe.command_stack:  # this step's greedy tokens reach their clients now, before the next
-                # step: written here, not from a writer thread while it computes (on 2 cores that thread
+            if pending and (urgent or (i + 1) % max(1, plan.stream_every) == 0):
+                self._send_events(list(pending.values()), pipe)
+                pending.clear()
+            if pipe.command_stack:  # these greedy tokens reach their clients now, before the next step:
+                # written here, not from a writer thread while it computes (on 2 cores that thread
                 # slowed the forward's OpenMP threads more than the round trip costs: journal, 35th session)
                 tw = time.perf_counter()
                 self._deliver(pipe.command_stack[:])
                 writing += time.perf_counter() - tw
+                pipe = self.r.pipeline(transaction=False)
         dt = time.perf_counter() - t0 - writing  # the plan's own work (forward_s), not its writes
-        self._send_events(held, pipe)
+        self._send_events(list(pending.values()) + held, pipe)
         res = P.StepResult(self.id, plan.step_id, {} if decoded else out.tokens, dt, num_tokens, plan.epoch,
                            out.drafts, out.verified, out.accepted, out.escalate, out.draft_conf, decoded)
         pipe.xadd(self.shard.done_stream, res.encode(), maxlen=P.STREAM_MAXLEN, approximate=True)
@@ -230,9 +239,11 @@ class WorkerLoop:
         self.steps += 1
         return ack is not None
 
-    def _emit(self, rows: list[P.PlanRow], out, pipe, held: list | None = None) -> None:
-        """One step's token events into `pipe`, one entry per gateway; a request that ends is forgotten.
-        `held`: where a multi-step plan keeps a sampling request's events until its result goes."""
+    def _emit(self, rows: list[P.PlanRow], out, held: list | None = None
+              ) -> tuple[list[tuple[str, P.TokenEvent]], bool]:
+        """One step's token events to send now, as (gateway, event), and whether one of them is a request's
+        first or last (not to be held back); a request that ends is forgotten. `held`: where a multi-step
+        plan keeps a sampling request's events until its result goes."""
         # What a client sees: plain rows' tokens and verification rows' committed tokens; never drafts.
         emitted = {rid: [tok] for rid, tok in out.tokens.items()}
         emitted.update(out.verified)
@@ -241,6 +252,7 @@ class WorkerLoop:
         row_of = {r.request_id: r for r in rows
                   if r.sample_all or (r.enter == 0 and not r.draft and not r.exit_only)}
         now: list[tuple[str, P.TokenEvent]] = []
+        urgent = False
         for rid, toks in emitted.items():
             live, row = self.live.get(rid), row_of.get(rid)
             if live is None or row is None:
@@ -264,11 +276,15 @@ class WorkerLoop:
                               draft_accepted=live.draft_accepted, logprobs=out.logprobs.get(rid, [])[:len(sent)],
                               prompt_logprobs=out.prompt_logprobs.get(rid, []) if first else [],
                               path=getattr(out, "path", ""))  # the null runner's steps name none
-            (now if held is None or live.greedy else held).append((live.gateway_id, ev))
+            if held is None or live.greedy:
+                now.append((live.gateway_id, ev))
+                urgent = urgent or first or reason is not None
+            else:
+                held.append((live.gateway_id, ev))
             if reason:
                 self.live.pop(rid, None)
                 self.runner.drop([rid])
-        self._send_events(now, pipe)
+        return now, urgent
 
     @staticmethod
     def _send_events(events: list[tuple[str, P.TokenEvent]], pipe) -> None:
@@ -310,6 +326,21 @@ class WorkerLoop:
                 log.warning("step result not delivered; retrying", worker=self.id, error=str(e), retry_in_s=backoff)
                 time.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
+
+
+def pending_merge(pending: dict[str, tuple[str, P.TokenEvent]], events: list[tuple[str, P.TokenEvent]]) -> None:
+    """A multi-step plan's greedy events into the ones not sent yet: a request's later tokens extend its
+    pending event (the same seq start, its tokens and log-probabilities appended, the latest state)."""
+    for gw, ev in events:
+        prev = pending.get(ev.request_id)
+        if prev is None:
+            pending[ev.request_id] = (gw, ev)
+            continue
+        p = prev[1]
+        p.token_ids = p.token_ids + ev.token_ids
+        p.logprobs = p.logprobs + ev.logprobs
+        p.finished, p.finish_reason, p.tier = ev.finished, ev.finish_reason, ev.tier
+        p.draft_proposed, p.draft_accepted = ev.draft_proposed, ev.draft_accepted
 
 
 def _entry_key(entry_id) -> tuple[int, int]:
