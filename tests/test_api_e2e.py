@@ -399,9 +399,13 @@ class Sweep:
 
 
 def _session_listed(service, session: str) -> bool:
+    """The session's KV directory entry, which the scheduler writes when it handles the step result that
+    ended the request: the response can reach the client first (the tokens go before the result)."""
     import redis
     from core import protocol as P
-    return bool(redis.Redis.from_url(service.redis_url).exists(P.kv_session_key(session)))
+    from tests.support.wait import wait_for
+    r = redis.Redis.from_url(service.redis_url)
+    return bool(wait_for(lambda: r.exists(P.kv_session_key(session)), 10, f"session {session!r} listed"))
 
 
 def check_stop(s: Sweep) -> None:

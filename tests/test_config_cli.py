@@ -154,7 +154,8 @@ def test_gateway_flags_fill_its_config_and_nested_limits():
 
 
 PROCESS_ONLY = {"directory_ttl_s", "affinity_abs_threshold", "affinity_rel_threshold", "lease_s", "housekeeping_s",
-                "shard", "decode_steps"}  # decode_steps: the service asks extend_decode for it
+                "shard", "decode_steps", "stream_interval"}  # decode_steps: the service asks extend_decode for
+#   it; stream_interval: each plan carries it to its worker
 
 
 def test_every_scheduler_knob_reaches_the_workers_step_scheduler_or_is_the_process_own(redis_url):  # noqa: F811
