@@ -1,13 +1,14 @@
 """Whose CPU a streamed token costs through the API: starts `mfs up --model default [EXTRA...]`, waits for
-the compiled path, then streams ROUNDS greedy requests of TOKENS tokens one at a time and prints, per
-round, each process's CPU milliseconds per token (utime + stime from /proc, `mfs up` and its children:
+the compiled path, then streams ROUNDS rounds of STREAMS concurrent greedy requests (default 1) of TOKENS
+tokens each to the top tier and prints, per round, each process's CPU milliseconds per token (utime + stime from /proc, `mfs up` and its children:
 Redis, scheduler, gateway, worker) and this client's own, next to the client's TPOT. On 2 cores, what the
 others spend a token is time the worker's two OpenMP threads wait for a core.
-usage: python tools/probes/api_cpu.py ROUNDS [TOKENS [EXTRA...]]   (e.g. 3 128 --stream-interval 4)"""
+usage: python tools/probes/api_cpu.py ROUNDS [TOKENS [STREAMS [EXTRA...]]]   (e.g. 3 128 1 --stream-interval 1)"""
 import asyncio
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -58,7 +59,8 @@ def main() -> None:
         return
     rounds = int(sys.argv[1])
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 128
-    proc, url, log, launched = start_mfs_up("default", 600, tuple(sys.argv[3:]))
+    streams = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    proc, url, log, launched = start_mfs_up("default", 600, tuple(sys.argv[4:]))
     try:
         async def run() -> None:
             top = model_ids(url)[-1]
@@ -68,13 +70,17 @@ def main() -> None:
                 for _ in range(rounds):
                     await asyncio.sleep(1.0)
                     a, ca = group_cpu(proc.pid), own_cpu()
-                    one = await stream_one(s, url, top, [10, 20, 30, 40, 50, 60, 70, 80], n)
+                    t = time.perf_counter()
+                    runs = await asyncio.gather(*(stream_one(s, url, top, [10 + i, 20, 30, 40, 50, 60, 70, 80], n)
+                                                  for i in range(streams)))
+                    wall = time.perf_counter() - t
                     b, cb = group_cpu(proc.pid), own_cpu()
-                    per = {k: round(1e3 * (b[k] - a.get(k, 0.0)) / n, 3) for k in b}
-                    per["client"] = round(1e3 * (cb - ca) / n, 3)
-                    wall = one["end"] - one["start"]
-                    print(f"tpot {1e3 * (one['end'] - one['first']) / (n - 1):.3f} ms, wall {1e3 * wall / n:.3f} ms"
-                          f" a token; CPU ms a token: {dict(sorted(per.items(), key=lambda kv: -kv[1]))}")
+                    tokens = n * streams
+                    per = {k: round(1e3 * (b[k] - a.get(k, 0.0)) / tokens, 3) for k in b}
+                    per["client"] = round(1e3 * (cb - ca) / tokens, 3)
+                    tpot = sum(r["end"] - r["first"] for r in runs) / len(runs) / (n - 1)
+                    print(f"tpot {1e3 * tpot:.3f} ms, {tokens / wall:.1f} tok/s; CPU ms a token: "
+                          f"{dict(sorted(per.items(), key=lambda kv: -kv[1]))}")
         asyncio.run(run())
     finally:
         stop_mfs_up(proc)
