@@ -1,7 +1,8 @@
 """Multi-step decoding (scheduler/core.py: ``extend_decode``; worker/loop.py): while a worker's requests
 all decode plainly, one plan runs several forward steps, each row fed its own sampled token. The outputs,
 the KV blocks left cached and the blocks left free are those of planning every step; a sampling request's
-tokens reach its client only with the plan's result, a greedy request's at every step."""
+tokens reach its client only with the plan's result, a greedy request's every ``stream_every`` steps of the
+plan (its first and last token at once)."""
 import threading
 from types import SimpleNamespace
 
@@ -167,7 +168,7 @@ def run_pipeline(redis_url, cfg: SchedulerProcessConfig, runner=None, **params) 
 
 
 @pytest.mark.timeout(120)
-def test_greedy_tokens_go_every_stream_interval_steps_the_first_and_last_at_once(redis_url):
+def test_greedy_tokens_go_in_groups_of_the_stream_interval_the_first_alone(redis_url):
     evs = run_pipeline(redis_url, SchedulerProcessConfig(decode_steps=4, stream_interval=2), max_tokens=12)
     sizes = [len(e.token_ids) for e in evs]
     assert sizes[0] == 1 and evs[0].seq == 0  # the first token does not wait for a second
@@ -179,8 +180,8 @@ def test_greedy_tokens_go_every_stream_interval_steps_the_first_and_last_at_once
 
 @pytest.mark.timeout(120)
 def test_a_merged_event_never_spans_a_path_swap(redis_url):
-    # 4 steps a plan, sent every 4: without the swap's flush, steps 3-6 (eager, then inductor) would
-    # go as one event naming one path
+    # 4 steps a plan, sent every 4: without the swap's flush, tokens 1-4 (runner calls 2-5: eager,
+    # then inductor) would go as one event naming one path
     evs = run_pipeline(redis_url, SchedulerProcessConfig(decode_steps=4, stream_interval=4),
                        PathRunner(0.002, switch_after=3), max_tokens=10)
     assert {e.path for e in evs} == {"eager", "inductor"}
@@ -204,6 +205,24 @@ def test_a_request_that_ends_inside_a_plan_is_sent_at_once(redis_url):
     entries = [P.token_events(f) for _, f in r.xrange(P.out_stream(GW))]
     assert [[(e.request_id, len(e.token_ids), e.finished) for e in evs] for evs in entries] == \
         [[("g", 3, False), ("h", 3, True)], [("g", 5, False)]]
+    worker.deregister()
+
+
+def test_a_first_token_inside_a_plan_is_sent_at_once(redis_url):
+    # one 8-step plan sent every 8 steps: "f"'s row is its prompt's last chunk, so its first token comes
+    # at the plan's first step; that event, and "g"'s token beside it, must not wait for the plan's end
+    r = redis.Redis.from_url(redis_url)
+    r.flushdb()
+    worker = NullWorker("w-first", r, step_s=0.0, num_tiers=1)
+    worker.register()
+    new = [P.NewRequest(rid, GW, 0, 3, SamplingParams(max_tokens=20, ignore_eos=True), [])
+           for rid in ("g", "f")]
+    rows = [P.PlanRow("g", 0, [null_token("g", 3)], 3, [[0]], True, 1),
+            P.PlanRow("f", 0, [null_token("f", 3)], 3, [[1]], True, 0)]
+    worker.execute(P.StepPlan(1, new=new, rows=rows, worker_started=worker.started, steps=8, stream_every=8))
+    entries = [P.token_events(f) for _, f in r.xrange(P.out_stream(GW))]
+    assert [[(e.request_id, e.seq, len(e.token_ids)) for e in evs] for evs in entries] == \
+        [[("g", 1, 1), ("f", 0, 1)], [("g", 2, 7), ("f", 1, 7)]]
     worker.deregister()
 
 

@@ -196,9 +196,10 @@ class WorkerLoop:
             self.live[nr.request_id] = Live(nr.gateway_id, nr.tier, nr.prompt_len, nr.params.max_tokens,
                                             frozenset(nr.stop_ids), nr.cached_tokens, nr.seq_offset,
                                             greedy=nr.params.greedy)
-        # A multi-step plan streams its greedy tokens every `stream_every` steps (a request's first and last
-        # at once); a sampling request's wait for the result's round trip: should this worker die before it, the request is re-planned from the
-        # tokens the scheduler knows, and a client must not hold sampled tokens it will not continue from.
+        # A multi-step plan streams its greedy tokens every `stream_every` steps of the plan (a request's
+        # first and last at once, the rest at the plan's end); a sampling request's wait for the result's
+        # round trip: should this worker die before it, the request is re-planned from the tokens the
+        # scheduler knows, and a client must not hold sampled tokens it will not continue from.
         rows, num_tokens, decoded, held, writing = plan.rows, 0, {}, [], 0.0
         pending: dict[str, tuple[str, P.TokenEvent]] = {}  # greedy events not sent yet, one per request
         for i in range(plan.steps):
@@ -227,7 +228,6 @@ class WorkerLoop:
                 tw = time.perf_counter()
                 self._deliver(pipe.command_stack[:])
                 writing += time.perf_counter() - tw
-                pipe = self.r.pipeline(transaction=False)
         dt = time.perf_counter() - t0 - writing  # the plan's own work (forward_s), not its writes
         self._send_events(list(pending.values()) + held, pipe)
         res = P.StepResult(self.id, plan.step_id, {} if decoded else out.tokens, dt, num_tokens, plan.epoch,
