@@ -1,0 +1,38 @@
+"""Where a worker's compiled graphs go (worker/service.py: ``inductor_cache_dir``): $MFS_CACHE/inductor unless
+a user named another folder; torch's own default, which torch writes into a process's environment and its
+children inherit, counts as unnamed."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+from worker.service import inductor_cache_dir
+
+
+def test_unset_goes_under_mfs_cache(tmp_path):
+    assert inductor_cache_dir({}, tmp_path) == str(tmp_path / "inductor")
+    assert inductor_cache_dir({"TORCHINDUCTOR_CACHE_DIR": ""}, tmp_path) == str(tmp_path / "inductor")
+
+
+def test_a_folder_the_user_names_is_kept(tmp_path):
+    mine = str(tmp_path / "elsewhere")
+    assert inductor_cache_dir({"TORCHINDUCTOR_CACHE_DIR": mine}, tmp_path / "mfs") == mine
+
+
+def test_torchs_default_inherited_from_a_parent_counts_as_unset(tmp_path):
+    # a parent that touched inductor's caches (as transformers' GGUF tokenizer load does) hands its
+    # children torch's default; the child's worker still compiles under $MFS_CACHE
+    parent = ("import os, subprocess, sys\n"
+              "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+              "cache_dir()\n"
+              "print(os.environ['TORCHINDUCTOR_CACHE_DIR'])\n"
+              "sys.stdout.flush()\n"
+              "subprocess.run([sys.executable, '-c', 'import os, sys; from pathlib import Path; "
+              "from worker.service import inductor_cache_dir; "
+              "print(inductor_cache_dir(os.environ, Path(sys.argv[1])))', sys.argv[1]], check=True)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    out = subprocess.run([sys.executable, "-c", parent, str(tmp_path)], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).parents[1], check=True).stdout.split()
+    assert out == [os.path.abspath(default_cache_dir()), str(tmp_path / "inductor")]
