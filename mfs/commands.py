@@ -143,9 +143,9 @@ def add_up(sub) -> None:
                         "every step (default %(default)s)")
     p.add_argument("--stream-interval", type=parse_steps,
                    default=SchedulerProcessConfig.__dataclass_fields__["stream_interval"].default,
-                   help="a multi-step plan sends its greedy tokens every this many of its steps and at its end (a "
-                        "request's first and last at once): fewer wake-ups a token on a machine whose cores the model keeps busy, "
-                        "larger chunks of text; 1: every token (default %(default)s)")
+                   help="a multi-step plan sends its greedy tokens every this many of its steps and at its end "
+                        "(a request's first and last at once): fewer wake-ups a token on a machine whose cores "
+                        "the model keeps busy, larger chunks of text; 1: every token (default %(default)s)")
     p.add_argument("--log-dir", default=None, help="one log file per process (default: a new temp dir)")
     p.add_argument("--restart-limit", type=int, default=5,
                    help="a process that exits is restarted with backoff; more than this many restarts of "

@@ -57,9 +57,9 @@ class SchedulerProcessConfig:
                                "token) before the scheduler plans again; a request arriving meanwhile waits "
                                "for them. 1: plan every step", parse=parse_steps)
     stream_interval: int = opt(4, "a multi-step plan sends its greedy tokens to their clients every this many "
-                                  "of its steps (and at its end), a request's first and last tokens at once (vLLM's --stream-interval): "
-                                  "fewer wake-ups of Redis, gateway and client a token, larger chunks of text. "
-                                  "1: every token", parse=parse_steps)
+                                  "of its steps (and at its end), a request's first and last tokens at once "
+                                  "(vLLM's --stream-interval): fewer wake-ups of Redis, gateway and client a "
+                                  "token, larger chunks of text. 1: every token", parse=parse_steps)
     directory_ttl_s: float = opt(600.0, "lifetime of KV directory entries")
     affinity_abs_threshold: int = opt(4, "cache affinity yields when the preferred worker has more than this "
                                          "many requests above the least loaded one...")

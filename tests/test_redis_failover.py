@@ -121,8 +121,8 @@ def test_primary_host_cut_off_the_replica_is_promoted_and_every_stream_completes
 
     promoted = wait_for(lambda: master_of(sentinels) == (r2, REDIS_PORT), 30, "the replica's promotion", poll=0.1)
     promoted_in = time.monotonic() - cut
-    # What the promoted replica lacks: the progress tokens the primary had recorded in its last second,
-    # per request still in flight there (a request that ended in that second has no progress key left on
+    # What the promoted replica lacks: the progress tokens the primary alone recorded,
+    # per request still in flight there (a request that ended meanwhile has no progress key left on
     # the primary, while the replica keeps its older one: not a loss). The replica is read before its
     # promotion: on a loaded machine the promotion can outlast the scheduler's 5 s Redis timeout, and the
     # scheduler then writes new progress to it at once.
