@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,11 +50,15 @@ def gguf_cache_dir(folder: Path, gguf: str) -> Path:
     try:
         key = memo.read_text().strip()
     except OSError:
+        key = ""
+    if len(key) != 16:  # none yet (or, before writes were atomic, one read while being written)
         with open(path, "rb") as f:
             key = hashlib.file_digest(f, "sha256").hexdigest()[:16]
         try:
             memo.parent.mkdir(parents=True, exist_ok=True)
-            memo.write_text(key)
+            tmp = memo.with_name(f"{memo.name}.{os.getpid()}.{threading.get_ident()}")
+            tmp.write_text(key)
+            os.replace(tmp, memo)  # atomic: a process starting beside this one reads the key or nothing
         except OSError:  # a read-only cache only costs the next load a hash
             pass
     return cache_root() / "gguf" / key
