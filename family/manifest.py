@@ -23,7 +23,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from family.source import resolve_cached, split_source
+from family.source import resolve_cached
 from family.tokenizer import load_tokenizer
 
 FAMILIES_DIR = Path(__file__).parent / "families"
@@ -190,8 +190,18 @@ def manifest_for(model: str, tiers: str | None = None) -> tuple[Manifest, Path |
 
 
 def _num_layers(p: Path) -> int:
+    """The base's layer count: its config.json's ``num_hidden_layers`` where it states one (a HF directory,
+    or a GGUF's dequantized cache), else transformers' config (a GGUF not yet cached, a config that names
+    it otherwise): importing transformers for it cost every process given a path ~2 s of CPU on 2 cores."""
+    folder, gguf = resolve_cached(p)
+    if gguf is None:
+        try:
+            n = json.loads((folder / "config.json").read_text()).get("num_hidden_layers")
+        except (OSError, ValueError, AttributeError):
+            n = None
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
     from transformers import AutoConfig  # noqa: PLC0415
-    folder, gguf = split_source(p)
     return AutoConfig.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {})).num_hidden_layers
 
 

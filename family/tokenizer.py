@@ -23,6 +23,10 @@ def load_tokenizer(folder: Path, gguf: str | None):
     AutoTokenizer would load the same class after importing model configurations (~3 s of a gateway's
     start on 2 cores against ~0.8 s)."""
     kw = {"gguf_file": gguf} if gguf else {}
+    if gguf is None and not _has_tokenizer_files(folder):
+        # AutoTokenizer would import every model configuration (~3 s on 2 cores) only to find none
+        log.warning("no tokenizer found; token ids only", source=str(folder), error="no tokenizer files")
+        return None
     try:
         if gguf is None and _tokenizer_class(folder) in _GENERIC_TOKENIZERS and (folder / "tokenizer.json").exists():
             from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
@@ -32,6 +36,15 @@ def load_tokenizer(folder: Path, gguf: str | None):
     except (OSError, ValueError, TypeError) as e:
         log.warning("no tokenizer found; token ids only", source=str(folder), error=str(e)[:200])
         return None
+
+
+# the files a tokenizer is read from: tokenizer.json / tokenizer_config.json / tokenizer.model, BPE's
+# vocab.json + merges.txt, WordPiece's vocab.txt, sentencepiece's spiece.model, tiktoken files
+_TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges*", "spiece*", "sentencepiece*", "*.model", "*.spm", "*.tiktoken")
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    return any(next(folder.glob(pattern), None) is not None for pattern in _TOKENIZER_FILES)
 
 
 def _tokenizer_class(folder: Path) -> str | None:

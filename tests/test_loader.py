@@ -2,6 +2,7 @@
 are read without transformers (a worker's start), and what that reads equals what transformers reads
 from the same folder; the tokenizer is read only when first asked for."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -161,3 +162,29 @@ def test_processes_loading_one_uncached_gguf_together_dequantize_it_once(tmp_pat
         t.join(30)
     assert len(converted) == 1 and overlap == [1]  # one conversion, never two at once
     assert sorted(float(b.state_dict["w"]) for b in got) == [0.0, 1.0, 1.0]  # the others read its cache
+
+
+def test_a_path_without_a_tokenizer_starts_without_transformers(tmp_path, monkeypatch):
+    """A HF folder given as --model: its layer count is read from config.json and, with no tokenizer
+    files in it, no tokenizer is looked for; so a worker and a gateway on it (from its second load on)
+    never import transformers (~2 s of CPU each on 2 cores). A config that names its layers otherwise
+    still goes through transformers' AutoConfig."""
+    from transformers import GPT2Config
+    monkeypatch.setenv("MFS_CACHE", str(tmp_path / "cache"))
+    folder = tiny_llama(tmp_path / "llama", layers=5)
+    load_base(folder, with_tokenizer=False)  # the first load writes the config cache
+    probe = ("import json, sys\n"
+             "from family.manifest import load_frontend, manifest_for\n"
+             "from worker.family import load_family\n"
+             "fe = load_frontend(sys.argv[1])\n"
+             "fam = load_family(sys.argv[1], tiers='2,5')\n"
+             "print(json.dumps([manifest_for(sys.argv[1])[0].tiers[-1].layers, fe.tokenizer is None,\n"
+             "                  len(fam.model.layers), 'transformers' in sys.modules]))\n")
+    r = subprocess.run([sys.executable, "-c", probe, str(folder)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "MFS_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[-1]) == [5, True, 5, False]
+    gpt2 = tmp_path / "gpt2"
+    GPT2Config(n_layer=3, n_embd=32, n_head=2).save_pretrained(gpt2)
+    assert "num_hidden_layers" not in json.loads((gpt2 / "config.json").read_text())
+    assert manifest_for(str(gpt2))[0].tiers[-1].layers == 3
