@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from worker.service import inductor_cache_dir
@@ -36,3 +37,19 @@ def test_torchs_default_inherited_from_a_parent_counts_as_unset(tmp_path):
     out = subprocess.run([sys.executable, "-c", parent, str(tmp_path)], capture_output=True, text=True, env=env,
                          cwd=Path(__file__).parents[1], check=True).stdout.split()
     assert out == [os.path.abspath(default_cache_dir()), str(tmp_path / "inductor")]
+
+
+@pytest.mark.parametrize("user", ["root", "a\\b/c:d*e?f\"g<h>i|j", None])
+def test_torchs_default_is_computed_as_torch_computes_it(monkeypatch, user):
+    """The worker names torch's default folder without importing inductor: the same path as torch's own
+    function, for a plain user name, one with the characters torch replaces, and none to be had."""
+    import getpass
+
+    from worker.service import torch_default_inductor_dir
+
+    def getuser():
+        if user is None:
+            raise KeyError("no user")
+        return user
+    monkeypatch.setattr(getpass, "getuser", getuser)
+    assert torch_default_inductor_dir() == default_cache_dir()

@@ -3,7 +3,10 @@ around it (registration, heartbeat, plans in, tokens and results out) is worker/
 from __future__ import annotations
 
 import argparse
+import getpass
 import os
+import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -128,11 +131,21 @@ def inductor_cache_dir(env, mfs_cache: Path) -> str:
     environment (transformers' GGUF tokenizer load does, on a cold cache), and every child inherits it.
     A worker started below such a process (`mfs bench peers` on a fresh machine) compiled into /tmp, and
     the next start, reading $MFS_CACHE, compiled again (65.7 s for the trunk's graphs against 15.6)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # noqa: PLC0415
     given = env.get("TORCHINDUCTOR_CACHE_DIR")
-    if given and os.path.abspath(given) != os.path.abspath(default_cache_dir()):
+    if given and os.path.abspath(given) != os.path.abspath(torch_default_inductor_dir()):
         return given
     return str(mfs_cache / "inductor")
+
+
+def torch_default_inductor_dir() -> str:
+    """torch's ``torch._inductor.runtime.cache_dir_utils.default_cache_dir()``, without importing inductor
+    (whose package imports dynamo: ~1.7 s of a worker's start that compiles nothing, on 2 cores);
+    tests/test_inductor_cache.py checks the two agree."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def main(argv: list[str] | None = None) -> int:
