@@ -192,7 +192,8 @@ def manifest_for(model: str, tiers: str | None = None) -> tuple[Manifest, Path |
 def _num_layers(p: Path) -> int:
     """The base's layer count: its config.json's ``num_hidden_layers`` where it states one (a HF directory,
     or a GGUF's dequantized cache), else transformers' config (a GGUF not yet cached, a config that names
-    it otherwise): importing transformers for it cost every process given a path ~2 s of CPU on 2 cores."""
+    it otherwise): importing transformers for it cost every process given a path ~2 s of CPU on 2 cores.
+    A model type transformers does not know is then refused when the weights load, not here."""
     folder, gguf = resolve_cached(p)
     if gguf is None:
         try:

@@ -4,8 +4,10 @@ torch, no transformers. :func:`locate` answers all of it once; worker/loader.py 
 there, and family/tokenizer.py the tokenizer. Nothing here reaches a model hub: paths must exist locally."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,16 +53,17 @@ def gguf_cache_dir(folder: Path, gguf: str) -> Path:
         key = memo.read_text().strip()
     except OSError:
         key = ""
-    if len(key) != 16:  # none yet (or, before writes were atomic, one read while being written)
+    if not re.fullmatch(r"[0-9a-f]{16}", key):  # none yet (or, before writes were atomic, one read half-written)
         with open(path, "rb") as f:
             key = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+        tmp = memo.with_name(f"{memo.name}.{os.getpid()}.{threading.get_ident()}")
         try:
             memo.parent.mkdir(parents=True, exist_ok=True)
-            tmp = memo.with_name(f"{memo.name}.{os.getpid()}.{threading.get_ident()}")
             tmp.write_text(key)
             os.replace(tmp, memo)  # atomic: a process starting beside this one reads the key or nothing
-        except OSError:  # a read-only cache only costs the next load a hash
-            pass
+        except OSError:  # a read-only (or full) cache only costs the next load a hash
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
     return cache_root() / "gguf" / key
 
 

@@ -38,13 +38,22 @@ def load_tokenizer(folder: Path, gguf: str | None):
         return None
 
 
-# the files a tokenizer is read from: tokenizer.json / tokenizer_config.json / tokenizer.model, BPE's
-# vocab.json + merges.txt, WordPiece's vocab.txt, sentencepiece's spiece.model, tiktoken files
-_TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges*", "spiece*", "sentencepiece*", "*.model", "*.spm", "*.tiktoken")
+# the usual files a tokenizer is read from: tokenizer.json / tokenizer_config.json / tokenizer.model, BPE's
+# vocab.json + merges.txt, WordPiece's vocab.txt, sentencepiece's spiece.model / *.spm, tiktoken files,
+# Mistral's tekken.json, ProphetNet's prophetnet.tokenizer
+_TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges*", "spiece*", "sentencepiece*", "*.model", "*.spm",
+                    "*.tiktoken", "tekken*.json", "*.tokenizer")
 
 
 def _has_tokenizer_files(folder: Path) -> bool:
-    return any(next(folder.glob(pattern), None) is not None for pattern in _TOKENIZER_FILES)
+    """Whether AutoTokenizer may find a tokenizer in ``folder``: one of the usual files, or a config.json
+    naming a tokenizer class (byte-level tokenizers need no file)."""
+    if any(next(folder.glob(pattern), None) is not None for pattern in _TOKENIZER_FILES):
+        return True
+    try:
+        return bool(json.loads((folder / "config.json").read_text()).get("tokenizer_class"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _tokenizer_class(folder: Path) -> str | None:

@@ -2,12 +2,13 @@
 are read without transformers (a worker's start), and what that reads equals what transformers reads
 from the same folder; the tokenizer is read only when first asked for."""
 import json
-import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from family.manifest import manifest_for, resolve_base
@@ -181,10 +182,25 @@ def test_a_path_without_a_tokenizer_starts_without_transformers(tmp_path, monkey
              "print(json.dumps([manifest_for(sys.argv[1])[0].tiers[-1].layers, fe.tokenizer is None,\n"
              "                  len(fam.model.layers), 'transformers' in sys.modules]))\n")
     r = subprocess.run([sys.executable, "-c", probe, str(folder)], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "MFS_CACHE": str(tmp_path / "cache")})
+                       cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.splitlines()[-1]) == [5, True, 5, False]
     gpt2 = tmp_path / "gpt2"
     GPT2Config(n_layer=3, n_embd=32, n_head=2).save_pretrained(gpt2)
     assert "num_hidden_layers" not in json.loads((gpt2 / "config.json").read_text())
     assert manifest_for(str(gpt2))[0].tiers[-1].layers == 3
+
+
+@pytest.mark.parametrize("files", [["tokenizer.json"], ["tokenizer_config.json"], ["vocab.json", "merges.txt"],
+                                   ["vocab.txt"], ["spiece.model"], ["tokenizer.model"], ["source.spm"],
+                                   ["qwen.tiktoken"], ["tekken.json"], ["prophetnet.tokenizer"], []])
+def test_a_folder_is_searched_for_a_tokenizer_where_one_may_be(tmp_path, files):
+    """The files AutoTokenizer reads make a folder worth searching; a folder with none is not searched,
+    unless its config.json names a tokenizer class (byte-level ones read no file)."""
+    from family.tokenizer import _has_tokenizer_files
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    for f in files:
+        (tmp_path / f).write_text("{}")
+    assert _has_tokenizer_files(tmp_path) == bool(files)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "tokenizer_class": "ByT5Tokenizer"}))
+    assert _has_tokenizer_files(tmp_path)
