@@ -42,12 +42,13 @@ def tiny_llama_with_tokenizer(path: Path, tokenizer, *, layers: int = 6, seed: i
     return path
 
 
-def tiny_service(path: Path, tokenizer):
+def tiny_service(path: Path, tokenizer, gateway_args: list[str] | None = None):
     """The whole service (gateway, scheduler, one worker, redis-server) over :func:`tiny_llama_with_tokenizer`
-    at tiers 2,4,6 in float64: a context manager (``service.launch.Service``) for tests that talk HTTP."""
+    at tiers 2,4,6 in float64: a context manager (``service.launch.Service``) for tests that talk HTTP.
+    ``gateway_args``: more flags for ``python -m gateway``."""
     from service.launch import Service
     family = tiny_llama_with_tokenizer(path, tokenizer)
-    return Service(str(family), tiers="2,4,6", workers=1, dtype="float64",
+    return Service(str(family), tiers="2,4,6", workers=1, dtype="float64", gateway_args=gateway_args,
                    worker_args=["--num-blocks", "256", "--block-size", "4", "--threads", "1"])
 
 
