@@ -3,6 +3,7 @@ import os
 import pytest
 
 from core.logs import configure
+from family.source import cache_root
 
 # OpenMP threads that find no work sleep at once instead of spinning first (libgomp reads this when
 # torch loads it, later than here; every process the tests start inherits it). The suite runs one
@@ -11,6 +12,10 @@ from core.logs import configure
 # thread waits: three copies of test_speculative's distribution test at once on 2 cores took 150 s
 # of CPU (76 s wall) spinning as libgomp does by default, 59 s (30 s) with PASSIVE.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# One inductor cache for the tests' own processes and the workers they start: the workers' folder,
+# $MFS_CACHE/inductor (worker/service.py), where torch's default would be /tmp/torchinductor_<user>.
+# A graph one test compiled is then loaded, not compiled again, by a test in another process.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
 
 configure(level="WARNING")
 
