@@ -165,6 +165,29 @@ def test_processes_loading_one_uncached_gguf_together_dequantize_it_once(tmp_pat
     assert sorted(float(b.state_dict["w"]) for b in got) == [0.0, 1.0, 1.0]  # the others read its cache
 
 
+@pytest.mark.parametrize("written", [True, False])
+def test_a_ggufs_first_load_reads_its_tokenizer_from_the_cache_it_wrote(tmp_path, monkeypatch, written):
+    """The first load of a GGUF converts its tokenizer into the cache beside the weights; the loaded
+    base reads it from there, not from the GGUF's metadata again. A cache that was not written (a failed
+    write costs only speed) leaves the tokenizer to the GGUF."""
+    from worker import loader
+    monkeypatch.setenv("MFS_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(range(256)))
+
+    def convert(src, dtype):
+        if written:
+            src.cache_dir.mkdir(parents=True)
+            (src.cache_dir / ".complete").write_text("x")
+        return SimpleNamespace(model_type="llama"), {"w": torch.zeros(1)}
+
+    monkeypatch.setattr(loader, "_read_transformers", convert)
+    base = load_base(tmp_path / "m.gguf")
+    src = locate(tmp_path / "m.gguf")
+    assert base.tokenizer_from == ((src.cache_dir, None) if written else (tmp_path, "m.gguf"))
+    if not written:  # converted again (no cache), and no tokenizer wanted: none read
+        assert load_base(tmp_path / "m.gguf", with_tokenizer=False).tokenizer_from is None
+
+
 def test_a_path_without_a_tokenizer_starts_without_transformers(tmp_path, monkeypatch):
     """A HF folder given as --model: its layer count is read from config.json and, with no tokenizer
     files in it, no tokenizer is looked for; so a worker and a gateway on it (from its second load on)
