@@ -152,3 +152,29 @@ def test_a_worker_registers_at_once_and_names_the_path_of_each_answer(family_dir
 def family_dir_tok(tmp_path_factory, frontend):
     from tests.support.factories import tiny_llama_with_tokenizer
     return tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tinytok"), frontend.tokenizer)
+
+
+def test_the_build_traces_inductors_fx_toy_under_the_step_lock_and_steps_hold_it(llama_dir, monkeypatch):
+    """torch.fx replaces nn.Module.__call__ process-wide while inductor traces its toy function (once a
+    process); an eager step on the serving thread then failed ("module is not installed as a
+    submodule"). The build traces it first under the runner's step lock, which every step holds."""
+    from torch._inductor.loop_body import InterpreterShim
+    model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32").model
+    eng = Engine(model, block_size=4, num_blocks=64)
+    seen: list[bool] = []
+
+    def toy():
+        seen.append(eng.runner.step_lock.locked())
+        raise RuntimeError("stop the build here")
+    monkeypatch.setattr(InterpreterShim, "_dummy_gm", staticmethod(toy))
+    bg = BackgroundCompile(eng.runner, INDUCTOR).start()
+    bg.thread.join(60)
+    assert seen == [True] and "stop the build here" in bg.error and not eng.runner.step_lock.locked()
+    forward, held = model.forward_step, []
+
+    def watched(*a, **kw):
+        held.append(eng.runner.step_lock.locked())
+        return forward(*a, **kw)
+    monkeypatch.setattr(model, "forward_step", watched)
+    eng.generate([[5, 9, 33]], [2], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert held and all(held)

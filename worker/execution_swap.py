@@ -43,6 +43,21 @@ def shadow(model):
     return sh
 
 
+def prime_fx_tracing(step_lock: threading.Lock) -> None:
+    """Inductor traces a toy function with torch.fx the first time it lowers a graph in a process
+    (``loop_body.InterpreterShim._dummy_gm``, cached). While it traces, torch.fx replaces
+    ``nn.Module.__call__`` for the whole process, and a module the serving thread calls meanwhile fails
+    with "module is not installed as a submodule" (seen once in CI, in an eager step of
+    tests/test_execution.py). So the build does it first, imported on its own thread and traced under
+    the runner's step lock: one pause of a few milliseconds between two steps."""
+    try:
+        from torch._inductor.loop_body import InterpreterShim  # noqa: PLC0415
+    except ImportError:  # another torch: nothing of this kind to do first
+        return
+    with step_lock:
+        InterpreterShim._dummy_gm()
+
+
 class BackgroundCompile:
     """Builds ``path`` (worker/execution.py: inductor or cuda-graphs) for ``runner``'s model on a thread and
     swaps it in when built. ``done`` is set at the end either way; ``error`` says why it failed (the
@@ -68,6 +83,7 @@ class BackgroundCompile:
                 from worker.decode_graphs import DecodeGraphs  # noqa: PLC0415
                 built = CudaGraphDecode(DecodeGraphs(model))
             else:
+                prime_fx_tracing(self.runner.step_lock)
                 built = InductorDecode(model)
                 sh = shadow(model)
                 scratch = ModelRunner(sh, [SCRATCH_BLOCKS] * model.num_segments, self.runner.block_size,

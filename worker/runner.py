@@ -26,6 +26,7 @@ first token.
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -98,6 +99,7 @@ class ModelRunner:
         self.seen: dict[str, torch.Tensor] = {}
         self.matchers: dict[str, object] = {}  # requests with a grammar: their xgrammar matcher
         self._pending = None  # an execution path built in the background, applied before the next step
+        self.step_lock = threading.Lock()  # held by each step: the background build's one pause of it
         self.record_graphs()
 
     def swap_in(self, path) -> None:
@@ -203,6 +205,10 @@ class ModelRunner:
             self.matchers.pop(rid, None)
 
     def execute(self, rows: list[PlanRow]) -> StepOutput:
+        with self.step_lock:
+            return self._execute(rows)
+
+    def _execute(self, rows: list[PlanRow]) -> StepOutput:
         if self._pending is not None:
             path, self._pending = self._pending, None
             path.apply(self.model)
