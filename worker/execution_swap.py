@@ -47,9 +47,9 @@ def prime_fx_tracing(step_lock: threading.Lock) -> None:
     """Inductor traces a toy function with torch.fx the first time it lowers a graph in a process
     (``loop_body.InterpreterShim._dummy_gm``, cached). While it traces, torch.fx replaces
     ``nn.Module.__call__`` for the whole process, and a module the serving thread calls meanwhile fails
-    with "module is not installed as a submodule" (seen once in CI, in an eager step of
-    tests/test_execution.py). So the build does it first, imported on its own thread and traced under
-    the runner's step lock: one pause of a few milliseconds between two steps."""
+    with "module is not installed as a submodule" (seen once in a fresh-clone run of the suite, in an
+    eager step of tests/test_execution.py). So the build does it first, imported on its own thread and
+    traced under the runner's step lock: one pause of a few milliseconds between two steps."""
     try:
         from torch._inductor.loop_body import InterpreterShim  # noqa: PLC0415
     except ImportError:  # another torch: nothing of this kind to do first
