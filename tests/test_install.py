@@ -20,7 +20,9 @@ def _norm(name: str) -> str:
 
 
 def read_lock(path: Path) -> dict[str, str]:
-    """name -> pinned version, following ``-r`` lines; anything but ``name==version`` is an error."""
+    """name -> pinned version, following ``-r`` lines, of the pins whose environment marker holds on this
+    Python; anything but ``name==version[; marker]`` is an error."""
+    from packaging.markers import Marker
     pins: dict[str, str] = {}
     for raw in path.read_text().splitlines():
         line = raw.split("#", 1)[0].strip()
@@ -29,8 +31,11 @@ def read_lock(path: Path) -> dict[str, str]:
         if line.startswith("-r "):
             pins.update(read_lock(path.parent / line[3:].strip()))
             continue
+        line, _, marker = (part.strip() for part in line.partition(";"))
+        if marker and not Marker(marker).evaluate():
+            continue
         name, sep, version = line.partition("==")
-        assert sep and name and version and ";" not in line, f"{path.name}: {raw!r} is not NAME==VERSION"
+        assert sep and name and version and " " not in line, f"{path.name}: {raw!r} is not NAME==VERSION"
         assert _norm(name) not in pins, f"{path.name}: {name} pinned twice"
         pins[_norm(name)] = version
     return pins
