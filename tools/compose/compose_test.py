@@ -9,8 +9,9 @@ Steps (each prints one line; any failure stops, tears everything down and exits 
  4. `docker compose up` in a project of its own, with a random Redis password and a free port;
  5. every model id of /v1/models through the openai client, streamed and not; the time from `up` to the
     first answer, against the 120 s bound;
- 6. the worker's container killed (its main process, SIGKILL): compose's restart policy brings it back,
-    and later requests are served;
+ 6. the worker crashes (its main process SIGKILLed from the host): compose's restart policy brings it
+    back, and later requests are served. (`docker kill` is a stop the operator asked for: Docker's
+    restart policies leave such a container down, so it cannot stand for a crash.)
  7. `redis-cli` inside the redis container reads the request stream;
  8. everything torn down (containers, network, volumes).
 The figures go to stdout and, with --json FILE, to a file."""
