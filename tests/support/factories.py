@@ -115,3 +115,45 @@ def perturb_exits(fam, seed: int) -> None:
             p.add_(torch.randn_like(p) * 0.05)
         for t in fam.model.tiers[:-1]:
             fam.model.exit_norms[t.index].uniform_(0.5, 1.5)
+
+
+def tiny_arch(path: Path, arch: str, *, layers: int = 6, seed: int = 0, **over) -> Path:
+    """A tiny random model of one of the architectures beyond Llama's layer (Qwen3, OLMo 2, Phi-3 with
+    LongRoPE, Gemma 3 text with windowed local layers), saved as a HF directory. ``over``: config
+    fields to change."""
+    import transformers  # noqa: PLC0415
+    torch.manual_seed(seed)
+    common = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  eos_token_id=2, bos_token_id=1)
+    if arch == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    elif arch == "olmo2":
+        cfg = transformers.Olmo2Config(**common, tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    elif arch == "phi3":  # Phi-4-mini's shape of rope: LongRoPE over 3/4 of each head
+        rot = int(16 * 0.75) // 2
+        cfg = transformers.Phi3Config(**{**common, "max_position_embeddings": 128}, tie_word_embeddings=True,
+                                      pad_token_id=0, original_max_position_embeddings=32, rope_parameters={
+                                          "rope_type": "longrope", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": 0.75, "original_max_position_embeddings": 32,
+                                          "short_factor": [1.0 + 0.1 * i for i in range(rot)],
+                                          "long_factor": [2.0 + 0.5 * i for i in range(rot)]})
+    elif arch == "gemma3":  # every other layer local, with a window shorter than the test's context
+        cfg = transformers.Gemma3TextConfig(**common, head_dim=16, tie_word_embeddings=True,
+                                            hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,
+                                            sliding_window=8, final_logit_softcapping=30.0, pad_token_id=0,
+                                            layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                                            rope_parameters={
+                                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                   "rope_theta": 1e6}})
+    else:
+        raise ValueError(arch)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    _spread_norms(model)
+    model.save_pretrained(path)
+    return path

@@ -1,0 +1,48 @@
+"""Architectures beyond Llama's layer: sliding-window attention through chunked prefill and a mixed
+batch (against transformers' dense forward), and the error an unsupported architecture gets. Each
+architecture's parity, tier by tier, is in test_model_parity.py."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine import Engine
+from tests.support.factories import tiny_arch
+from worker.config import ModelConfig
+from worker.family import load_family
+from worker.sampling import SamplingParams
+
+
+def test_windows_hold_through_prefill_chunks_and_a_mixed_batch(tmp_path):
+    """Gemma 3 with a window of 8 on every other layer: a 30-token prompt prefilled in chunks of 12
+    (a chunk's window reaches into the previous chunk) beside a short request that decodes meanwhile."""
+    from transformers import AutoModelForCausalLM
+    path = tiny_arch(tmp_path / "g", "gemma3")
+    fam = load_family(str(path), tiers="3,6", dtype="float32")
+    assert [layer.window for layer in fam.model.layers] == [8, None] * 3
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = {"long": [(7 * i + 3) % 150 + 3 for i in range(30)], "short": [5, 9, 14]}
+    eng = Engine(fam.model, block_size=4, num_blocks=64, max_num_batched_tokens=12, keep_logits=True)
+    for rid, prompt in prompts.items():
+        eng.add_request(rid, prompt, 1, SamplingParams(max_tokens=12, ignore_eos=True))
+    got = {rid: ([], []) for rid in prompts}
+    while eng.has_unfinished():
+        for out in eng.step():
+            got[out.request_id][0].extend(out.new_token_ids)
+            got[out.request_id][1].append(out.logits)
+    for rid, prompt in prompts.items():
+        tokens, logits = got[rid]
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+        torch.testing.assert_close(torch.stack(logits), ref, rtol=0, atol=1e-4)
+        assert ref.argmax(-1).tolist() == tokens
+
+
+@pytest.mark.parametrize("model_type,nearest", [("gemma3", "gemma3_text"), ("qwen3_moe", "qwen3"),
+                                                ("phi", "phi3")])
+def test_an_unsupported_architecture_names_the_served_ones_and_the_nearest(model_type, nearest):
+    with pytest.raises(ValueError) as e:
+        ModelConfig.from_hf(SimpleNamespace(model_type=model_type))
+    msg = str(e.value)
+    assert "llama, qwen2, mistral, qwen3, olmo2, phi3, gemma3_text" in msg
+    assert msg.endswith(f"(nearest: {nearest})")
