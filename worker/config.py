@@ -120,7 +120,9 @@ class ModelConfig:
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.qkv_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
-        return n * (attn + 3 * h * i + 2 * h)
+        attn += {"head": 2 * d, "proj": d * (self.num_heads + self.num_kv_heads)}.get(self.qk_norm, 0)
+        norms = 4 * h if self.norms == "sandwich" else 2 * h
+        return n * (attn + 3 * h * i + norms)
 
     def kv_bytes_per_token(self, n_layers: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
