@@ -46,3 +46,14 @@ def test_an_unsupported_architecture_names_the_served_ones_and_the_nearest(model
     msg = str(e.value)
     assert "llama, qwen2, mistral, qwen3, olmo2, phi3, gemma3_text" in msg
     assert msg.endswith(f"(nearest: {nearest})")
+
+
+def test_a_window_as_long_as_the_context_is_none():
+    """Phi-4-mini's shape: a window longer than its context; every layer attends fully (and so the
+    compiled decode paths, written for Llama's layer, may take Phi-3's split layers)."""
+    from transformers import Phi3Config
+    cfg = ModelConfig.from_hf(Phi3Config(num_hidden_layers=2, max_position_embeddings=131072,
+                                         sliding_window=262144, pad_token_id=0))
+    assert cfg.layer_windows == () and cfg.llama_layers
+    short = ModelConfig.from_hf(Phi3Config(num_hidden_layers=2, sliding_window=2047, pad_token_id=0))
+    assert short.layer_windows == (2047, 2047) and not short.llama_layers

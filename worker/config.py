@@ -137,8 +137,11 @@ def unsupported_message(model_type) -> str:
 
 def layer_windows(hf_config) -> tuple[int | None, ...]:
     """Each decoder layer's attention window (None: full attention): by ``layer_types`` where the config
-    has them (Gemma 3, Qwen2/3), else the one ``sliding_window`` for every layer (Mistral, Phi-3)."""
+    has them (Gemma 3, Qwen2/3), else the one ``sliding_window`` for every layer (Mistral, Phi-3). A
+    window no shorter than the model's context is none (Phi-4-mini's 262144 over 131072 positions)."""
     window = getattr(hf_config, "sliding_window", None) or None
+    if window is not None and window >= hf_config.max_position_embeddings:
+        window = None
     n = hf_config.num_hidden_layers
     types = getattr(hf_config, "layer_types", None)
     if types:
