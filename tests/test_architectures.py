@@ -49,8 +49,8 @@ def test_an_unsupported_architecture_names_the_served_ones_and_the_nearest(model
 
 
 def test_a_window_as_long_as_the_context_is_none():
-    """Phi-4-mini's shape: a window longer than its context; every layer attends fully (and so the
-    compiled decode paths, written for Llama's layer, may take Phi-3's split layers)."""
+    """Phi-4-mini's shape: a window longer than its context; every layer attends fully (a Phi-3 that
+    rotates whole heads then has Llama's layers, which the compiled decode paths take)."""
     from transformers import Phi3Config
     cfg = ModelConfig.from_hf(Phi3Config(num_hidden_layers=2, max_position_embeddings=131072,
                                          sliding_window=262144, pad_token_id=0))
