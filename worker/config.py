@@ -112,7 +112,7 @@ class ModelConfig:
     def llama_layers(self) -> bool:
         """Every decoder layer is Llama's (what the compiled decode paths are written for)."""
         return (self.qk_norm is None and self.norms == "pre" and self.act == "silu" and not self.layer_windows
-                and self.rotary_dim == self.head_dim and self.attn_scale == self.head_dim ** -0.5)
+                and self.rotary_dim in (0, self.head_dim) and self.attn_scale in (0.0, self.head_dim ** -0.5))
 
     def param_count_layers(self, n: int) -> int:
         """Parameters of the first n decoder layers."""

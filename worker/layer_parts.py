@@ -70,7 +70,7 @@ class ArchParts:
         table = self.cos_sin
         if layer.local_rope:
             table, memo = self.cos_sin_local, (memo.setdefault("local", {}) if memo is not None else None)
-        r = self.cfg.rotary_dim
+        r = self.cfg.rotary_dim or self.cfg.head_dim
         if r == self.cfg.head_dim:
             return self.ops.rotary(q, k, pos, table, memo=memo)
         qr, kr = self.ops.rotary(q[..., :r].contiguous(), k[..., :r].contiguous(), pos, table, memo=memo)
