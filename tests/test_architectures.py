@@ -9,6 +9,7 @@ import torch
 from engine import Engine
 from tests.support.factories import tiny_arch
 from worker.config import ModelConfig
+from worker.execution import EAGER, choose
 from worker.family import load_family
 from worker.sampling import SamplingParams
 
@@ -20,6 +21,8 @@ def test_windows_hold_through_prefill_chunks_and_a_mixed_batch(tmp_path):
     path = tiny_arch(tmp_path / "g", "gemma3")
     fam = load_family(str(path), tiers="3,6", dtype="float32")
     assert [layer.window for layer in fam.model.layers] == [8, None] * 3
+    chosen, why = choose(fam.model, "auto")  # the compiled decode layers are Llama's
+    assert chosen == EAGER and "gemma3_text" in why
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = {"long": [(7 * i + 3) % 150 + 3 for i in range(30)], "short": [5, 9, 14]}
     eng = Engine(fam.model, block_size=4, num_blocks=64, max_num_batched_tokens=12, keep_logits=True)
