@@ -60,3 +60,20 @@ def test_a_window_as_long_as_the_context_is_none():
     assert cfg.layer_windows == () and cfg.llama_layers
     short = ModelConfig.from_hf(Phi3Config(num_hidden_layers=2, sliding_window=2047, pad_token_id=0))
     assert short.layer_windows == (2047, 2047) and not short.llama_layers
+
+
+def test_a_qwen3_gguf_written_with_gguf_py_serves_as_its_hf_directory(tmp_path, monkeypatch):
+    """The GGUF dequantized by transformers, then read from its cache, gives the HF directory's logits
+    bit for bit. (transformers reads a Qwen3 GGUF's head dim as its default, 128: the model has 128.)"""
+    from tests.support.factories import write_gguf
+    monkeypatch.setenv("MFS_CACHE", str(tmp_path / "cache"))
+    hf_dir = tiny_arch(tmp_path / "hf", "qwen3", head_dim=128)
+    gguf = write_gguf(hf_dir, tmp_path / "q.gguf")
+    ids = torch.tensor([[1, 7, 30, 99, 5, 64, 12]])
+    logits = []
+    for path in (hf_dir, gguf, gguf):
+        model = load_family(str(path), tiers="3,6", dtype="float32").model
+        with torch.no_grad():
+            logits.append(torch.stack([model.logits(h) for h in model.exit_hidden(ids)]))
+    assert torch.equal(logits[1], logits[0]) and torch.equal(logits[2], logits[0])
+    assert list((tmp_path / "cache").rglob("model.safetensors"))  # the third load read the cache
