@@ -55,17 +55,7 @@ class ModelConfig:
         keys = state_keys or set()
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-        inv_freq, scaling = _rope_inv_freq(hf_config, head_dim, _global_type(hf_config))
         windows = layer_windows(hf_config)
-        local_inv = long_inv = None
-        local_scaling, long_from = 1.0, 0
-        if _global_type(hf_config) and any(windows):
-            local_inv, local_scaling = _rope_inv_freq(hf_config, head_dim, "sliding_attention")
-        rp = rope_params(hf_config, _global_type(hf_config))
-        if rp["rope_type"] == "longrope":
-            long_from = int(rp.get("original_max_position_embeddings")
-                            or hf_config.original_max_position_embeddings)
-            long_inv, _ = _rope_inv_freq(hf_config, head_dim, None, seq_len=long_from + 1)
         if getattr(hf_config, "attn_logit_softcapping", None) is not None:
             raise ValueError(f"{mt}: attention logit softcapping is not served")
         if getattr(hf_config, "use_bidirectional_attention", False):
@@ -89,9 +79,6 @@ class ModelConfig:
             qkv_bias=("model.layers.0.self_attn.q_proj.bias" in keys) or mt == "qwen2",
             o_bias="model.layers.0.self_attn.o_proj.bias" in keys,
             mlp_bias="model.layers.0.mlp.gate_proj.bias" in keys,
-            inv_freq=inv_freq,
-            rope_attention_scaling=scaling,
-            rope=dict(rp),
             eos_token_ids=eos_ids,
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             qk_norm=arch.qk_norm,
@@ -100,12 +87,8 @@ class ModelConfig:
             embed_scale=hf_config.hidden_size ** 0.5 if arch.embed_scale else 1.0,
             attn_scale=scalar ** -0.5 if scalar else head_dim ** -0.5,
             logit_softcap=getattr(hf_config, "final_logit_softcapping", None),
-            rotary_dim=2 * inv_freq.numel(),
             layer_windows=windows if any(windows) else (),
-            local_inv_freq=local_inv,
-            local_rope_scaling=local_scaling,
-            long_inv_freq=long_inv,
-            rope_long_from=long_from,
+            **_rope_fields(hf_config, head_dim, any(windows)),
         )
 
     @property
@@ -176,6 +159,23 @@ def rope_params(hf_config, layer_type: str | None = None) -> dict:
     rp = dict(rp)
     rp.setdefault("rope_type", rp.get("type", "default"))
     return rp
+
+
+def _rope_fields(hf_config, head_dim: int, windowed: bool) -> dict:
+    """The rope fields of a ModelConfig: the global layers' frequencies (over the rotated dims), the
+    local layers' where the config gives them their own (Gemma 3), LongRoPE's long ones and where they
+    start."""
+    glob = _global_type(hf_config)
+    inv_freq, scaling = _rope_inv_freq(hf_config, head_dim, glob)
+    rp = rope_params(hf_config, glob)
+    out = dict(inv_freq=inv_freq, rope_attention_scaling=scaling, rope=rp, rotary_dim=2 * inv_freq.numel())
+    if glob and windowed:
+        out["local_inv_freq"], out["local_rope_scaling"] = _rope_inv_freq(hf_config, head_dim, "sliding_attention")
+    if rp["rope_type"] == "longrope":
+        start = int(rp.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings)
+        out["long_inv_freq"], _ = _rope_inv_freq(hf_config, head_dim, glob, seq_len=start + 1)
+        out["rope_long_from"] = start
+    return out
 
 
 def _rope_inv_freq(hf_config, head_dim: int, layer_type: str | None = None,
