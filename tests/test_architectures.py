@@ -62,14 +62,28 @@ def test_a_window_as_long_as_the_context_is_none():
     assert short.layer_windows == (2047, 2047) and not short.llama_layers
 
 
-def test_a_qwen3_gguf_written_with_gguf_py_serves_as_its_hf_directory(tmp_path, monkeypatch):
+# what a GGUF's metadata carries of each (transformers fills the rest with the config's defaults): Qwen3's
+# head dim is read as 128, Phi-3's rope as default, Gemma 3's layer pattern (5 local, 1 global), rope
+# bases and query scale as the defaults
+GGUF_SHAPES = {
+    "qwen3": {"head_dim": 128},
+    "phi3": {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}},
+    "gemma3": {"query_pre_attn_scalar": 256, "final_logit_softcapping": None,
+               "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+}
+
+
+@pytest.mark.parametrize("arch", list(GGUF_SHAPES))
+def test_a_gguf_written_with_gguf_py_serves_as_its_hf_directory(tmp_path, monkeypatch, arch):
     """The GGUF dequantized by transformers, then read from its cache, gives the HF directory's logits
-    bit for bit. (transformers reads a Qwen3 GGUF's head dim as its default, 128: the model has 128.)"""
+    bit for bit (Phi-3's fused tensors and Gemma's 1 + weight norms as llama.cpp stores them)."""
     from tests.support.factories import write_gguf
     monkeypatch.setenv("MFS_CACHE", str(tmp_path / "cache"))
-    hf_dir = tiny_arch(tmp_path / "hf", "qwen3", head_dim=128)
-    gguf = write_gguf(hf_dir, tmp_path / "q.gguf")
-    ids = torch.tensor([[1, 7, 30, 99, 5, 64, 12]])
+    hf_dir = tiny_arch(tmp_path / "hf", arch, **GGUF_SHAPES[arch])
+    gguf = write_gguf(hf_dir, tmp_path / "m.gguf")
+    ids = torch.tensor([[1, 7, 30, 99, 5, 64, 12, 8, 41, 3, 77, 15]])  # past Gemma's 8-token window
     logits = []
     for path in (hf_dir, gguf, gguf):
         model = load_family(str(path), tiers="3,6", dtype="float32").model

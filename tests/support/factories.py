@@ -161,13 +161,14 @@ def tiny_arch(path: Path, arch: str, *, layers: int = 6, seed: int = 0, **over) 
 
 def write_gguf(hf_dir: Path, out: Path) -> Path:
     """The HF model in ``hf_dir`` as an fp32 GGUF file written with gguf-py: llama.cpp's metadata and
-    tensor names, and a placeholder vocabulary (a token per id). Architectures whose tensors llama.cpp
-    keeps as transformers does (Qwen3's: no rotary permutation)."""
+    tensor names, Gemma's norms as 1 + weight, and a placeholder vocabulary (a token per id). For the
+    architectures whose tensors llama.cpp keeps unpermuted: Qwen3, Phi-3, Gemma 3."""
     import gguf  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     c = model.config
-    arch = {"qwen3": gguf.MODEL_ARCH.QWEN3}[c.model_type]
+    arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3,
+            "gemma3_text": gguf.MODEL_ARCH.GEMMA3}[c.model_type]
     w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -176,10 +177,16 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if c.model_type == "gemma3_text":
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_sliding_window(c.sliding_window)
     w.add_vocab_size(c.vocab_size)
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
+    w.add_pad_token_id(c.pad_token_id or 0)
     w.add_tokenizer_model("llama")
     w.add_token_list([f"<t{i}>" for i in range(c.vocab_size)])
     w.add_token_scores([0.0] * c.vocab_size)
@@ -188,6 +195,8 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
     for k, v in model.state_dict().items():
         if k == "lm_head.weight" and c.tie_word_embeddings:
             continue
+        if c.model_type == "gemma3_text" and k.endswith("norm.weight"):
+            v = v + 1  # llama.cpp keeps Gemma's norms as 1 + weight
         w.add_tensor(names.get_name(k, try_suffixes=(".weight", ".bias")), v.numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
