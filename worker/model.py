@@ -96,9 +96,9 @@ class NestedModel(ArchParts, nn.Module):
         self.exit_norms = nn.ParameterList(nn.Parameter(torch.ones(cfg.hidden_size)) for _ in tiers)
         # A tier's private exit block: decoder layers between its trunk boundary and its exit norm.
         # They read the trunk's hidden state and never feed it: higher tiers go on from the trunk.
-        # (each block layer attends as the trunk layer copy:last starts it from)
+        # (each block layer attends as the model's last layers, which copy:last starts it from, whatever the cut)
         self.exit_blocks = nn.ModuleDict({str(t.index): nn.ModuleList(
-            DecoderLayer(cfg, layers[-1] - t.block + j) for j in range(t.block)) for t in tiers if t.block})
+            DecoderLayer(cfg, cfg.num_layers - t.block + j) for j in range(t.block)) for t in tiers if t.block})
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.max_positions = min(max_positions or cfg.max_position, cfg.max_position)
