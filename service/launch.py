@@ -314,7 +314,7 @@ def try_command(url: str) -> str:
     except (OSError, ValueError, KeyError, IndexError):
         family = "MODEL"  # the models list did not answer: say where the name goes
     body = json.dumps({"model": family, "max_tokens": 32,
-                       "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+                       "messages": [{"role": "user", "content": "What is the capital of France? Answer briefly."}]})
     return f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 
 

@@ -9,7 +9,7 @@ from tests.support.procs import run_mfs as run
 @pytest.mark.slow
 def test_generate_default_family_top_tier_answers_paris():
     r = run("generate", "--model", "default", "--tier", "large", "--chat", "--max-tokens", "20",
-            "What is the capital of France?")
+            "What is the capital of France? Answer briefly.")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "loading" not in r.stdout  # stdout is the completion only
