@@ -51,7 +51,7 @@ class Metrics:
         self.forward_steps = Gauge("mfs_scheduler_forward_steps", "Forward steps those plans ran: more than "
                                    "the plans when multi-step decoding (--decode-steps) runs several a plan "
                                    "(cumulative)", registry=r)
-        # Prefix reuse (issue 5), per KV segment, cumulative as the scheduler reports it. A request of
+        # Prefix reuse, per KV segment, cumulative as the scheduler reports it. A request of
         # tier k counts in segments 0..k; tokens are prompt tokens, blocks are full prompt blocks.
         seg = ["segment"]
         self.prefill_computed = Gauge("mfs_prefill_tokens_computed", "Prompt tokens whose KV was "
@@ -75,7 +75,7 @@ class Metrics:
                                         "listed as holding their prefix (cumulative)", registry=r)
         self.affinity_yielded = Gauge("mfs_scheduler_affinity_yielded", "...of which placed on a less "
                                       "loaded worker instead (cumulative)", registry=r)
-        # Resilience (issue 7): Redis outages as this gateway saw them, and requests failed with a
+        # Resilience: Redis outages as this gateway saw them, and requests failed with a
         # retryable 503 because their token stream broke (reason "gap": tokens lost, seq skipped;
         # "redis": no event within --stall-timeout after a Redis outage or restart).
         self.redis_up = Gauge("mfs_redis_up", "1 while this gateway reaches Redis, 0 during an outage",
@@ -87,7 +87,7 @@ class Metrics:
                                    registry=r)
         for reason in ("gap", "redis"):
             self.interrupted.labels(reason)  # present (at 0) before the first one
-        # Admission (issue 46, gateway.admission): requests accepted and waiting for their first token,
+        # Admission (gateway.admission): requests accepted and waiting for their first token,
         # the bounds, and the requests shed with 429 queue_full by the bound that was full.
         self.queue_depth = Gauge("mfs_gateway_queue_depth", "Requests this gateway accepted that wait for "
                                  "their first token (all tiers)", registry=r)
@@ -103,7 +103,7 @@ class Metrics:
                             ["tier", "bound"], registry=r)
         self.cached_tokens = Counter("mfs_cached_prompt_tokens", "Prompt tokens reported as cached "
                                      "(usage.prompt_tokens_details.cached_tokens)", ["model"], registry=r)
-        # Multi-level sampling (issue 6). This gateway's requests submitted with self-speculation (per
+        # Multi-level sampling. This gateway's requests submitted with self-speculation (per
         # draft/target tier name) or with a confidence cascade (per starting tier)...
         self.spec_requests = Counter("mfs_spec_requests", "Requests this gateway submitted with "
                                      "self-speculative decoding, by draft and target tier",

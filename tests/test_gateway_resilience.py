@@ -1,4 +1,4 @@
-"""Issue 7, the gateway's part: a broken token stream or a Redis outage never leaves a client hanging.
+"""The gateway's part of resilience: a broken token stream or a Redis outage never leaves a client hanging.
 
 Each test gets its own redis-server (``service.launch.EmbeddedRedis``, AOF on) and a real gateway; the
 test plays scheduler + worker by hand (:class:`Peer`): it reads the Submit/Cancel records on

@@ -1,4 +1,4 @@
-"""Multi-level sampling in the API (issue 6): the ``mfs`` body extension, the server defaults, the
+"""Multi-level sampling in the API: the ``mfs`` body extension, the server defaults, the
 response / usage extensions and the speculation / cascade metrics.
 
 As in tests/test_gateway.py: a real redis-server and real gateways (one without defaults, one with a

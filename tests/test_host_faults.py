@@ -1,4 +1,4 @@
-"""Host-level faults (issue 16, item 3) with the test hosts of tests/hosts.py: Redis on a host of its own,
+"""Host-level faults with the test hosts of tests/hosts.py: Redis on a host of its own,
 two schedulers (leader and standby) and two workers each on theirs (a tiny float64 model); the test
 process plays the gateway. A host is cut off while its processes keep running: a worker's host mid-stream
 (its requests continue on the other worker), the leading scheduler's host (the standby takes the lease;

@@ -1,4 +1,4 @@
-"""Issue 46: load is queued or shed on purpose, never failed by accident.
+"""Load is queued or shed on purpose, never failed by accident.
 
 A real gateway (on a thread) and a real redis-server; :class:`Batcher` plays scheduler + worker with a
 fixed capacity: it reads every Submit, starts at most ``per_tick`` requests per ``tick_s`` in arrival

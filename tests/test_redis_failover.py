@@ -1,4 +1,4 @@
-"""Redis that survives a host (issue 16, item 2): a primary, a replica and three sentinels each on a test
+"""Redis that survives a host: a primary, a replica and three sentinels each on a test
 host of its own (tests/hosts.py), the scheduler and two workers on three others, all connected through
 the sentinels (redis+sentinel://, core/redisconn.py). Under 16 greedy streams the primary's host is cut
 off: the sentinels promote the replica, every process reconnects to it, and every stream completes equal
