@@ -1,4 +1,4 @@
-"""`mfs bench chaos`: a soak under steady load with a process SIGKILLed every ~30 s (issue 46).
+"""`mfs bench chaos`: a soak under steady load with a process SIGKILLed every ~30 s.
 
 It starts the service itself (`mfs up`'s pieces: an embedded Redis, a leading and a standby scheduler,
 ``--workers`` workers) with *two* gateways behind no proxy, and restarts whatever dies as `mfs up` does

@@ -1,5 +1,5 @@
-"""The per-token cost of a grammar mask on this CPU, xgrammar against llguidance (issue 15: pick the
-engine by measurement). For each engine: compile a JSON schema for the default family's tokenizer,
+"""The per-token cost of a grammar mask on this CPU, xgrammar against llguidance, to pick the
+engine by measurement. For each engine: compile a JSON schema for the default family's tokenizer,
 then generate under it (a seeded draw from random logits, masked) and time, per token, filling the
 next-token bitmask and applying it to the logits row [1, V] float32, and the matcher's advance.
 

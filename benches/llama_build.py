@@ -1,9 +1,9 @@
 """llama.cpp for `mfs bench peers`: found, checked in a child, and rebuilt where the native build dies.
 
 pip builds llama-cpp-python for the machine it builds on (GGML_NATIVE). On Intel Xeons with AMX that
-build crashes at the first token (a general protection fault in libggml-cpu's AMX path; measured in
-../shared/PROBES.md). So before anything is timed, a child process loads the GGUF and evaluates two
-tokens. If it dies by a signal, the bench rebuilds llama-cpp-python (`--build-llama-cpp`) with
+build crashes at the first token (a general protection fault in libggml-cpu's AMX path; seen on such a
+machine, docs/journal/provenance.md). So before anything is timed, a child process loads the GGUF and
+evaluates two tokens. If it dies by a signal, the bench rebuilds llama-cpp-python (`--build-llama-cpp`) with
 GGML_NATIVE=OFF, the x86 options this CPU has turned on and the AMX ones off, checks again, and says
 so; without the flag it says how.
 """

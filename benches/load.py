@@ -1,4 +1,4 @@
-"""`mfs bench load`: what the service answers past its capacity (issue 46).
+"""`mfs bench load`: what the service answers past its capacity.
 
 Against a running MFS (``--url``) or one it starts itself with `mfs up`'s defaults (one worker, a leading
 and a standby scheduler, an embedded Redis; ``--gateway-args`` passes gateway flags such as

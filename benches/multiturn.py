@@ -1,4 +1,4 @@
-"""`mfs bench serve --multi-turn`: multi-turn sessions with prefix reuse on and off (issue 5).
+"""`mfs bench serve --multi-turn`: multi-turn sessions with prefix reuse on and off.
 
 Each session sends ``--turns`` streamed completions with a ``session_id``; the prompt of turn t+1 is
 the prompt of turn t, plus the answer of turn t (its streamed text re-tokenized, as a client sees it),
@@ -38,7 +38,7 @@ WORDS = ("the a of to and in that it is was for on with as his they be at one ha
 
 def add_args(p) -> None:
     g = p.add_argument_group("multi-turn (--multi-turn)")
-    g.add_argument("--multi-turn", action="store_true", help="the multi-turn reuse workload (issue 5)")
+    g.add_argument("--multi-turn", action="store_true", help="the multi-turn reuse workload")
     g.add_argument("--reuse", default="on,off", help="modes to run: on (prefix caching), off (--no-prefix-caching)")
     g.add_argument("--sessions", type=int, default=6)
     g.add_argument("--turns", type=int, default=8)

@@ -1,5 +1,5 @@
 """`mfs bench step`: the time of one decode step of the in-process engine, per weight format and batch
-size: the figure the lean decode step (issue 14, part 2) is about. Each (format, batch) point loads the
+size: the figure the lean decode step is about. Each (format, batch) point loads the
 family, starts `batch` requests of 16-token prompts on one tier, runs a few warm-up steps, then times
 `--steps` decode steps and reports the median and the 10th percentile (other jobs on the machine only
 ever slow a step down). ``--no-fuse`` serves the quantized formats with q/k/v and gate/up as separate

@@ -1,9 +1,12 @@
 """Every scalar request parameter that reaches sampling, declared once: its name, type, default, bounds,
-doc and the endpoints whose bodies carry it. Three things are derived from :data:`PARAMS` and nothing
-else: ``SamplingParams.validate`` (core/sampling.py), the gateway's parser of OpenAI bodies
-(``gateway.openai_api.parse_params``) and the request schemas of its OpenAPI document
+doc, the endpoints whose bodies carry it under its name, or the body path that carries it otherwise (the
+``mfs`` extension's fields). Derived from :data:`PARAMS` and nothing else: ``SamplingParams``' defaults
+and ``validate`` (core/sampling.py), the gateway's parsers of OpenAI bodies and of the ``mfs`` extension
+(``gateway.openai_api``, ``gateway.multilevel``), the gateway's checks and help of its server defaults
+(``gateway.serving``, ``gateway.config``) and the request schemas of its OpenAPI document
 (``gateway.openapi_requests``). A new parameter is one :class:`Param` here, its ``SamplingParams`` field
-and its math in worker/sampling.py; tests/test_params.py checks that the three agree on every bound.
+and its math in worker/sampling.py; tests/test_params.py checks that they agree on every bound, and
+tests/test_params_api.py does it through the HTTP API.
 
 Not here, because their values are not scalars: ``stop_token_ids``, ``logit_bias`` and ``grammar`` keep
 their own checks (their bounds are the constants in core/sampling.py, shared the same way)."""
@@ -34,6 +37,9 @@ class Param:
     # (max_tokens, logprobs: spelled differently per endpoint; spec_*, cascade_*: the `mfs` extension)
     endpoints: tuple[str, ...] = ENDPOINTS
     body_default: object = _SAME  # what an absent body field means, where OpenAI's default differs
+    # Where both endpoints' bodies carry it when not under `name` at the top: a dotted path into the
+    # body (``mfs.cascade.threshold``), read against these bounds; absent, the server's default applies
+    path: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -51,6 +57,10 @@ class Param:
 
     def expects(self) -> str:
         """What a value must be: 'a number between 0 and 1', 'an integer >= 1', 'a boolean'."""
+        return _KINDS[self.kind][0] + self.bounds() + (" or null" if self.nullable else "")
+
+    def bounds(self) -> str:
+        """Its range in words, with a leading space: ' between 0 and 1', ' >= 1' ('' when unbounded)."""
         lo, hi = self.lo, self.hi
         above = f"{'>' if self.lo_open else '>='} {_num(lo)}"
         if lo is not None and hi is not None:
@@ -63,7 +73,7 @@ class Param:
             bounds = f" {'<' if self.hi_open else '<='} {_num(hi)}"
         else:
             bounds = ""
-        return _KINDS[self.kind][0] + bounds + (" or null" if self.nullable else "")
+        return bounds
 
     def problem(self, v) -> str | None:
         """None when `v` is a value of this parameter, else what it must be ("must be ...")."""
@@ -107,6 +117,16 @@ def register(p: Param) -> Param:
     return p
 
 
+def default(name: str) -> object:
+    """A declared parameter's default: what SamplingParams' field starts at."""
+    return PARAMS[name].default
+
+
+def path_params() -> list[Param]:
+    """The parameters a body carries at a path of their own (the ``mfs`` extension's fields)."""
+    return [p for p in PARAMS.values() if p.path is not None]
+
+
 def body_params(endpoint: str) -> list[Param]:
     """The parameters `endpoint`'s body carries under their own name, read and described as declared."""
     if endpoint not in ENDPOINTS:
@@ -141,14 +161,19 @@ for _p in (
           "token's log-probability only).", lo=0, hi=20, nullable=True, endpoints=()),
     Param("prompt_logprobs", int, None, "The same for every prompt token but the first (completions' echo).",
           lo=0, hi=20, nullable=True, endpoints=()),
+    # the body names the draft tier by name, model id or index (mfs.speculative.draft, gateway.serving)
     Param("spec_draft_tier", int, None, "Self-speculative decoding: the tier that drafts.", lo=0,
           nullable=True, endpoints=_MFS),
-    Param("spec_gamma", int, 4, "Draft tokens per verification round.", lo=1, hi=16, endpoints=_MFS),
+    Param("spec_gamma", int, 4, "Draft tokens per verification round.", lo=1, hi=16, endpoints=_MFS,
+          path="mfs.speculative.gamma"),
     Param("spec_stop_confidence", float, 0.5, "A round ends early when the draft's top-token probability "
-          "falls below this (0: always gamma drafts).", endpoints=_MFS, **_PROB),
+          "falls below this (0: always gamma drafts).", endpoints=_MFS, path="mfs.speculative.stop_confidence",
+          **_PROB),
+    # 1: escalate at the end of every window; 0: never (the engine's tests use both ends)
     Param("cascade_threshold", float, None, "Confidence cascade: move a tier up when the mean top-token "
-          "probability of the last window tokens falls below it.", nullable=True, endpoints=_MFS, **_PROB),
+          "probability of the last window tokens falls below it.", nullable=True, endpoints=_MFS,
+          path="mfs.cascade.threshold", **_PROB),
     Param("cascade_window", int, 4, "Tokens the cascade's confidence is averaged over.", lo=1, hi=64,
-          endpoints=_MFS),
+          endpoints=_MFS, path="mfs.cascade.window"),
 ):
     register(_p)

@@ -14,7 +14,7 @@ an idle pooled connection to a peer silent that long, so a process whose Redis h
 connection error within about ``timeout_s``. An asyncio client may be given a bounded, *blocking* pool
 (``connect_async(..., max_connections=N)``): a command that finds every connection busy waits for one
 (up to ``pool_timeout_s``) instead of failing with redis-py's "Too many connections", which a burst of
-requests would otherwise turn into false "Redis unreachable" answers (issue 46). Synchronous clients do not retry inside redis-py (its
+requests would otherwise turn into false "Redis unreachable" answers. Synchronous clients do not retry inside redis-py (its
 default is ten retries, hiding a failover): each process's own loop backs off and decides what a lost
 connection means (the scheduler leader steps down and resumes; docs/RELIABILITY.md).
 """

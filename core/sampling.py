@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from core.params import PARAMS
+from core.params import PARAMS, default
 
 MAX_LOGPROBS = int(PARAMS["logprobs"].hi)  # most likely alternatives per token (OpenAI's bound)
 MAX_LOGIT_BIAS = 1024  # token ids a request may bias
@@ -19,33 +19,33 @@ MAX_GRAMMAR_CHARS = 1 << 16
 
 @dataclass(slots=True)
 class SamplingParams:
-    """A request's sampling. The bounds, types and docs of its scalar fields are declared once, in
-    core/params.py (each field here has its default there; tests/test_params.py checks they agree)."""
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0            # 0 or -1 = off
-    top_p: float = 1.0
-    seed: int | None = None
+    """A request's sampling. The defaults, bounds, types and docs of its scalar fields are declared once,
+    in core/params.py; each field here reads its default from there."""
+    max_tokens: int = default("max_tokens")
+    temperature: float = default("temperature")  # 0 = greedy
+    top_k: int = default("top_k")  # 0 or -1 = off
+    top_p: float = default("top_p")
+    seed: int | None = default("seed")
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
+    ignore_eos: bool = default("ignore_eos")
     # Self-speculative decoding: draft with this lower tier, verify `spec_gamma` tokens at a time.
-    spec_draft_tier: int | None = None
-    spec_gamma: int = 4
+    spec_draft_tier: int | None = default("spec_draft_tier")
+    spec_gamma: int = default("spec_gamma")
     # Early stop (Kangaroo/EESD style): a round ends before gamma drafts when the draft tier's max
     # softmax probability for its latest draft falls below this (0: always draft gamma). 0.5 measured
     # best of {0, 0.5} on the default family (docs/BENCHMARKS.md).
-    spec_stop_confidence: float = 0.5
+    spec_stop_confidence: float = default("spec_stop_confidence")
     # Confidence cascade: start at the request's tier and move up one tier whenever the mean max
     # softmax probability of the last `cascade_window` sampled tokens falls below the threshold.
-    cascade_threshold: float | None = None
-    cascade_window: int = 4
+    cascade_threshold: float | None = default("cascade_threshold")
+    cascade_window: int = default("cascade_window")
     # Log-probabilities, computed in the worker from the raw logits of the tier that produced each
     # token (before logit_bias, penalties, temperature, top-k/p, min-p): None is off; k >= 0 returns
     # the chosen token's log-probability and the k most likely tokens'. `prompt_logprobs` does the
     # same for every prompt token but the first (echo); such a request reads nothing from the prefix
     # cache, so that every prompt position is computed (the blocks it writes are cached as usual).
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    logprobs: int | None = default("logprobs")
+    prompt_logprobs: int | None = default("prompt_logprobs")
     # Logit transforms, applied per row in the worker in vLLM's order: logit_bias (token id -> added to
     # its logit), then the penalties: repetition (HF: a logit of a token seen in the prompt or the
     # output is divided by it when positive, multiplied when not), frequency (minus penalty x count in
@@ -53,11 +53,11 @@ class SamplingParams:
     # result; sampling then applies temperature, min_p (drop tokens below min_p x the top probability),
     # typical_p (locally typical sampling, Meister et al. 2022: keep the tokens whose surprisal is closest
     # to the distribution's entropy until their mass reaches typical_p; 1 = off), top_k and top_p.
-    min_p: float = 0.0
-    typical_p: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: float = default("min_p")
+    typical_p: float = default("typical_p")
+    presence_penalty: float = default("presence_penalty")
+    frequency_penalty: float = default("frequency_penalty")
+    repetition_penalty: float = default("repetition_penalty")
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Structured output: (kind, text), GRAMMAR_KINDS. Every sampled token is masked to what the grammar
     # allows next (after logit_bias and penalties, before temperature and the rest); the model's EOS is

@@ -3,7 +3,7 @@ service as a user runs it, and the same task in-process through transformers for
 
 1. `mfs up`'s processes serve the family (`service.launch.Service`);
 2. for every tier, `lm_eval --model local-completions` against `/v1/completions`: a multiple-choice task
-   scored by log-likelihood, i.e. `echo` with `logprobs` on prompt + choice (issue 15);
+   scored by log-likelihood, i.e. `echo` with `logprobs` on prompt + choice;
 3. the service stops; `lm_eval --model hf` loads the family's base weights (the GGUF's dequantized
    cache, a Hugging Face directory) and scores the same task in-process.
 

@@ -81,7 +81,7 @@ async def redis_ctx(app: web.Application):
     # dead, and each would fail one command (a user's request among them). Two quick retries on a
     # connection error reconnect instead; while Redis is down they fail within a few hundredths of a s.
     target = RedisTarget.parse(cfg.redis_url, timeout_s=cfg.redis_timeout_s)
-    # A blocking pool (issue 46): a burst waits for a connection instead of failing with "Too many
+    # A blocking pool: a burst waits for a connection instead of failing with "Too many
     # connections"; the token-event reader has a connection of its own.
     retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), 2)
     # (a wait for a free connection is no sign of an unreachable Redis, but of a busy loop: it may last

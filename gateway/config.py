@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass
 
 from core.cli import opt
+from core.params import PARAMS, default
 from core.redisconn import DEFAULT_TIMEOUT_S
 from gateway.complexity import ComplexityConfig
 from gateway.openai_api import Limits
@@ -59,12 +60,15 @@ class GatewayConfig:
     spec_draft_tier: str | int | None = opt(None, "self-speculative decoding: draft with this tier (name, model "
                                                   "id or index) and verify with the request's tier, when the "
                                                   "draft is below it (default: off)", group="multi-level sampling")
-    spec_gamma: int = opt(4, "draft tokens per verification round (1..16)", group="multi-level sampling")
-    cascade_threshold: float | None = opt(None, "confidence cascade for requests naming the family id: "
-                                                "escalate one tier up when the mean top-token probability of "
-                                                "the last --cascade-window tokens falls below this (0 < P < 1; "
-                                                "default: off)", group="multi-level sampling")
-    cascade_window: int = opt(4, "tokens the cascade averages over (1..64)", group="multi-level sampling")
+    spec_gamma: int = opt(default("spec_gamma"), "draft tokens per verification round ("
+                          f"{PARAMS['spec_gamma'].bounds().strip()})", group="multi-level sampling")
+    cascade_threshold: float | None = opt(default("cascade_threshold"), "confidence cascade for requests naming "
+                                          "the family id: escalate one tier up when the mean top-token "
+                                          "probability of the last --cascade-window tokens falls below this ("
+                                          f"{PARAMS['cascade_threshold'].bounds().strip()}; default: off)",
+                                          group="multi-level sampling")
+    cascade_window: int = opt(default("cascade_window"), "tokens the cascade averages over ("
+                              f"{PARAMS['cascade_window'].bounds().strip()})", group="multi-level sampling")
     history_period_s: float = opt(2.0, "the status page's charts: seconds between two samples of this gateway's "
                                        "metrics", flag="--history-period")
     history_span_s: float = opt(300.0, "the status page's charts: seconds of samples kept", flag="--history-span")

@@ -3,7 +3,9 @@ or raises a 400 that names the field. Shared by the request parsers (``gateway.o
 ``mfs`` extension, structured output and the refused-parameter table)."""
 from __future__ import annotations
 
-from core.params import INT32_MAX  # noqa: F401 (the parsers read it here)
+import math
+
+from core.params import INT32_MAX, Param  # noqa: F401 (the parsers read INT32_MAX here)
 from gateway.errors import invalid
 
 
@@ -21,6 +23,19 @@ def int_field(body: dict, name: str, lo: int | None = None, hi: int | None = Non
         bounds = f">= {lo}" if hi is None else f"between {lo} and {hi}"
         raise invalid(f"'{param}' must be {bounds}, got {v}.", param)
     return v
+
+
+def param_field(obj: dict, key: str, p: Param, where: str) -> object | None:
+    """A declared parameter (core/params.py) read from ``obj[key]`` against its declaration: its value,
+    or None when absent or null; a 400 naming ``where`` (the field's path in the body) when out of it."""
+    v = obj.get(key)
+    if v is None:
+        return None
+    if p.kind is int and isinstance(v, float) and v.is_integer() and math.isfinite(v):
+        v = int(v)  # JSON 4.0 is the integer 4 (as JSON Schema reads it)
+    if (why := p.problem(v)) is not None:
+        raise invalid(f"'{where}' {why}, got {short(v)}.", where)
+    return float(v) if p.kind is float else v
 
 
 def short(v, n: int = 80) -> str:

@@ -1,4 +1,4 @@
-"""The gateway's heartbeat key kept from lapsing while its event loop is busy (issue 46).
+"""The gateway's heartbeat key kept from lapsing while its event loop is busy.
 
 The heartbeat (``Backend.run_heartbeat``) runs on the event loop. Taking in a burst of a thousand
 requests (parsing, chat templates, tokenizing) can hold that loop for seconds on a loaded machine, longer

@@ -16,8 +16,17 @@ _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2
 
 
 class Metrics:
+    """The gateway's metrics, declared by concern: its requests, the scheduler's gauges, prefix reuse,
+    resilience, admission and multi-level sampling."""
+
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        for declare in (self._requests, self._scheduler, self._prefix_reuse, self._resilience, self._admission,
+                        self._multilevel):
+            declare(self.registry)
+
+    def _requests(self, r: CollectorRegistry) -> None:
+        """This gateway's requests, labelled by the tier's model id."""
         self.requests = Counter("mfs_requests", "Finished requests by tier model id and finish reason",
                                 ["model", "finish_reason"], registry=r)
         self.errors = Counter("mfs_request_errors", "Requests answered with an error, by HTTP status",
@@ -25,6 +34,8 @@ class Metrics:
         self.prompt_tokens = Counter("mfs_prompt_tokens", "Prompt tokens submitted", ["model"], registry=r)
         self.completion_tokens = Counter("mfs_completion_tokens", "Completion tokens received",
                                          ["model"], registry=r)
+        self.cached_tokens = Counter("mfs_cached_prompt_tokens", "Prompt tokens reported as cached "
+                                     "(usage.prompt_tokens_details.cached_tokens)", ["model"], registry=r)
         self.ttft = Histogram("mfs_time_to_first_token_seconds", "Time to first token", ["model"],
                               buckets=_LATENCY, registry=r)
         self.tpot = Histogram("mfs_time_per_output_token_seconds", "Mean time per output token after "
@@ -35,6 +46,9 @@ class Metrics:
                               registry=r)
         self.routing = Counter("mfs_tier_routed", "Requests routed per tier (by name or by the "
                                "complexity scorer)", ["model", "how"], registry=r)
+
+    def _scheduler(self, r: CollectorRegistry) -> None:
+        """The scheduler's gauges, read from mfs:stats at scrape time."""
         self.live_workers = Gauge("mfs_live_workers", "Workers with a live registration", registry=r)
         self.waiting = Gauge("mfs_scheduler_waiting", "Requests waiting in the scheduler", ["tier"],
                              registry=r)
@@ -51,8 +65,10 @@ class Metrics:
         self.forward_steps = Gauge("mfs_scheduler_forward_steps", "Forward steps those plans ran: more than "
                                    "the plans when multi-step decoding (--decode-steps) runs several a plan "
                                    "(cumulative)", registry=r)
-        # Prefix reuse (issue 5), per KV segment, cumulative as the scheduler reports it. A request of
-        # tier k counts in segments 0..k; tokens are prompt tokens, blocks are full prompt blocks.
+
+    def _prefix_reuse(self, r: CollectorRegistry) -> None:
+        """Prefix reuse, per KV segment, cumulative as the scheduler reports it. A request of tier k
+        counts in segments 0..k; tokens are prompt tokens, blocks are full prompt blocks."""
         seg = ["segment"]
         self.prefill_computed = Gauge("mfs_prefill_tokens_computed", "Prompt tokens whose KV was "
                                       "computed, per segment (cumulative)", seg, registry=r)
@@ -75,9 +91,11 @@ class Metrics:
                                         "listed as holding their prefix (cumulative)", registry=r)
         self.affinity_yielded = Gauge("mfs_scheduler_affinity_yielded", "...of which placed on a less "
                                       "loaded worker instead (cumulative)", registry=r)
-        # Resilience (issue 7): Redis outages as this gateway saw them, and requests failed with a
-        # retryable 503 because their token stream broke (reason "gap": tokens lost, seq skipped;
-        # "redis": no event within --stall-timeout after a Redis outage or restart).
+
+    def _resilience(self, r: CollectorRegistry) -> None:
+        """Redis outages as this gateway saw them, and requests failed with a retryable 503 because
+        their token stream broke (reason "gap": tokens lost, seq skipped; "redis": no event within
+        --stall-timeout after a Redis outage or restart)."""
         self.redis_up = Gauge("mfs_redis_up", "1 while this gateway reaches Redis, 0 during an outage",
                               registry=r)
         self.redis_outages = Counter("mfs_redis_outages", "Redis outages (connection lost) and restarts "
@@ -87,8 +105,10 @@ class Metrics:
                                    registry=r)
         for reason in ("gap", "redis"):
             self.interrupted.labels(reason)  # present (at 0) before the first one
-        # Admission (issue 46, gateway.admission): requests accepted and waiting for their first token,
-        # the bounds, and the requests shed with 429 queue_full by the bound that was full.
+
+    def _admission(self, r: CollectorRegistry) -> None:
+        """Admission (gateway.admission): requests accepted and waiting for their first token, the
+        bounds, and the requests shed with 429 queue_full by the bound that was full."""
         self.queue_depth = Gauge("mfs_gateway_queue_depth", "Requests this gateway accepted that wait for "
                                  "their first token (all tiers)", registry=r)
         self.queue_depth_by_tier = Gauge("mfs_gateway_queue_depth_by_tier", "...of which per tier (a request "
@@ -101,10 +121,10 @@ class Metrics:
         self.shed = Counter("mfs_requests_shed", "Requests answered 429 queue_full, by tier ('all' before "
                             "the tier is known) and the bound that was reached (total | tier | wait)",
                             ["tier", "bound"], registry=r)
-        self.cached_tokens = Counter("mfs_cached_prompt_tokens", "Prompt tokens reported as cached "
-                                     "(usage.prompt_tokens_details.cached_tokens)", ["model"], registry=r)
-        # Multi-level sampling (issue 6). This gateway's requests submitted with self-speculation (per
-        # draft/target tier name) or with a confidence cascade (per starting tier)...
+
+    def _multilevel(self, r: CollectorRegistry) -> None:
+        """Multi-level sampling: this gateway's requests submitted with self-speculation (per
+        draft/target tier name) or with a confidence cascade (per starting tier)..."""
         self.spec_requests = Counter("mfs_spec_requests", "Requests this gateway submitted with "
                                      "self-speculative decoding, by draft and target tier",
                                      ["draft", "target"], registry=r)

@@ -1,17 +1,14 @@
 """The ``mfs`` body extension, multi-level sampling as a request asks for it: ``{"speculative": {...} |
-false, "cascade": {...} | false}``, checked for type and range here (against the tiers and the server
-defaults: ``Service.multilevel`` in ``gateway.serving``)."""
+false, "cascade": {...} | false}``, checked for type and range here, each field against the parameter
+declared at its path (core/params.py), and against the tiers and the server defaults in
+``Service.multilevel`` (``gateway.serving``)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from core.params import PARAMS
 from gateway.errors import invalid
-from gateway.fields import int_field, only_fields, short
-
-MAX_SPEC_GAMMA = int(PARAMS["spec_gamma"].hi)          # draft tokens per verification round
-MAX_CASCADE_WINDOW = int(PARAMS["cascade_window"].hi)  # tokens the cascade's confidence is averaged over
+from gateway.fields import only_fields, param_field, short
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,6 +34,13 @@ class MultiLevel:
     cascade: Cascade | bool | None = None
 
 
+def declared(obj: dict, name: str) -> object | None:
+    """The field of ``obj`` that carries the declared parameter ``name`` (its path's last part), read
+    against its declaration; None when absent or null."""
+    p = PARAMS[name]
+    return param_field(obj, p.path.rsplit(".", 1)[1], p, p.path)
+
+
 def _speculative(v) -> Speculative | bool | None:
     name = "mfs.speculative"
     if v is None or v is False:
@@ -45,7 +49,7 @@ def _speculative(v) -> Speculative | bool | None:
         return Speculative()
     if not isinstance(v, dict):
         raise invalid(f"'{name}' must be an object {{\"draft\": <tier>, \"gamma\": <int>, "
-                      f"\"stop_confidence\": <0..1>}} or false, got {short(v)}.", name)
+                      f"\"stop_confidence\": <number>}} or false, got {short(v)}.", name)
     only_fields(v, ("draft", "gamma", "stop_confidence"), name)
     draft = v.get("draft")
     if isinstance(draft, float) and draft.is_integer():
@@ -53,15 +57,7 @@ def _speculative(v) -> Speculative | bool | None:
     if draft is not None and (isinstance(draft, bool) or not isinstance(draft, (str, int)) or draft == ""):
         raise invalid(f"'{name}.draft' must be a tier name, a model id or a tier index, got "
                       f"{short(draft)}.", f"{name}.draft")
-    gamma = int_field(v, "gamma", lo=1, hi=MAX_SPEC_GAMMA, param=f"{name}.gamma")
-    stop = v.get("stop_confidence")
-    if stop is not None:
-        if isinstance(stop, bool) or not isinstance(stop, (int, float)) or not math.isfinite(stop) \
-                or not 0 <= stop <= 1:
-            raise invalid(f"'{name}.stop_confidence' must be a number between 0 and 1, got {short(stop)}.",
-                          f"{name}.stop_confidence")
-        stop = float(stop)
-    return Speculative(draft, gamma, stop)
+    return Speculative(draft, declared(v, "spec_gamma"), declared(v, "spec_stop_confidence"))
 
 
 def _cascade(v) -> Cascade | bool | None:
@@ -71,17 +67,10 @@ def _cascade(v) -> Cascade | bool | None:
     if v is True:
         return Cascade()
     if not isinstance(v, dict):
-        raise invalid(f"'{name}' must be an object {{\"threshold\": <0..1>, \"window\": <int>}} or false, "
-                      f"got {short(v)}.", name)
+        raise invalid(f"'{name}' must be an object {{\"threshold\": <number>, \"window\": <int>}} or "
+                      f"false, got {short(v)}.", name)
     only_fields(v, ("threshold", "window"), name)
-    t = v.get("threshold")
-    if t is not None:
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 < t < 1:
-            raise invalid(f"'{name}.threshold' must be a number strictly between 0 and 1, got {short(t)}.",
-                          f"{name}.threshold")
-        t = float(t)
-    window = int_field(v, "window", lo=1, hi=MAX_CASCADE_WINDOW, param=f"{name}.window")
-    return Cascade(t, window)
+    return Cascade(declared(v, "cascade_threshold"), declared(v, "cascade_window"))
 
 
 def parse_multilevel(body: dict) -> MultiLevel:

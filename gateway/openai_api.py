@@ -14,11 +14,11 @@ import math
 from dataclasses import dataclass, field
 
 from core.cli import opt
-from core.params import Param, body_params
+from core.params import PARAMS, Param, body_params
 from core.sampling import MAX_BIAS, MAX_LOGIT_BIAS
 from core.sampling import MAX_LOGPROBS as _MAX_LOGPROBS
 from gateway.errors import invalid
-from gateway.fields import INT32_MAX, bool_field, int_field, short
+from gateway.fields import INT32_MAX, bool_field, int_field, param_field, short
 from gateway.multilevel import MultiLevel, parse_multilevel
 from gateway.refused import check_refused
 from gateway.structured import Grammar, parse_grammar
@@ -125,10 +125,13 @@ def _max_tokens(body: dict, lim: Limits, echo: bool = False) -> int | None:
     """``max_completion_tokens`` wins over ``max_tokens``; 0 only with completions' echo (the prompt
     scored, nothing generated)."""
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    v = int_field(body, name, lo=0, hi=INT32_MAX)
-    if v == 0 and not echo:
-        raise invalid(f"'{name}' must be between 1 and {INT32_MAX}, got 0 (0 only with 'echo' on completions).",
-                      name)
+    declared, raw = PARAMS["max_tokens"], body.get(name)
+    if raw == 0 and not isinstance(raw, bool):  # below the declared bound: the prompt scored alone
+        if not echo:
+            raise invalid(f"'{name}' must be {declared.expects()}, got 0 (0 only with 'echo' on completions).",
+                          name)
+        return 0
+    v = param_field(body, name, declared, name)
     if v is not None and lim.max_tokens_cap and v > lim.max_tokens_cap:
         raise invalid(f"'{name}' may be at most {lim.max_tokens_cap} on this server, got {v}.", name)
     return v
@@ -158,9 +161,9 @@ def _logprobs(body: dict, chat: bool) -> int | None:
         if v is True:
             raise invalid(f"'logprobs' on completions is the number of most likely tokens to return (0 to "
                           f"{MAX_LOGPROBS}), not a boolean.", "logprobs")
-        return int_field(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
+        return param_field(body, "logprobs", PARAMS["logprobs"], "logprobs")
     on = bool_field(body, "logprobs")
-    top = int_field(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    top = param_field(body, "top_logprobs", PARAMS["logprobs"], "top_logprobs")
     if top is not None and not on:
         raise invalid("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
     return (top or 0) if on else None
@@ -168,14 +171,8 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 def read_param(body: dict, p: Param):
     """One declared parameter from a body: its value, or its body default when absent or null."""
-    v = body.get(p.name)
-    if v is None:
-        return p.wire_default
-    if p.kind is int and isinstance(v, float) and v.is_integer() and math.isfinite(v):
-        v = int(v)  # JSON 4.0 is the integer 4 (as JSON Schema reads it)
-    if (why := p.problem(v)) is not None:
-        raise invalid(f"'{p.name}' {why}, got {short(v)}.", p.name)
-    return float(v) if p.kind is float else v
+    v = param_field(body, p.name, p, p.name)
+    return p.wire_default if v is None else v
 
 
 def sampling_fields(body: dict, endpoint: str) -> dict[str, object]:

@@ -3,9 +3,8 @@
 beside it validate them."""
 from __future__ import annotations
 
-from core.params import INT32_MAX, Param, body_params
+from core.params import INT32_MAX, PARAMS, Param, body_params
 from core.sampling import MAX_BIAS, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, SamplingParams
-from gateway.multilevel import MAX_CASCADE_WINDOW, MAX_SPEC_GAMMA
 from gateway.openai_api import MAX_LOGPROBS, MAX_N, ROLES
 from gateway.openapi_base import Facts, nullable, obj, ref
 from gateway.refused import REFUSED
@@ -42,9 +41,8 @@ def _draft(f: Facts, top: int) -> dict:
 
 def _speculative(f: Facts, top: int | None) -> dict:
     """``mfs.speculative`` for a request whose possible drafts are tiers 0..top (None: none)."""
-    gamma = nullable({"type": "integer", "minimum": 1, "maximum": MAX_SPEC_GAMMA,
-                       "description": f"Draft tokens per verification round (server default "
-                                      f"{f.default_gamma})."})
+    gamma = nullable(at_path("spec_gamma", f"Draft tokens per verification round (server default "
+                                           f"{f.default_gamma})."))
     has_default = f.default_draft is not None
     values: list = [None, False] + ([True] if has_default else [])
     alts: list[dict] = [{"enum": values}]
@@ -53,10 +51,9 @@ def _speculative(f: Facts, top: int | None) -> dict:
             draft = {"type": "null"}
         else:
             draft = nullable(_draft(f, top)) if has_default else _draft(f, top)
-        stop = nullable({"type": "number", "minimum": 0, "maximum": 1,
-                          "description": "A round ends before 'gamma' drafts when the draft tier's top-token "
-                                         "probability for its latest draft falls below this (0: always "
-                                         f"'gamma'; default {SamplingParams().spec_stop_confidence})."})
+        stop = nullable(at_path("spec_stop_confidence", "A round ends before 'gamma' drafts when the draft "
+                                "tier's top-token probability for its latest draft falls below this (0: "
+                                f"always 'gamma'; default {SamplingParams().spec_stop_confidence})."))
         alts.append(obj({"draft": draft, "gamma": gamma, "stop_confidence": stop},
                          [] if has_default else ["draft"]))
     default = (f"true: the server's defaults (draft tier '{f.tier_names[f.default_draft]}')" if has_default
@@ -67,12 +64,10 @@ def _speculative(f: Facts, top: int | None) -> dict:
 
 def _cascade(f: Facts) -> dict:
     has_default = f.default_threshold is not None
-    threshold = {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1,
-                 "description": "Escalate one tier up when the mean top-token probability of the last "
-                                "'window' tokens falls below it."}
-    window = nullable({"type": "integer", "minimum": 1, "maximum": MAX_CASCADE_WINDOW,
-                        "description": f"Tokens the confidence is averaged over (server default "
-                                       f"{f.default_window})."})
+    threshold = at_path("cascade_threshold", "Escalate one tier up when the mean top-token probability of "
+                        "the last 'window' tokens falls below it (1: at the end of every window; 0: never).")
+    window = nullable(at_path("cascade_window", f"Tokens the confidence is averaged over (server default "
+                                                f"{f.default_window})."))
     asked = obj({"threshold": nullable(threshold) if has_default else threshold, "window": window},
                  [] if has_default else ["threshold"])
     default = (f"true: the server's defaults (threshold {f.default_threshold:g})" if has_default
@@ -112,12 +107,22 @@ def _per_model(f: Facts) -> list[dict]:
 # ---- requests ---------------------------------------------------------------------------------
 def param_schema(p: Param) -> dict:
     """A declared parameter (core/params.py) as the parser reads it: its type and bounds, or null."""
+    return nullable({**bounds_schema(p), "description": p.doc})
+
+
+def bounds_schema(p: Param) -> dict:
+    """A declared parameter's type and bounds (null aside)."""
     s: dict = {"type": p.json_type}
     if p.lo is not None:
         s["exclusiveMinimum" if p.lo_open else "minimum"] = _num(p.lo)
     if p.hi is not None:
         s["exclusiveMaximum" if p.hi_open else "maximum"] = _num(p.hi)
-    return nullable({**s, "description": p.doc})
+    return s
+
+
+def at_path(name: str, description: str) -> dict:
+    """The declared parameter a body carries at its path (``mfs.*``), described for that place."""
+    return {**bounds_schema(PARAMS[name]), "description": description}
 
 
 def _num(x: float) -> int | float:
@@ -130,8 +135,8 @@ def _declared(endpoint: str) -> dict:
 
 def _common_params(f: Facts) -> dict:
     lim = f.limits
-    cap = lim.max_tokens_cap or INT32_MAX
-    max_tokens = nullable({"type": "integer", "minimum": 1, "maximum": cap,
+    declared = bounds_schema(PARAMS["max_tokens"])
+    max_tokens = nullable({**declared, "maximum": lim.max_tokens_cap or declared["maximum"],
                             "description": "Tokens to generate at most; prompt + max_tokens must fit the "
                                            "context (else 400 context_length_exceeded)."})
     stop_string = {"type": "string", "minLength": 1, "maxLength": lim.max_stop_chars}
@@ -220,7 +225,7 @@ def _chat_params() -> dict:
         "echo": {"enum": [None, False, 0], "description": "Not on chat (a completions parameter)."},
         "logprobs": nullable({"type": "boolean", "description": "Return each output token's log-probability "
                                                                  "in choices[].logprobs.content. " + LOGPROBS_NOTE}),
-        "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+        "top_logprobs": nullable({**bounds_schema(PARAMS["logprobs"]),
                                    "description": "Most likely tokens per position; needs logprobs true."}),
     }
 
@@ -244,7 +249,7 @@ def _completion_params(f: Facts) -> dict:
     common = _common_params(f)
     zero = "; 0 with echo: the prompt scored, nothing generated"
     return {
-        "logprobs": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+        "logprobs": {"anyOf": [bounds_schema(PARAMS["logprobs"]),
                                {"enum": [None, False]}],
                      "description": "Return each token's log-probability and this many most likely tokens per "
                                     "position (null or false: off). " + LOGPROBS_NOTE},

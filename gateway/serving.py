@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 import structlog
 
 from core import protocol as P
+from core.params import PARAMS
 from core.grammar import GrammarError, grammar_of
 from gateway import complexity
 from gateway.admission import Admission, default_max_waiting
@@ -24,7 +25,7 @@ from gateway.backend import Backend, max_context
 from gateway.errors import APIError, context_overflow, invalid, model_not_found
 from gateway.generation import DEFAULT_PARAMS, Generation, Job, never_gone
 from gateway.metrics import Metrics
-from gateway.multilevel import MAX_CASCADE_WINDOW, MAX_SPEC_GAMMA, Cascade, MultiLevel, Speculative
+from gateway.multilevel import Cascade, MultiLevel, Speculative
 from gateway.openai_api import ChatRequest, CompletionRequest
 from gateway.ratelimit import RateLimiter
 from gateway.responses import TokenInfo
@@ -75,13 +76,9 @@ class Service:
                 self.spec_draft_tier = self.resolve_tier(draft, "spec_draft_tier")
             except APIError as e:
                 raise ValueError(f"--spec-draft-tier: {e.message}") from None
-        if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= MAX_SPEC_GAMMA:
-            raise ValueError(f"--spec-gamma must be an integer between 1 and {MAX_SPEC_GAMMA}, got {gamma!r}")
-        if threshold is not None and not (isinstance(threshold, (int, float)) and 0 < threshold < 1):
-            raise ValueError(f"--cascade-threshold must be strictly between 0 and 1, got {threshold!r}")
-        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_CASCADE_WINDOW:
-            raise ValueError(f"--cascade-window must be an integer between 1 and {MAX_CASCADE_WINDOW}, "
-                             f"got {window!r}")
+        for name, v in (("spec_gamma", gamma), ("cascade_threshold", threshold), ("cascade_window", window)):
+            if (why := PARAMS[name].problem(v)) is not None:  # the request's own bounds (core/params.py)
+                raise ValueError(f"--{name.replace('_', '-')} {why}, got {v!r}")
         self.spec_gamma = gamma
         self.cascade_threshold = None if threshold is None else float(threshold)
         self.cascade_window = window

@@ -10,12 +10,12 @@
 //
 // Why: the compiled decode layer (worker/compiled_step.py) gathered each row's context out of the
 // pool (index_select), put the new entry in (index_put) and called SDPA on the copy; at one row and
-// ~50 positions that is 25-44 us a layer on the Zen 5 machine (tools/probes/attn_part.py), most of it
+// ~50 positions that is 25-44 us a layer on the Zen 5 machine (docs/journal/probes/attn_part.py.txt), most of it
 // per-call work for ~10 K multiply-adds. Here each (row, KV head) reads its context in place: one
 // pass of dot products for the G query heads, a vectorized exp, one pass of weighted sums -- in
 // 512-bit registers with q and the outputs held there where the build has AVX-512 and the shape is
 // SmolLM's kind (G <= 4, head_dim 64 or 128; attend_zmm), else in AVX2 registers (attend). On the Zen 5
-// machine (two threads, tools/probes/attn_op.py): one row 3.7 us at 50 positions, 7.1 at 200 (the AVX2
+// machine (two threads, docs/journal/probes/attn_op.py.txt): one row 3.7 us at 50 positions, 7.1 at 200 (the AVX2
 // form 5.7 / 12.1), six rows 7.8 / 26.9; the gather + SDPA it replaces, eager, 44 / 98 and 80 / 165 us.
 //
 // A row's output depends on that row only (its context and its q), in a fixed order: the same bit for

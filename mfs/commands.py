@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from core.params import PARAMS
 from engine.prompts import encode_prompt
 from worker.family import add_model_args, load_from_args
 
@@ -24,10 +25,10 @@ def add_generate(sub) -> None:
     p.set_defaults(weights="auto")  # what serves: the fastest weight format this CPU runs (fp32 on CUDA)
     p.add_argument("--tier", default=None, help="tier name (default: the top tier)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    for name in ("temperature", "top_p", "top_k", "seed"):  # as declared for requests (core/params.py)
+        d = PARAMS[name]
+        p.add_argument("--" + name.replace("_", "-"), type=d.kind, default=d.default,
+                       help=f"{d.doc.rstrip('.')};{d.bounds()}, default {d.default}")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("prompt")
     p.set_defaults(func=run_generate)

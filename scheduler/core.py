@@ -219,6 +219,15 @@ class StepScheduler(PrefixCaching):
         verify_rows: list[tuple[Request, list[int], int]] = []
         catchups: list[tuple[Request, int, int, int]] = []
         fills: list[tuple[Request, int, int, int]] = []
+        budget, preempted = self._step_running(budget, allowed, rows, draft_rows, verify_rows, catchups)
+        if not preempted:
+            self._admit_waiting(budget, allowed, rows, catchups, fills, bool(draft_rows or verify_rows))
+        return self._close_step(rows, draft_rows, verify_rows, catchups, fills)
+
+    def _step_running(self, budget: int, allowed, rows: list, draft_rows: list, verify_rows: list,
+                      catchups: list) -> tuple[int, bool]:
+        """The running requests' rows, in the policy's order, within the token budget: a catch-up, a
+        draft or verify row, or the next tokens. Returns the budget left and whether one was preempted."""
         preempted = False
         for req in self.policy.order(self.running):
             if budget == 0:
@@ -250,13 +259,19 @@ class StepScheduler(PrefixCaching):
             if req.status is Status.RUNNING:
                 rows.append((req, n))
                 budget -= n
+        return budget, preempted
+
+    def _admit_waiting(self, budget: int, allowed, rows: list, catchups: list, fills: list,
+                       spec_rows: bool) -> None:
+        """Waiting requests admitted into what is left of the budget, their cached prefix found first;
+        one the policy, the tier mix or its quota holds back keeps its place in the queue."""
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.cfg.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting.popleft()
             if self._follows_a_prefill(req):
                 skipped.append(req)
                 continue
-            alone = not rows and not draft_rows and not verify_rows and not catchups and not fills
+            alone = not rows and not spec_rows and not catchups and not fills
             hit = self._cached_prefix(req, budget, alone)
             extra = (req.catchup[2] - req.catchup[1] if req.catchup else 0) + sum(b - a for _, a, b in req.fills)
             n = min(req.num_tokens - (len(hit[0]) * self.cfg.block_size if hit else 0),
@@ -278,6 +293,10 @@ class StepScheduler(PrefixCaching):
             fills.extend((req, *f) for f in req.fills)
             req.fills = []
         self.waiting.extendleft(reversed(skipped))
+
+    def _close_step(self, rows: list, draft_rows: list, verify_rows: list, catchups: list,
+                    fills: list) -> ScheduledStep:
+        """The step as the worker runs it, and the statistics it moves."""
         new = [r for r, _ in rows if not r.announced]
         for r in new:
             r.announced = True

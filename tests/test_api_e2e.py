@@ -1,4 +1,4 @@
-"""The OpenAI parameters tools depend on (issue 15), through the whole service: gateway, scheduler and
+"""The OpenAI parameters tools depend on, through the whole service: gateway, scheduler and
 worker processes over a real redis-server, serving a tiny random model over a real tokenizer (float64),
 checked against the in-process engine and a dense forward of the same weights. Clients: the official
 ``openai`` package and ``httpx``."""

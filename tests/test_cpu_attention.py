@@ -13,6 +13,7 @@ import torch
 
 from kernels import cpu_attention
 from kernels.cpu_gemv import cpu_flags, isa
+from tests.support.attention import SHAPES, case
 
 if not {"avx2", "fma"} <= cpu_flags():
     pytest.skip("the operator needs AVX2 and FMA", allow_module_level=True)
@@ -24,29 +25,9 @@ def op():
     return torch.ops.mfs.decode_attention
 
 
-def _case(T, Hq, Hkv, D, lmax, S=300, seed=0, last=None):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(T, Hq, D, generator=g)
-    kp, vp = torch.randn(S, Hkv, D, generator=g), torch.randn(S, Hkv, D, generator=g)
-    kn, vn = torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g)
-    flat = torch.randint(0, S, (T * lmax,), generator=g)
-    if last is None:
-        last = torch.randint(0, lmax, (T,), generator=g)
-        if T:
-            last[0] = lmax - 1  # one row with a full context
-    return q, kp, vp, flat, last, kn, vn
-
-
-# (T, Hq, Hkv, D, lmax): SmolLM2-135M's heads (9 over 3, 64), one KV head per query head, four per KV
-# head at 128 wide, 32 wide (the AVX2 form on any machine), five per KV head (past the 512-bit form's
-# four), one position, and contexts across the exp's 8-lane tail
-SHAPES = [(1, 9, 3, 64, 50), (6, 9, 3, 64, 37), (3, 4, 4, 64, 1), (2, 8, 2, 128, 19), (4, 4, 2, 32, 23),
-          (2, 10, 2, 64, 9), (5, 9, 3, 64, 200)]
-
-
 @pytest.mark.parametrize("T,Hq,Hkv,D,lmax", SHAPES)
 def test_matches_its_float64_reference(op, T, Hq, Hkv, D, lmax):
-    args = _case(T, Hq, Hkv, D, lmax)
+    args = case(T, Hq, Hkv, D, lmax)
     got = op(*args, D ** -0.5)
     want = cpu_attention.decode_attention_reference(*args, D ** -0.5)
     assert got.shape == (T, Hq, D)
@@ -54,7 +35,7 @@ def test_matches_its_float64_reference(op, T, Hq, Hkv, D, lmax):
 
 
 def test_large_scores_do_not_overflow_and_a_lone_position_is_its_value(op):
-    q, kp, vp, flat, last, kn, vn = _case(3, 9, 3, 64, 12, seed=2)
+    q, kp, vp, flat, last, kn, vn = case(3, 9, 3, 64, 12, seed=2)
     q *= 300  # scores in the thousands: softmax must subtract the max
     torch.testing.assert_close(op(q, kp, vp, flat, last, kn, vn, 0.125),
                                cpu_attention.decode_attention_reference(q, kp, vp, flat, last, kn, vn, 0.125),
@@ -65,7 +46,7 @@ def test_large_scores_do_not_overflow_and_a_lone_position_is_its_value(op):
 
 
 def test_a_rows_output_is_the_same_bit_for_bit_at_any_batch_size_and_thread_count(op):
-    q, kp, vp, flat, last, kn, vn = _case(7, 9, 3, 64, 40, seed=1)
+    q, kp, vp, flat, last, kn, vn = case(7, 9, 3, 64, 40, seed=1)
     full = op(q, kp, vp, flat, last, kn, vn, 0.125)
     for t in range(7):
         one = op(q[t:t + 1], kp, vp, flat[t * 40:(t + 1) * 40], last[t:t + 1], kn[t:t + 1], vn[t:t + 1], 0.125)
@@ -79,9 +60,9 @@ def test_a_rows_output_is_the_same_bit_for_bit_at_any_batch_size_and_thread_coun
 
 
 def test_empty_batch_and_non_contiguous_q(op):
-    q, kp, vp, flat, last, kn, vn = _case(0, 9, 3, 64, 5)
+    q, kp, vp, flat, last, kn, vn = case(0, 9, 3, 64, 5)
     assert op(q, kp, vp, flat, last, kn, vn, 0.125).shape == (0, 9, 64)
-    q, kp, vp, flat, last, kn, vn = _case(2, 9, 3, 64, 5)
+    q, kp, vp, flat, last, kn, vn = case(2, 9, 3, 64, 5)
     qt = q.transpose(0, 1).contiguous().transpose(0, 1)
     assert not qt.is_contiguous()
     assert torch.equal(op(qt, kp, vp, flat, last, kn, vn, 0.125), op(q, kp, vp, flat, last, kn, vn, 0.125))
@@ -91,7 +72,7 @@ def test_empty_batch_and_non_contiguous_q(op):
     ("q_bf16", "q must be fp32"), ("heads", "query heads"), ("last", "outside"), ("slot", "outside the pool"),
     ("k_new", "k_new and v_new"), ("width", "multiple of 16"), ("flat", "flat must be int64")])
 def test_bad_inputs_are_refused_with_a_message(op, bad, match):
-    q, kp, vp, flat, last, kn, vn = _case(2, 9, 3, 64, 6)
+    q, kp, vp, flat, last, kn, vn = case(2, 9, 3, 64, 6)
     if bad == "q_bf16":
         q = q.bfloat16()
     elif bad == "heads":
@@ -103,7 +84,7 @@ def test_bad_inputs_are_refused_with_a_message(op, bad, match):
     elif bad == "k_new":
         kn = kn[:1]
     elif bad == "width":
-        q, kp, vp, flat, last, kn, vn = _case(2, 6, 3, 8, 6)
+        q, kp, vp, flat, last, kn, vn = case(2, 6, 3, 8, 6)
     elif bad == "flat":
         flat = flat.int()
     with pytest.raises(RuntimeError, match=match):
@@ -111,7 +92,7 @@ def test_bad_inputs_are_refused_with_a_message(op, bad, match):
 
 
 def test_it_traces_into_a_compiled_graph(op):
-    args = _case(3, 9, 3, 64, 11)
+    args = case(3, 9, 3, 64, 11)
     f = torch.compile(lambda *a: op(*a, 0.125) * 2, fullgraph=True, dynamic=True)
     torch.testing.assert_close(f(*args), op(*args, 0.125) * 2)
 
@@ -126,10 +107,10 @@ def test_the_avx2_build_matches_the_reference_too(tmp_path):
         "import torch, sys\n"
         "sys.path.insert(0, sys.argv[1])\n"
         "from kernels import cpu_attention\n"
-        "from tests.test_cpu_attention import SHAPES, _case\n"
+        "from tests.support.attention import SHAPES, case\n"
         "cpu_attention.load()\n"
         "for T, Hq, Hkv, D, lmax in SHAPES:\n"
-        "    a = _case(T, Hq, Hkv, D, lmax)\n"
+        "    a = case(T, Hq, Hkv, D, lmax)\n"
         "    torch.testing.assert_close(torch.ops.mfs.decode_attention(*a, D ** -0.5),\n"
         "                               cpu_attention.decode_attention_reference(*a, D ** -0.5), rtol=2e-5, atol=2e-6)\n"
         "print('ok')\n")

@@ -1,4 +1,4 @@
-"""The defaults that are the product (issue 44): every command that serves takes ``--weights auto``;
+"""The defaults that are the product: every command that serves takes ``--weights auto``;
 `mfs up` asks its workers for compiled decode where it builds (``--no-compile`` opts out, ``--compile``
 refuses where it cannot); a worker's threads are the cores it has, split when several share them; the
 compose worker serves the same way. No model is loaded here."""

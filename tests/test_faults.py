@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -20,7 +21,7 @@ from tests.support.faults import TIERS, assert_complete_and_equal, by_seq, expec
 from tests.support.pipeline import Reader, stats, submit, wait_kv_idle
 from tests.support.redis_group import server_argv
 from tests.support.redis_server import free_port
-from tests.support.wait import wait_for
+from tests.support.wait import pace, wait_for
 from worker.sampling import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -29,6 +30,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 def service(llama_dir, **kw):
     return Service(str(llama_dir), tiers=TIERS, workers=2, gateway=False, dtype="float64",
                    worker_args=["--num-blocks", "256", "--block-size", "4", "--threads", "1"], **kw)
+
+
+def aof(data_dir) -> bytes:
+    """What Redis's append-only file(s) in data_dir hold on disk now."""
+    return b"".join(p.read_bytes() for p in Path(data_dir).rglob("*.aof"))
 
 
 def test_worker_killed_mid_generation_32_streams_complete_on_the_other(llama_dir):
@@ -73,10 +79,7 @@ def test_leading_scheduler_killed_the_standby_takes_over(llama_dir):
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
         killed_at = time.monotonic()
-        deadline = killed_at + 15
-        while (r.get(P.LEADER_KEY) or b"").decode() in ("", leader):
-            assert time.monotonic() < deadline, "no standby took over"
-            time.sleep(0.05)
+        wait_for(lambda: (r.get(P.LEADER_KEY) or b"").decode() not in ("", leader), 15, "a standby to take over")
         took_over_in = time.monotonic() - killed_at
         assert int(r.get(P.EPOCH_KEY)) == epoch + 1
         rd.until(lambda: all(rd.finished(rid) for rid, *_ in work), timeout=120)
@@ -104,10 +107,9 @@ def test_a_gateway_that_disappears_has_its_requests_cancelled(llama_dir):
             r.xadd(P.REQ_STREAM, sub.encode())
         rd = Reader(r, gw)
         rd.until(lambda: len(rd.events) == 12)
-        t_end = time.monotonic() + 0.6  # ...for a while: the scheduler sees it alive (it looks every 0.25 s)
-        while time.monotonic() < t_end:
+        for _ in range(6):  # ...for a while, a beat every 0.1 s: the scheduler sees it alive (it looks every 0.25 s)
             r.set(P.gateway_key(gw), "{}", ex=1)
-            time.sleep(0.1)
+            pace(0.1)
         stopped = time.monotonic()  # the heartbeat stops: the key expires in 1 s
         rd.until(lambda: all(rd.finished(f"g{i}") for i in range(12)), timeout=20)
         cancelled_in = time.monotonic() - stopped
@@ -136,12 +138,13 @@ def test_redis_killed_and_restarted_streams_end_and_new_requests_succeed(llama_d
             submit(r, rid, prompt, tier, max_tokens=n, ignore_eos=True)
         rd = Reader(r)
         rd.until(lambda: sum(len(v) for v in rd.events.values()) >= 100)
-        time.sleep(1.5)  # the submits are in the AOF (fsync every second)
+        # every submit is in the AOF on disk (written once a second) before Redis is killed
+        wait_for(lambda: all(rid.encode() in aof(svc.redis.dir) for rid, *_ in work), 10, "the submits in the AOF")
         svc.redis.proc.kill()  # no clean shutdown: the last second of writes may be lost
         svc.redis.proc.wait(5)
         in_flight = sum(not rd.finished(rid) for rid, *_ in work)
         assert in_flight >= len(work) // 2
-        time.sleep(1.0)
+        pace(1.0)  # the outage lasts a second
         svc.redis.start()
         restarted = time.monotonic()
         rd.until(lambda: all(rd.finished(rid) for rid, *_ in work), timeout=120)
@@ -195,7 +198,7 @@ class DelayingProxy:
             while data := src.recv(1 << 16):
                 if to_redis and self.armed.is_set() and self.marker in data:
                     self.armed.clear()
-                    time.sleep(self.hold_s)
+                    pace(self.hold_s)  # the fault: this round held in flight
                     self.released.set()
                 dst.sendall(data)
         except OSError:

@@ -15,7 +15,7 @@ Every simple field is also tried at and past each of its documented bounds (and 
 
 Bounded: ~150 examples per endpoint for the hand-written strategies, 100 schema-valid and 50 invalid
 bodies per endpoint from the description, ~600 edge bodies per endpoint and gateway; no per-example
-deadline, about a minute in all on two cores (67–75 s in the fourteenth session's full runs).
+deadline, about a minute in all on two cores.
 """
 from __future__ import annotations
 

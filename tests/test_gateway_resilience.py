@@ -1,4 +1,4 @@
-"""Issue 7, the gateway's part: a broken token stream or a Redis outage never leaves a client hanging.
+"""The gateway's part of resilience: a broken token stream or a Redis outage never leaves a client hanging.
 
 Each test gets its own redis-server (``service.launch.EmbeddedRedis``, AOF on) and a real gateway; the
 test plays scheduler + worker by hand (:class:`Peer`): it reads the Submit/Cancel records on
@@ -8,7 +8,9 @@ test plays scheduler + worker by hand (:class:`Peer`): it reads the Submit/Cance
 from __future__ import annotations
 
 import json
+import threading
 import time
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx
@@ -19,6 +21,7 @@ from core import protocol as P
 from gateway.config import GatewayConfig
 from service.launch import EmbeddedRedis
 from tests.support.gateway import CHAT, ServerThread, _err, register_worker
+from tests.support.wait import pace, wait_for
 
 pytestmark = pytest.mark.timeout(40)  # each test; a hang is a failure, never a stuck run
 
@@ -35,13 +38,8 @@ class Peer:
         self.submits: list[P.Submit] = []
         self.cancels: dict[str, str] = {}
 
-    def poll(self, block_ms: int = 100) -> None:
-        try:
-            resp = self.r.xread({P.REQ_STREAM: self.last}, block=block_ms)
-        except redis.ConnectionError:  # Redis is down (this test stopped it)
-            time.sleep(0.05)
-            return
-        for _, entries in resp or ():
+    def read(self, block_ms: int = 100) -> None:
+        for _, entries in self.r.xread({P.REQ_STREAM: self.last}, block=block_ms) or ():
             for self.last, fields in entries:
                 rec = P.decode(fields)
                 if isinstance(rec, P.Submit):
@@ -49,18 +47,17 @@ class Peer:
                 elif isinstance(rec, P.Cancel):
                     self.cancels[rec.request_id] = rec.reason
 
+    def until(self, pred, timeout: float, what: str):
+        """Reads mfs:req until pred() holds; a read while Redis is down (this test stopped it) is "not yet"."""
+        return wait_for(lambda: pred() or (self.read() or pred()), timeout, what, poll=0)
+
     def next_submit(self, timeout: float = 10.0) -> P.Submit:
-        n, deadline = len(self.submits), time.monotonic() + timeout
-        while len(self.submits) == n:
-            assert time.monotonic() < deadline, "no Submit on mfs:req"
-            self.poll()
+        n = len(self.submits)
+        self.until(lambda: len(self.submits) > n, timeout, "a Submit on mfs:req")
         return self.submits[n]
 
-    def wait_cancel(self, request_id: str, timeout: float = 10.0) -> str | None:
-        deadline = time.monotonic() + timeout
-        while request_id not in self.cancels and time.monotonic() < deadline:
-            self.poll()
-        return self.cancels.get(request_id)
+    def wait_cancel(self, request_id: str, timeout: float = 10.0) -> str:
+        return self.until(lambda: self.cancels.get(request_id), timeout, f"a Cancel of {request_id}")
 
     def send(self, sub: P.Submit, seq: int, ids: list[int], finish: str | None = None) -> None:
         ev = P.TokenEvent(sub.request_id, seq, ids, finish is not None, finish, tier=sub.tier, worker="w0",
@@ -108,6 +105,23 @@ def post(gw, body: dict, path: str = "/v1/completions", timeout: float = 30) -> 
     return httpx.post(gw.url + path, json=body, timeout=timeout)
 
 
+@dataclass
+class Streamed:
+    status_code: int
+    text: str
+
+
+def post_stream(gw, body: dict, began: threading.Event, path: str = "/v1/completions") -> Streamed:
+    """A streamed request read as it comes: ``began`` is set once its first data line has arrived."""
+    text = ""
+    with httpx.stream("POST", gw.url + path, json=body, timeout=30) as r:
+        for chunk in r.iter_text():
+            text += chunk
+            if "data: " in text:
+                began.set()
+    return Streamed(r.status_code, text)
+
+
 def sse(r: httpx.Response) -> list:
     """The data lines of an SSE body: parsed JSON, or the string "[DONE]"."""
     out = [ln[6:] for ln in r.text.split("\n\n") if ln.startswith("data: ")]
@@ -123,7 +137,7 @@ def metric(gw, line: str) -> float:
 
 def restart(srv: EmbeddedRedis, down_s: float = 0.3) -> None:
     srv.stop()
-    time.sleep(down_s)
+    pace(down_s)  # the outage's length
     srv.start()
 
 
@@ -164,13 +178,15 @@ def test_sequence_gap_fails_cleanly_and_cancels(gw, peer, ids, pool, frontend):
 def test_redis_restart_in_flight_requests_complete_or_fail_retryable(gw, peer, srv, ids, pool, frontend):
     fa = pool.submit(post, gw, completion())                 # gets the rest of its tokens: completes
     a = peer.next_submit()
-    fb = pool.submit(post, gw, completion(stream=True))      # stream: nothing more comes
+    b_began = threading.Event()
+    fb = pool.submit(post_stream, gw, completion(stream=True), b_began)  # stream: nothing more comes
     b = peer.next_submit()
     fc = pool.submit(post, gw, completion())                 # nothing more comes
     c = peer.next_submit()
-    for sub in (a, b, c):
+    for sub in (a, c, b):
         peer.send(sub, 0, ids[:2])
-    time.sleep(0.3)  # the gateway has read them (b has answered 200 and sent its first chunk)
+    # the gateway has read them: b has answered 200 and sent its first chunk (b's tokens came last)
+    wait_for(b_began.is_set, 10, "the stream's first chunk at its client")
     restart(srv)
     t_back = time.monotonic()
     peer.send(a, 2, ids[2:], finish="length")
@@ -218,13 +234,11 @@ def test_redis_down_health_and_new_requests_then_recovery(gw, peer, srv, ids, po
     rd = fd.result(15)  # Redis still down: the grace period runs from the outage's start
     _err(rd, 503, "redis_interrupted")
     assert time.monotonic() - t_down <= STALL_S + 6
-    time.sleep(0.2)
+    pace(0.2)  # the outage lasts a little longer
     srv.start()
 
-    deadline = time.monotonic() + 10  # /health recovers by itself
-    while (h := httpx.get(gw.url + "/health", timeout=10)).status_code != 200:
-        assert time.monotonic() < deadline, h.text
-        time.sleep(0.1)
+    h = wait_for(lambda: (got := httpx.get(gw.url + "/health", timeout=10)).status_code == 200 and [got], 10,
+                 "/health to recover by itself", poll=0.1)[0]
     assert h.json()["status"] == "ok"
     # the Cancel that could not be written while Redis was down is written now
     assert peer.wait_cancel(d.request_id) == "redis_interrupted"
@@ -236,10 +250,8 @@ def test_redis_down_health_and_new_requests_then_recovery(gw, peer, srv, ids, po
     re_ = fe.result(15)
     assert re_.status_code == 200 and re_.json()["choices"][0]["text"] == WORDS
     # nothing stayed registered: the refused requests left no queue behind
-    deadline = time.monotonic() + 5  # the next heartbeat (every second) says so
-    while json.loads(peer.r.get(P.gateway_key(gw.cfg.gateway_id)))["waiting"]:
-        assert time.monotonic() < deadline, "requests still registered at the gateway"
-        time.sleep(0.05)
+    wait_for(lambda: not json.loads(peer.r.get(P.gateway_key(gw.cfg.gateway_id)))["waiting"], 5,  # the next
+             "no request registered at the gateway")                                           # heartbeat says so
     assert metric(gw, "mfs_inflight_requests") == 0
     assert metric(gw, "mfs_redis_up") == 1
     assert metric(gw, 'mfs_requests_interrupted_total{reason="redis"}') == 1

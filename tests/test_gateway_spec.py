@@ -1,4 +1,4 @@
-"""Multi-level sampling in the API (issue 6): the ``mfs`` body extension, the server defaults, the
+"""Multi-level sampling in the API: the ``mfs`` body extension, the server defaults, the
 response / usage extensions and the speculation / cascade metrics.
 
 As in tests/test_gateway.py: a real redis-server and real gateways (one without defaults, one with a
@@ -202,8 +202,8 @@ BAD = [
     (LARGE, {"speculative": {"gamma": 4}}, "mfs.speculative.draft"),
     (FAMILY, {"cascade": "on"}, "mfs.cascade"),
     (FAMILY, {"cascade": {"threshold": 0.5, "patience": 2}}, "mfs.cascade"),
-    (FAMILY, {"cascade": {"threshold": 0}}, "mfs.cascade.threshold"),
-    (FAMILY, {"cascade": {"threshold": 1}}, "mfs.cascade.threshold"),
+    (FAMILY, {"cascade": {"threshold": -1e-06}}, "mfs.cascade.threshold"),  # [0, 1], as declared
+    (FAMILY, {"cascade": {"threshold": 1.000001}}, "mfs.cascade.threshold"),
     (FAMILY, {"cascade": {"threshold": 1.5}}, "mfs.cascade.threshold"),
     (FAMILY, {"cascade": {"threshold": -0.2}}, "mfs.cascade.threshold"),
     (FAMILY, {"cascade": {"threshold": "0.5"}}, "mfs.cascade.threshold"),
@@ -249,7 +249,7 @@ def test_bad_mfs_with_openai_client_and_nan(gw_both):
 
 def test_bad_server_defaults_stop_the_gateway(frontend, redis_url):  # noqa: F811
     for kw in ({"spec_draft_tier": "tiny"}, {"spec_draft_tier": 5}, {"spec_gamma": 0},
-               {"spec_gamma": 17}, {"cascade_threshold": 1.0}, {"cascade_threshold": 0},
+               {"spec_gamma": 17}, {"cascade_threshold": 1.5}, {"cascade_threshold": -0.1},
                {"cascade_window": 0}):
         with pytest.raises(ValueError):
             init_app(GatewayConfig(redis_url=redis_url, frontend=frontend, **kw))

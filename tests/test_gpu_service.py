@@ -1,4 +1,4 @@
-"""The whole service on a device (issue 43, item 4): Redis, the scheduler, the gateway and one worker
+"""The whole service on a device: Redis, the scheduler, the gateway and one worker
 started as `mfs up` starts them (service.launch.Service, the worker given ``--device``), 32 streamed
 chat requests across the tiers at once through the official ``openai`` client, every answer equal to
 an in-process greedy run (engine.Engine over the same family, device, dtype and weights), and each

@@ -1,4 +1,4 @@
-"""Host-level faults (issue 16, item 3) with the test hosts of tests/hosts.py: Redis on a host of its own,
+"""Host-level faults with the test hosts of tests/hosts.py: Redis on a host of its own,
 two schedulers (leader and standby) and two workers each on theirs (a tiny float64 model); the test
 process plays the gateway. A host is cut off while its processes keep running: a worker's host mid-stream
 (its requests continue on the other worker), the leading scheduler's host (the standby takes the lease;
@@ -25,7 +25,7 @@ from tests.support.hosts import net  # noqa: F401 - the fixture
 from tests.support.faults import TIERS, assert_complete_and_equal, expected, workload
 from tests.support.pipeline import Reader, stats, submit, wait_kv_idle
 from tests.support.redis_group import server_argv
-from tests.support.wait import wait_for
+from tests.support.wait import pace, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -104,7 +104,7 @@ def test_leading_scheduler_host_cut_off_the_standby_leads_and_stale_plans_are_re
     wait_for(lambda: int(r.get(P.EPOCH_KEY)) == epoch + 1, 15, "the standby to take the lease")
     took_over_in = time.monotonic() - cut
     assert int(r.get(P.LEADER_KEY).decode().rsplit("-", 1)[1]) == procs[new].pid
-    time.sleep(max(0.0, 4.0 - took_over_in))
+    pace(4.0 - took_over_in)  # the partition lasts 4 s
     net.heal(old)
     healed = time.time()
     rd.until(lambda: all(rd.finished(rid) for rid, *_ in work), timeout=120)

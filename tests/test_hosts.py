@@ -2,7 +2,6 @@
 host is unreachable (and reaches nobody) until healed, and nothing the harness made outlives it."""
 import subprocess
 import sys
-import time
 
 import pytest
 import redis
@@ -12,6 +11,7 @@ from redis.retry import Retry
 from tests.support.hosts import Net, ip, reap_leftovers, why_not
 from tests.support.hosts import net  # noqa: F401 - the fixture
 from tests.support.redis_server import find_redis_server
+from tests.support.wait import wait_for
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -31,14 +31,13 @@ def redis_in(net, host, tmp_path, port=6400):
     p = net.spawn(host, [find_redis_server(), "--port", str(port), "--bind", h.addr, "127.0.0.1",
                          "--save", "", "--appendonly", "no", "--dir", str(tmp_path)], tmp_path / f"{host}.log")
     r = redis.Redis(host=h.addr, port=port, socket_timeout=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            r.ping()
-            return p, r
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline and p.poll() is None, (tmp_path / f"{host}.log").read_text()
-            time.sleep(0.05)
+    log = tmp_path / f"{host}.log"
+
+    def up() -> bool:
+        assert p.poll() is None, log.read_text()
+        return r.ping()
+    wait_for(up, 10, lambda: f"redis on {host}: {log.read_text()}")
+    return p, r
 
 
 def test_hosts_reach_each_other_and_a_cut_host_is_gone_until_healed(net, tmp_path):
@@ -59,9 +58,7 @@ def test_hosts_reach_each_other_and_a_cut_host_is_gone_until_healed(net, tmp_pat
     assert ping_from(net, "a", "127.0.0.1", 6400)
 
     net.heal("a")
-    deadline = time.monotonic() + 10
-    while not ping_from(net, "b", a.addr, 6400):
-        assert time.monotonic() < deadline, "a did not come back"
+    wait_for(lambda: ping_from(net, "b", a.addr, 6400), 10, "a to come back", poll=0)
     r.connection_pool.disconnect()
     assert r.ping()
 
@@ -92,10 +89,7 @@ def test_leftovers_of_a_crashed_run_are_reaped(tmp_path):
     n = Net(prefix=f"mfst{dead.pid}").start()
     n.add("y")
     orphan = n.spawn("y", ["sleep", "300"], tmp_path / "sleep.log")
-    deadline = time.monotonic() + 10
-    while str(orphan.pid) not in ip("netns", "pids", n["y"].ns).split():  # it is inside
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: str(orphan.pid) in ip("netns", "pids", n["y"].ns).split(), 10, "the orphan inside y")
     gone = reap_leftovers()
     assert n.switch in gone and n["y"].ns in gone
     assert orphan.wait(5) == -9

@@ -69,10 +69,10 @@ FORBIDDEN_THIRD_PARTY = {
 }
 # Single modules allowed one of their layer's forbidden packages, each with why.
 THIRD_PARTY_EXCEPTIONS = {
-    # the one Redis connection factory every process uses (plain or Sentinel, issue 16); nothing else in
+    # the one Redis connection factory every process uses (plain or Sentinel); nothing else in
     # core/ may load redis, and the processes that import core.protocol alone still do not
     ("core.redisconn", "redis"),
-    # the one translation of a structured-output spec into a grammar (issue 15), imported inside the
+    # the one translation of a structured-output spec into a grammar, imported inside the
     # function that needs it: the gateway checks a request's spec with it, the worker compiles it
     ("core.grammar", "xgrammar"),
 }

@@ -1,4 +1,4 @@
-"""Issue 46: load is queued or shed on purpose, never failed by accident.
+"""Load is queued or shed on purpose, never failed by accident.
 
 A real gateway (on a thread) and a real redis-server; :class:`Batcher` plays scheduler + worker with a
 fixed capacity: it reads every Submit, starts at most ``per_tick`` requests per ``tick_s`` in arrival
@@ -23,6 +23,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from tests.support.gateway import ServerThread, register_worker
 from tests.support.redis_server import redis_url  # noqa: F401 - the session fixture
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 CHAT = {"model": "smollm2-135m-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -82,6 +83,11 @@ async def _burst(url: str, n: int, body: dict = CHAT) -> list[tuple[int, str | N
         return await asyncio.gather(*(one(i) for i in range(n)))
 
 
+def admission(gw) -> dict:
+    """The gateway's queue as its status page reports it."""
+    return httpx.get(gw.url + "/status.json").json()["admission"]
+
+
 def burst(url: str, n: int, body: dict = CHAT) -> list[tuple[int, str | None, dict]]:
     return asyncio.run(_burst(url, n, body))
 
@@ -100,11 +106,9 @@ def test_past_the_bound_429_with_retry_after_and_the_rest_served(redis_url, fron
     with gateway(redis_url, frontend, max_waiting=20) as gw:
         async def run():
             task = asyncio.ensure_future(_burst(gw.url, 60))
-            for _ in range(200):  # the 40 over the bound are answered while the 20 wait
-                await asyncio.sleep(0.05)
-                if httpx.get(gw.url + "/status.json").json()["admission"]["shed"] >= 40:
-                    break
-            doc = httpx.get(gw.url + "/status.json").json()["admission"]
+            # the 40 over the bound are answered while the 20 wait
+            doc = await asyncio.to_thread(wait_for, lambda: (a := admission(gw))["shed"] >= 40 and a, 10,
+                                          "40 requests shed")
             batcher.gate.set()
             return await task, doc
         got, during = asyncio.run(run())
@@ -128,9 +132,11 @@ def test_the_bound_per_tier_sheds_one_tier_and_not_the_other(redis_url, frontend
     with gateway(redis_url, frontend, max_waiting=100, max_waiting_per_tier=5) as gw:
         async def run():
             small = asyncio.ensure_future(_burst(gw.url, 15))
-            await asyncio.sleep(1.0)
+            await asyncio.to_thread(wait_for, lambda: admission(gw)["shed_by_tier"].get("small", 0) >= 10, 10,
+                                    "the 10 small requests over the tier's bound shed")
             large = asyncio.ensure_future(_burst(gw.url, 5, {**CHAT, "model": "smollm2-135m-large"}))
-            await asyncio.sleep(1.0)
+            await asyncio.to_thread(wait_for, lambda: admission(gw)["queue_depth"] >= 10, 10,
+                                    "5 small and 5 large requests waiting")
             batcher.gate.set()
             return await small, await large
         small, large = asyncio.run(run())
@@ -145,7 +151,8 @@ def test_bound_above_the_burst_serves_all(redis_url, frontend, batcher):  # noqa
     with gateway(redis_url, frontend, max_waiting=500, redis_pool=8) as gw:
         async def run():
             task = asyncio.ensure_future(_burst(gw.url, 300))
-            await asyncio.sleep(1.5)  # all 300 wait at once
+            await asyncio.to_thread(wait_for, lambda: admission(gw)["queue_depth"] >= 300, 30,  # all wait at once
+                                    "all 300 requests waiting")
             batcher.gate.set()
             return await task
         assert [s for s, _, _ in asyncio.run(run())] == [200] * 300
@@ -250,18 +257,22 @@ def test_keepalive_renews_the_heartbeat_key_only_while_the_loop_beats(redis_url)
     """A loop held by a burst must not look like a dead gateway; a stuck one still does."""
     from gateway.keepalive import Keepalive
     r = redis.Redis.from_url(redis_url)
-    beat = [time.monotonic()]
-    ka = Keepalive(r, "mfs:gateway:gw-ka", ttl_s=1, period_s=0.1, last_beat=lambda: beat[0], grace_s=1.0)
+    beat, looked = [time.monotonic()], [0]
+
+    def last_beat() -> float:  # the loop's last beat, and how often the keepalive looked at it
+        looked[0] += 1
+        return beat[0]
+    ka = Keepalive(r, "mfs:gateway:gw-ka", ttl_s=1, period_s=0.1, last_beat=last_beat, grace_s=1.0)
     r.set("mfs:gateway:gw-ka", "{}", ex=1)
     ka.start()
     try:
-        time.sleep(0.6)  # the loop beat 0.6 s ago: renewed
-        assert r.pttl("mfs:gateway:gw-ka") > 800 and ka.renewed > 0
+        wait_for(lambda: ka.renewed > 0, 5, "a renewal while the loop beats")
+        assert r.pttl("mfs:gateway:gw-ka") > 800
         beat[0] = time.monotonic() - 5  # stuck for longer than the grace: the key lapses
-        time.sleep(1.3)
-        assert not r.exists("mfs:gateway:gw-ka")
+        wait_for(lambda: not r.exists("mfs:gateway:gw-ka"), 5, "the key to lapse while the loop is stuck")
         beat[0] = time.monotonic()  # a renewal never recreates a lapsed key
-        time.sleep(0.3)
+        n = looked[0]
+        wait_for(lambda: looked[0] >= n + 3, 5, "three more looks at the beat")
         assert not r.exists("mfs:gateway:gw-ka")
     finally:
         ka.stop()

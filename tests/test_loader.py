@@ -15,6 +15,7 @@ from family.manifest import manifest_for, resolve_base
 from family.source import locate, resolve_cached, split_source
 from worker.config import ModelConfig
 from tests.support.factories import tiny_llama, tiny_qwen2
+from tests.support.wait import pace
 from worker.loader import _read_fast, load_base
 
 PROBE = """
@@ -133,7 +134,7 @@ def test_processes_loading_one_uncached_gguf_together_dequantize_it_once(tmp_pat
     that takes a while and writes the cache's marker), the others wait on its lock, then read its cache.
     Each load opens the lock file itself, so threads contend as processes do (flock)."""
     import threading
-    import time
+
     from worker import loader
     monkeypatch.setenv("MFS_CACHE", str(tmp_path / "cache"))
     (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(range(256)))
@@ -142,7 +143,7 @@ def test_processes_loading_one_uncached_gguf_together_dequantize_it_once(tmp_pat
     def convert(src, dtype):
         inside[0] += 1
         overlap.append(inside[0])
-        time.sleep(0.5)
+        pace(0.5)  # a slow conversion: a second caller arrives while it runs
         src.cache_dir.mkdir(parents=True)
         (src.cache_dir / ".complete").write_text("x")
         converted.append(src.original)

@@ -1,4 +1,4 @@
-"""Log-probabilities in the in-process engine (issue 15): each token's entry is the log-softmax of the
+"""Log-probabilities in the in-process engine: each token's entry is the log-softmax of the
 raw logits of the tier that produced it (plain rows, a cascade's tiers, a verification's target), and
 prompt log-probabilities equal a dense teacher-forced forward, with or without a warm prefix cache."""
 from __future__ import annotations

@@ -11,12 +11,13 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from core.params import ENDPOINTS, PARAMS, Param, body_params, register
+from core.params import ENDPOINTS, PARAMS, Param, body_params, default, register
 from core.sampling import SamplingParams
 from gateway.errors import APIError
 from gateway.openai_api import DEFAULT_LIMITS, parse_chat, parse_completion
 from gateway.openapi_base import Facts
 from gateway.openapi_requests import param_schema, request_schemas
+from tests.support.params import probes
 
 NOT_DECLARED = {"stop_token_ids", "logit_bias", "grammar"}  # not scalars: checked on their own
 
@@ -39,21 +40,6 @@ def parse(endpoint: str, b: dict):
     return (parse_chat if endpoint == "chat" else parse_completion)(b)
 
 
-def probes(p: Param) -> list:
-    """Values around each bound, and of the wrong type."""
-    step = 1 if p.kind is int else 0.25
-    out: list = ["0.5", [1], {"a": 1}]
-    out += [True, False, 1, 0, 0.5] if p.kind is bool else [True, False]
-    if p.kind is int:
-        out += [2.5]  # not an integer (4.0 is: JSON reads it so)
-    for end, sign in ((p.lo, -1), (p.hi, 1)):
-        if end is not None:
-            out += [end + sign * step, end, end - sign * step]
-            if p.kind is float:
-                out += [int(end)] if float(end).is_integer() else []
-    return out
-
-
 def accepted_by_schema(p: Param, v) -> bool:
     try:
         jsonschema.Draft202012Validator(param_schema(p)).validate(v)
@@ -68,6 +54,22 @@ def accepted_by_validate(p: Param, v) -> bool:
         return True
     except ValueError:
         return False
+
+
+def test_an_mfs_parameter_is_read_at_its_path_against_its_declaration():
+    """spec_* and cascade_* come in the ``mfs`` extension; their bounds are their declarations' (the
+    cascade threshold's [0, 1] included: 1 escalates at every window's end, 0 never)."""
+    from gateway.multilevel import parse_multilevel
+    paths = {p.name: p.path for p in PARAMS.values() if p.path}
+    assert paths == {"spec_gamma": "mfs.speculative.gamma", "spec_stop_confidence": "mfs.speculative.stop_confidence",
+                     "cascade_threshold": "mfs.cascade.threshold", "cascade_window": "mfs.cascade.window"}
+    for t in (0, 0.0, 1, 1.0, 0.5):
+        assert parse_multilevel({"mfs": {"cascade": {"threshold": t}}}).cascade.threshold == float(t)
+    for t in (-1e-9, 1.000001, True, "0.5"):
+        with pytest.raises(APIError) as e:
+            parse_multilevel({"mfs": {"cascade": {"threshold": t}}})
+        assert e.value.param == "mfs.cascade.threshold"
+        assert e.value.message == f"'mfs.cascade.threshold' must be {PARAMS['cascade_threshold'].expects()}, got {t!r}."
 
 
 def test_every_scalar_sampling_field_is_declared_with_its_default():
@@ -139,7 +141,7 @@ def toy():
 
     @dataclasses.dataclass(slots=True)
     class ToyParams(SamplingParams):
-        toy_p: float = 0.5
+        toy_p: float = default("toy_p")  # as SamplingParams' own fields read theirs
     try:
         yield p, ToyParams
     finally:

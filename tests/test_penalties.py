@@ -1,4 +1,4 @@
-"""Sampling parameters (issue 15): logit_bias, repetition / frequency / presence penalties, min_p and
+"""Sampling parameters: logit_bias, repetition / frequency / presence penalties, min_p and
 typical_p, against straightforward reference implementations of their definitions (vLLM's formulas, Hugging
 Face's repetition penalty), on given logits and through the engine; self-speculation stays exact with
 them; requests without them are untouched in mixed batches."""

@@ -88,7 +88,7 @@ def test_the_cases_reach_both_split_k_branches():
 
 def test_the_bound_catches_what_the_old_kernel_did():
     """The bound is tight enough to fail the mistakes it is for: the dequantized weight rounded to
-    bf16 before the dot (the kernel before issue 43), and a scale taken from the next group."""
+    bf16 before the dot (what the previous kernel did), and a scale taken from the next group."""
     x, q, s, m = _case(16, 64, 2048, 32, 4, torch.bfloat16, 40, scale=0.02)
     xc, qc, sc, mc = x.cpu(), q.cpu(), s.cpu(), m.cpu()
     w = dequantize(qc, sc, mc, 32, 4)

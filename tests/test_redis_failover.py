@@ -1,4 +1,4 @@
-"""Redis that survives a host (issue 16, item 2): a primary, a replica and three sentinels each on a test
+"""Redis that survives a host: a primary, a replica and three sentinels each on a test
 host of its own (tests/hosts.py), the scheduler and two workers on three others, all connected through
 the sentinels (redis+sentinel://, core/redisconn.py). Under 16 greedy streams the primary's host is cut
 off: the sentinels promote the replica, every process reconnects to it, and every stream completes equal
@@ -30,25 +30,15 @@ UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
 class FailoverReader(Reader):
     """The test's gateway side: reads on through a lost connection (its client follows the sentinels)."""
 
-    def until(self, pred, timeout=60.0):
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return super().until(pred, timeout=max(0.1, deadline - time.monotonic()))
-            except UNREACHABLE:
-                assert time.monotonic() < deadline, f"timed out; got {self.summary()}"
-                time.sleep(0.2)
+    def until(self, pred, timeout=60.0, not_yet=UNREACHABLE):
+        return super().until(pred, timeout, not_yet)
 
 
 def retrying(fn, timeout=30.0):
     """fn() through the driver's own reconnection (its client does not retry by itself)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return fn()
-        except UNREACHABLE:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+    got = []
+    wait_for(lambda: got.append(fn()) or True, timeout, f"{fn} past a lost connection", poll=0.2, not_yet=UNREACHABLE)
+    return got[0]
 
 
 def mfs(net, host, module, args, logs: Path):
@@ -89,16 +79,9 @@ def progress(host: str, work) -> dict[str, int]:
     return {rid: len(decode_progress(c.get(P.progress_key(rid))) or []) for rid, *_ in work}
 
 
-def test_primary_host_cut_off_the_replica_is_promoted_and_every_stream_completes(net, tmp_path, llama_dir):
-    url, sentinels, r = start_cluster(net, tmp_path, llama_dir)
-    r1, r2 = net["r1"].addr, net["r2"].addr
-    work = workload(16, 21, max_tokens=200)
-    for rid, prompt, tier, n in work:
-        submit(r, rid, prompt, tier, max_tokens=n, ignore_eos=True)
-    rd = FailoverReader(r)
-    rd.until(lambda: sum(len(v) for v in rd.events.values()) >= 150)
-    epoch = int(r.get(P.EPOCH_KEY))
-
+def leave_the_primary_alone(rd, r1: str, r2: str, work) -> tuple[int, int, dict, dict]:
+    """Cuts the replica off until the primary holds writes the replica lacks; returns both replication
+    offsets and both hosts' progress records then."""
     # The replica misses the primary's last moments: its link is cut and it cannot come back (a wrong
     # masterauth), so what the primary takes from now on exists nowhere else.
     client(r2, REDIS_PORT).config_set("masterauth", "not-the-password")
@@ -124,6 +107,20 @@ def test_primary_host_cut_off_the_replica_is_promoted_and_every_stream_completes
     progress_at_cut = progress(r1, work)
     # the replica, its link down, holds now what it will hold when promoted (a replica takes no writes)
     progress_replica = progress(r2, work)
+    return primary_offset, replica_offset, progress_at_cut, progress_replica
+
+
+def test_primary_host_cut_off_the_replica_is_promoted_and_every_stream_completes(net, tmp_path, llama_dir):
+    url, sentinels, r = start_cluster(net, tmp_path, llama_dir)
+    r1, r2 = net["r1"].addr, net["r2"].addr
+    work = workload(16, 21, max_tokens=200)
+    for rid, prompt, tier, n in work:
+        submit(r, rid, prompt, tier, max_tokens=n, ignore_eos=True)
+    rd = FailoverReader(r)
+    rd.until(lambda: sum(len(v) for v in rd.events.values()) >= 150)
+    epoch = int(r.get(P.EPOCH_KEY))
+
+    primary_offset, replica_offset, progress_at_cut, progress_replica = leave_the_primary_alone(rd, r1, r2, work)
     seen_before_cut = {rid: len(by_seq(rd, rid)) for rid, *_ in work}
     cut = net.cut("r1")
     in_flight = sum(not rd.finished(rid) for rid, *_ in work)

@@ -3,7 +3,6 @@ client: every tier and the family id, streamed and not, 32 concurrent streams eq
 engine, a client that disconnects, and bad input."""
 import asyncio
 import json
-import time
 import urllib.request
 
 import aiohttp
@@ -154,9 +153,8 @@ def test_a_small_request_after_a_large_one_fills_the_exit_kv_it_skipped_and_answ
     client.completions.create(model=TIERS[2], **ask)
     before = filled()
     small = client.completions.create(model=TIERS[0], **ask).choices[0].text
-    deadline = time.monotonic() + 5  # the stats hash is written every half second
-    while filled() == before and time.monotonic() < deadline:
-        time.sleep(0.2)
+    # the stats hash is written every half second
+    wait_for(lambda: filled() != before, 5, "the exit-block fill to be counted", poll=0.2)
     tok = default_family.tokenizer
     ids = encode_prompt(tok, prompt, chat=False)
     assert len(ids) > 32

@@ -1,4 +1,4 @@
-"""The sharded control plane (issue 16 item 4): one scheduler leader per shard of workers, each shard
+"""The sharded control plane: one scheduler leader per shard of workers, each shard
 its own request stream, lease and epoch; the gateway picks the shard of each request (session
 affinity, then load); a shard's leader failing moves only that shard. Unit checks of the key names and
 the choice, then the real service: 2 shards x (leader + standby) x 1 worker behind one gateway, a tiny

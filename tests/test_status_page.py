@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import threading
-import time
 
 import httpx2 as httpx
 import pytest
@@ -67,12 +66,11 @@ def test_status_page_numbers_move_while_requests_run(service, tmp_path):
     t = threading.Thread(target=load, daemon=True)
     t.start()
     try:
-        deadline = time.monotonic() + 60
-        while not done and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert done == [200] * len(done) and done, done
+        wait_for(lambda: done, 60, "the first answer", poll=0.1)
+        assert done == [200] * len(done), done
         first = render(service.url + "/", tmp_path / "profile")
-        time.sleep(2)
+        n = len(done)
+        wait_for(lambda: len(done) >= n + 2, 60, "two more answers", poll=0.1)  # the numbers have moved
         second = render(service.url + "/", tmp_path / "profile")
     finally:
         stop.set()

@@ -1,4 +1,4 @@
-"""Structured output (issue 15 item 3) in the worker: a grammar masks every sampled row, through the
+"""Structured output in the worker: a grammar masks every sampled row, through the
 in-process engine over a tiny random model with the real SmolLM2 tokenizer (float64). Sampled at
 temperature 1 from a random model, the output is what the grammar makes it: every document parses and
 validates. The service's side (the OpenAI fields, 400s, the openai client's parse helper) is in

@@ -23,6 +23,7 @@ from core.keyrecords import StatsSnapshot, WorkerInfo, scheduler_consumer
 from service.launch import free_port
 from service.supervise import RestartPolicy, Supervisor
 from tests.support.redis_server import redis_url  # noqa: F401 - the session fixture
+from tests.support.wait import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MODEL = "smollm2-135m-medium"
@@ -57,13 +58,8 @@ class Up:
     def _find_up(self, script: bool) -> int:
         if not script:
             return self.outer.pid
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            kids = [p for p, _ in children_of(self.outer.pid)]
-            if kids:
-                return kids[0]
-            time.sleep(0.1)
-        raise AssertionError("bash did not start mfs up")
+        kids = wait_for(lambda: [p for p, _ in children_of(self.outer.pid)], 30, "bash to start mfs up", poll=0.1)
+        return kids[0]
 
     @property
     def url(self) -> str:
@@ -77,15 +73,14 @@ class Up:
             return 0
 
     def wait_workers(self, n: int, timeout: float) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
+        def serving() -> bool:
             assert self.outer.poll() is None, f"mfs up exited early:\n{''.join(self.stderr)[-3000:]}"
             # serving: mfs up said so (its own start-up is over, and only from then on does it
             # supervise; a child lost during start-up fails `mfs up` at once) and /health agrees
-            if any("mfs up: serving at" in ln for ln in self.stdout) and self.workers() >= n:
-                return time.monotonic() - t0
-            time.sleep(0.2)
-        raise AssertionError(f"{n} workers not registered in {timeout}s:\n{''.join(self.stderr)[-3000:]}")
+            return any("mfs up: serving at" in ln for ln in self.stdout) and self.workers() >= n
+        t0 = time.monotonic()
+        wait_for(serving, timeout, lambda: f"{n} workers registered:\n{''.join(self.stderr)[-3000:]}", poll=0.2)
+        return time.monotonic() - t0
 
     def pids(self) -> dict[str, int]:
         return dict((name, pid) for pid, name in children_of(self.pid))
@@ -183,12 +178,8 @@ def test_a_killed_worker_is_restarted_and_all_16_streams_complete_equal(up):
     killed: dict[str, float] = {}
 
     def watch_replacement():  # when does a new life of w1 register?
-        while time.monotonic() - killed["at"] < 60:
-            now_life = life("w1")
-            if now_life not in (None, first_life):
-                killed["back"] = time.monotonic() - killed["at"]
-                return
-            time.sleep(0.1)
+        wait_for(lambda: life("w1") not in (None, first_life), 60, "a new life of w1", poll=0.1)
+        killed["back"] = time.monotonic() - killed["at"]
 
     def on_token():
         with lock:
@@ -201,9 +192,8 @@ def test_a_killed_worker_is_restarted_and_all_16_streams_complete_equal(up):
     got = stream_all(svc.url, on_token)
     assert killed, "the kill never happened"
     assert got == want  # 16/16 complete, equal to the fault-free run
-    while "back" not in killed and time.monotonic() - killed["at"] < 60:
-        time.sleep(0.2)
-    assert killed.get("back", 99.0) < 30, "no replacement worker registered within 30 s"
+    wait_for(lambda: "back" in killed, 60, "the replacement's registration to be timed", poll=0.2)
+    assert killed["back"] < 30, "no replacement worker registered within 30 s"
     replanned = StatsSnapshot.decode(r.hget(P.STATS_KEY, "scheduler")).replanned - replanned_before
     assert replanned >= 1, "no stream was on the killed worker"
     assert svc.outer.poll() is None, "mfs up stopped"
@@ -229,15 +219,8 @@ def test_killed_redis_and_gateway_are_restarted_and_serve_again(up):
     for name in ("redis", "gateway"):
         old = svc.pids()[name]
         os.kill(old, signal.SIGKILL)
-        deadline = time.monotonic() + 120
-        while True:  # back (a new process), and answering the same as before
-            assert time.monotonic() < deadline, f"{name} did not come back:\n{''.join(svc.stderr)[-2000:]}"
-            try:
-                if svc.pids().get(name, old) != old and ask() == want:
-                    break
-            except openai.APIError:
-                pass
-            time.sleep(0.5)
+        wait_for(lambda: svc.pids().get(name, old) != old and ask() == want, 120,  # back, and answering as before
+                 lambda: f"{name} to come back:\n{''.join(svc.stderr)[-2000:]}", poll=0.5, not_yet=(openai.APIError,))
         assert f"{name} was killed by SIGKILL; restarting it" in "".join(svc.stderr)
     assert "gateway's heartbeat given back" in "".join(svc.stderr)  # its requests cancelled without the TTL
     assert svc.outer.poll() is None
@@ -249,10 +232,10 @@ def test_a_crash_loop_stops_everything_with_a_clear_message(up):
     before = svc.pids()
     assert set(before) == {"redis", "scheduler", "worker-w0", "gateway"}, before
     os.kill(before["worker-w0"], signal.SIGKILL)
-    deadline = time.monotonic() + 120
-    while "worker-w0 restarted" not in "".join(svc.stderr):
-        assert time.monotonic() < deadline and svc.outer.poll() is None, "".join(svc.stderr)
-        time.sleep(0.2)
+    def restarted() -> bool:
+        assert svc.outer.poll() is None, "".join(svc.stderr)
+        return "worker-w0 restarted" in "".join(svc.stderr)
+    wait_for(restarted, 120, lambda: f"worker-w0 restarted:\n{''.join(svc.stderr)}", poll=0.2)
     os.kill(svc.pids()["worker-w0"], signal.SIGKILL)  # the second crash within the window
     assert svc.outer.wait(60) == 1
     err = "".join(svc.stderr)
@@ -337,7 +320,5 @@ def test_a_sigkilled_mfs_up_leaves_no_child_running(up):
     kids = svc.pids()
     assert set(kids) == {"redis", "scheduler", "worker-w0", "gateway"}, kids
     os.kill(svc.pid, signal.SIGKILL)  # no clean-up can run: the children must notice on their own
-    deadline = time.monotonic() + 30
-    while [n for n, p in kids.items() if alive(p)]:
-        assert time.monotonic() < deadline, [n for n, p in kids.items() if alive(p)]
-        time.sleep(0.2)
+    wait_for(lambda: not [n for n, p in kids.items() if alive(p)], 30,
+             lambda: f"every child to stop: {[n for n, p in kids.items() if alive(p)]} alive", poll=0.2)

@@ -1,4 +1,4 @@
-"""The compiled decode layer for CPU serving (worker/execution.py's inductor path; issue 14's lean step).
+"""The compiled decode layer for CPU serving (worker/execution.py's inductor path: the lean decode step).
 
 When every row of a segment's step is a decode row (one new token each) and the torch ops serve, the
 segment's trunk layers -- per layer its norms, q/k/v, rotary, the KV write, the attention (our

@@ -1,4 +1,4 @@
-"""CUDA graphs of the all-decode segments (``--compile`` on CUDA; issue 14's lean step on a GPU).
+"""CUDA graphs of the all-decode segments (``--compile`` on CUDA: the lean decode step on a GPU).
 
 A decode step of a small model on a GPU is bound by kernel launches, not by bytes: SmolLM2-135M's 30
 layers are ~300 launches of a few microseconds each against ~20 us of HBM time for its int4 weights.

@@ -1,4 +1,4 @@
-"""A worker that serves before its compiled decode graphs exist (issue 44: a start nobody waits on).
+"""A worker that serves before its compiled decode graphs exist: a start nobody waits on.
 
 The worker registers at once and serves on the eager path. A background thread builds the compiled path
 meanwhile and hands it to the runner, which applies it between two steps (``ModelRunner.swap_in``); each

@@ -225,7 +225,7 @@ class WorkerLoop:
                 pending.clear()
             if pipe.command_stack:  # these greedy tokens reach their clients now, before the next step:
                 # written here, not from a writer thread while it computes (on 2 cores that thread
-                # slowed the forward's OpenMP threads more than the round trip costs: journal, 35th session)
+                # slowed the forward's OpenMP threads more than the round trip costs)
                 tw = time.perf_counter()
                 self._deliver(pipe.command_stack[:])
                 writing += time.perf_counter() - tw

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import httpx2 as httpx  # what openai 3.x ships (the httpx API)
 import openai
@@ -18,7 +17,7 @@ from aiohttp import web
 from core import protocol as P
 from gateway.app import init_app
 from gateway.config import GatewayConfig
-from tests.support.wait import wait_for
+from tests.support.wait import pace, wait_for
 
 MAX_LEN = 4096
 PARIS = "The capital of France is Paris."
@@ -88,7 +87,7 @@ class FakeBackend(threading.Thread):
 
     def _play(self, sub: P.Submit, script):
         for delay, ev in script(sub):
-            time.sleep(delay)
+            pace(delay)  # the scripted peer's own rhythm
             if sub.request_id in self.cancels or self.halt.is_set():
                 return
             try:

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.procs import Procs
+from tests.support.wait import wait_for
 
 PREFIX = "mfst"
 LOCK = Path("/tmp/mfs-test-hosts.lock")
@@ -74,16 +75,15 @@ def _alive(pid: int) -> bool:
 
 
 def _kill_ns_processes(ns: str) -> None:
-    for _ in range(3):
+    def none_left() -> bool:
         pids = [int(p) for p in ip("netns", "pids", ns, check=False).split()]
-        if not pids:
-            return
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        time.sleep(0.2)
+        return not pids
+    wait_for(none_left, 5, f"the processes of {ns} to be gone", poll=0.2)
 
 
 def _delete_namespaces(names: list[str]) -> None:

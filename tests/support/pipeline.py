@@ -23,15 +23,23 @@ class Reader:
         self.r, self.stream, self.last = r, P.out_stream(gw), "0"
         self.events: dict[str, list[P.TokenEvent]] = {}
 
-    def until(self, pred, timeout=60.0):
-        deadline = time.monotonic() + timeout
-        while not pred():
-            assert time.monotonic() < deadline, f"timed out; got {self.summary()}"
-            for _, entries in self.r.xread({self.stream: self.last}, block=500) or []:
-                for eid, f in entries:
-                    self.last = eid
-                    for ev in P.token_events(f):
-                        self.events.setdefault(ev.request_id, []).append(ev)
+    def until(self, pred, timeout=60.0, not_yet: tuple = ()):
+        """Reads token events until ``pred()`` holds (each read blocks up to half a second); an error in
+        ``not_yet`` (a connection lost in a failover) is retried, any other one fails the test."""
+        def read_then_check():
+            if pred():
+                return True
+            self.read(block_ms=500)
+            return pred()
+        wait_for(read_then_check, timeout, lambda: f"the condition; got {self.summary()}", poll=0, not_yet=not_yet)
+
+    def read(self, block_ms: int | None) -> None:
+        """Adds the token events on the stream (block_ms: how long to wait for one; None: no wait)."""
+        for _, entries in self.r.xread({self.stream: self.last}, block=block_ms) or []:
+            for eid, f in entries:
+                self.last = eid
+                for ev in P.token_events(f):
+                    self.events.setdefault(ev.request_id, []).append(ev)
 
     def finished(self, rid):
         return any(e.finished for e in self.events.get(rid, []))

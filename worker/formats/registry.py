@@ -114,9 +114,9 @@ def auto_choice(device: str = "cpu") -> str:
     where our int8 operator serves (the fastest for one request and for batches on both machines:
     docs/BENCHMARKS.md), else int4 (torch's int4 kernel); else fp32. On CUDA dense weights (fp32 here;
     the autocast decides bf16): the one H200 run measured dense bf16 at 1,240-2,534 GB/s on the 1B
-    shapes and the old int4 kernel at 40-61 GB/s (../shared/gpu-runs/2026-12-04). int4 streams 5/16 of
+    shapes and the old int4 kernel at 40-61 GB/s (docs/journal/provenance.md). int4 streams 5/16 of
     bf16's bytes, so it wins only above ~0.31x dense's bandwidth (~790 GB/s there) and only once a run
-    shows the redesigned kernel (issue 43) within its error bound: until then int4 / int8 must be asked
+    shows the redesigned kernel within its error bound: until then int4 / int8 must be asked
     for. Logged once per process."""
     global _auto_logged
     cap = torch.backends.cpu.get_cpu_capability()
