@@ -22,7 +22,6 @@ import functools
 import http.server
 import json
 import os
-import platform
 import secrets
 import shutil
 import socket
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     compose = compose_cmd()
     run(["docker", "info"], capture_output=True)
-    figures: dict = {"cpu": platform.processor() or _cpu_name(), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    figures: dict = {"cpu": _cpu_name(), "load_at_start": os.getloadavg()[0], "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     with tempfile.TemporaryDirectory(prefix="mfs-compose-") as tmp:
         server = None
         env_file = Path(tmp) / "compose.env"
@@ -217,10 +216,12 @@ def _inspect(cid: str) -> dict:
 
 
 def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
+    """The model name and the widest vector ISA, e.g. 'AMD EPYC (avx2)'."""
+    text = Path("/proc/cpuinfo").read_text()
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "unknown")
+    flags = set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
+    isa = next((f for f in ("amx_int8", "avx512_vnni", "avx512f", "avx2") if f in flags), "no avx2")
+    return f"{name} ({isa}, {os.cpu_count()} cores)"
 
 
 if __name__ == "__main__":
