@@ -178,7 +178,8 @@ def compile_choice(args) -> str:
 
 
 def run_up(args) -> int:
-    from service.launch import up, worker_threads  # noqa: PLC0415
+    from mfs.up import up  # noqa: PLC0415
+    from service.launch import worker_threads  # noqa: PLC0415
     args.compile = compile_choice(args)
     n = args.workers
     if args.layout == "independent":  # a worker per tier per --workers (service/launch.py: worker_plan)

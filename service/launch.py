@@ -1,7 +1,6 @@
-"""`mfs up`: Redis (embedded unless REDIS_URL is set), the scheduler, the workers and the gateway as
-separate processes; ready when the gateway's /health says so. While it serves, a child that exits is
-started again (exponential backoff, a crash-loop limit); only SIGINT/SIGTERM to `mfs up` itself, or the
-crash-loop limit, stops everything it started."""
+"""The service as child processes: Redis (embedded unless REDIS_URL is set), the schedulers, the workers
+and the gateway; ready when the gateway's /health says so (`Service`, used by `mfs up`, the tests and the
+benchmarks). Restarting the ones that exit is the supervisor's (service/supervise.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,7 +9,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -18,6 +16,8 @@ import urllib.request
 from pathlib import Path
 
 import structlog
+
+from service.children import ChildSpec, Role
 
 log = structlog.get_logger(__name__)
 
@@ -141,7 +141,7 @@ class Service:
         if self._log_dir is not None:
             self._log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
-        self.commands: dict[str, tuple[str, list[str]]] = {}  # name -> (module, args): how to restart it
+        self.specs: dict[str, ChildSpec] = {}  # name -> what the child is and how to start it again
 
     @property
     def log_dir(self) -> Path:
@@ -161,14 +161,25 @@ class Service:
             a += ["--dtype", self.dtype]
         return a
 
-    def _spawn(self, name: str, module: str, args: list[str]) -> None:
-        self.commands[name] = (module, args)
+    def spawn(self, spec: ChildSpec) -> subprocess.Popen:
+        """Starts ``spec``'s process, its output appended to its log, and keeps the spec to restart it by."""
+        self.specs[spec.name] = spec
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        with open(self.log_dir / f"{name}.log", "ab") as out:  # the child keeps its own descriptor
-            self.procs[name] = subprocess.Popen([sys.executable, "-m", module] + args, stdout=out,
-                                                stderr=subprocess.STDOUT, env=env,
-                                                start_new_session=True,
-                                                preexec_fn=_die_with_parent if self.die_with_parent else None)
+        with open(spec.log, "ab") as out:  # the child keeps its own descriptor
+            self.procs[spec.name] = subprocess.Popen(spec.argv(), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                                     start_new_session=True,
+                                                     preexec_fn=_die_with_parent if self.die_with_parent else None)
+        return self.procs[spec.name]
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> None:
+        """``python -m module args`` as the child ``name`` in the role its module names, on the default
+        shard (the form benches/chaos.py adds a second gateway with)."""
+        self.spawn(self._child(name, Role(module), args))
+
+    @property
+    def commands(self) -> dict[str, tuple[str, list[str]]]:
+        """name -> (module, args) of each child started with ``python -m`` (what benches/chaos.py reads)."""
+        return {n: (s.role.value, list(s.args)) for n, s in self.specs.items() if s.role is not Role.REDIS}
 
     def children(self) -> dict[str, subprocess.Popen]:
         """Every process this service started, the embedded Redis included (as "redis")."""
@@ -178,62 +189,82 @@ class Service:
         return out
 
     def restart(self, name: str) -> subprocess.Popen:
-        """Starts the child `name` again with the command it was first started with (the embedded
-        Redis on its own port and data directory, so its AOF comes back)."""
-        if name == "redis":
+        """Starts the child `name` again from its spec (the embedded Redis on its own port and data
+        directory, so its AOF comes back)."""
+        spec = self.specs[name]
+        if spec.role is Role.REDIS:
             if self.redis is None:
-                raise KeyError("this service uses an external Redis")
+                raise KeyError("this service's Redis is stopped")
             self.redis.proc = None
             return self.redis.start().proc
-        module, args = self.commands[name]
-        with open(self.log_dir / f"{name}.log", "ab") as out:
+        with open(spec.log, "ab") as out:
             out.write(f"--- mfs up: restarting {name} at {time.strftime('%H:%M:%S')} ---\n".encode())
-        self._spawn(name, module, args)
-        return self.procs[name]
+        return self.spawn(spec)
+
+    def _child(self, name: str, role: Role, args: list[str], **where) -> ChildSpec:
+        return ChildSpec(name, role, self.log_dir / f"{name}.log", tuple(args), **where)
 
     def _shard_args(self, i: int) -> list[str]:
         return ["--shard", str(i % self.shards)] if self.shards > 1 else []
 
-    def scheduler_plan(self) -> list[tuple[str, list[str]]]:
-        """(name, extra args) of every scheduler: ``schedulers`` per shard, the first of each leads."""
+    def _redis_args(self) -> list[str]:
+        r = ["--redis-url", str(self.redis_url)]
+        return r + (["--redis-timeout", str(self.redis_timeout)] if self.redis_timeout is not None else [])
+
+    def scheduler_specs(self) -> list[ChildSpec]:
+        """``schedulers`` per shard, the first of each leads."""
         out = []
         for s in range(self.shards):
             base = "scheduler" if s == 0 else f"scheduler-s{s}"
-            out += [(base if i == 0 else f"{base}-{i + 1}", self._shard_args(s)) for i in range(self.schedulers)]
+            out += [self._child(base if i == 0 else f"{base}-{i + 1}", Role.SCHEDULER,
+                                self._redis_args() + self._shard_args(s) + self.scheduler_args, shard=str(s))
+                    for i in range(self.schedulers)]
         return out
 
-    def worker_plan(self) -> list[tuple[str, list[str]]]:
+    def _worker_ids(self) -> list[tuple[str, int, list[str]]]:
+        """(worker id, its index among --workers, its tier args): the nested layout one worker per index,
+        the independent one a worker per tier per index."""
         if self.layout == "nested":
-            return [(f"w{i}", self._shard_args(i)) for i in range(self.workers)]
+            return [(f"w{i}", i, []) for i in range(self.workers)]
         from family.manifest import manifest_for  # noqa: PLC0415
         manifest, _ = manifest_for(self.model, self.tiers)
-        return [(f"w{i}-{t.name}", ["--standalone-tier", str(k)] + self._shard_args(i))
+        return [(f"w{i}-{t.name}", i, ["--standalone-tier", str(k)])
                 for i in range(self.workers) for k, t in enumerate(manifest.tiers)]
+
+    def worker_specs(self) -> list[ChildSpec]:
+        """Worker i joins shard i mod ``shards``; threads split between them unless --threads is given."""
+        ids = self._worker_ids()
+        threads = [] if "--threads" in self.worker_args else ["--threads", str(worker_threads(len(ids)))]
+        return [self._child(f"worker-{wid}", Role.WORKER,
+                            self._redis_args() + self._model_args() + ["--worker-id", wid] + tier
+                            + self._shard_args(i) + threads + self.worker_args,
+                            shard=str(i % self.shards), id=wid)
+                for wid, i, tier in ids]
+
+    def plan(self) -> list[ChildSpec]:
+        """Every child but Redis, in the order they start: the schedulers, the workers, the gateway."""
+        out = self.scheduler_specs() + self.worker_specs()
+        if self.with_gateway:
+            fam = ["--model", self.model] + (["--tiers", self.tiers] if self.tiers else [])
+            out.append(self._child("gateway", Role.GATEWAY, self._redis_args() + fam
+                                   + ["--host", self.host, "--port", str(self.port)] + self.gateway_args))
+        return out
 
     def start(self, timeout: float = 240.0) -> "Service":
         if not self.redis_url:
             self.redis = EmbeddedRedis(data_dir=str(self.log_dir / "redis"),
                                        die_with_parent=self.die_with_parent).start()
             self.redis_url = self.redis.url
-        r = ["--redis-url", self.redis_url]
-        if self.redis_timeout is not None:
-            r += ["--redis-timeout", str(self.redis_timeout)]
-        for name, extra in self.scheduler_plan():
-            self._spawn(name, "scheduler", r + extra + self.scheduler_args)
-        plan = self.worker_plan()
-        threads = [] if "--threads" in self.worker_args else ["--threads", str(worker_threads(len(plan)))]
-        for wid, extra in plan:
-            self._spawn(f"worker-{wid}", "worker", r + self._model_args() + ["--worker-id", wid] + extra
-                        + threads + self.worker_args)
-        if self.with_gateway:
-            fam = ["--model", self.model] + (["--tiers", self.tiers] if self.tiers else [])
-            self._spawn("gateway", "gateway", r + fam + ["--host", self.host, "--port", str(self.port)]
-                        + self.gateway_args)
+            self.specs["redis"] = ChildSpec("redis", Role.REDIS, self.redis.dir / "redis.log")
+        plan = self.plan()
+        for spec in plan:
+            self.spawn(spec)
+        workers = sum(spec.role is Role.WORKER for spec in plan)
         try:
             if self.with_gateway:
-                self.wait_ready(timeout, expect_workers=len(self.worker_plan()))
+                self.wait_ready(timeout, expect_workers=workers)
             else:
-                self.wait_workers(timeout, len(self.worker_plan()))
+                self.wait_workers(timeout, workers)
         except Exception:
             self.stop()
             raise
@@ -242,7 +273,7 @@ class Service:
     def _check_alive(self) -> None:
         for name, p in self.procs.items():
             if p.poll() is not None:
-                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+                tail = self.specs[name].log.read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"{name} exited with {p.returncode} during start-up:\n{tail}")
 
     def wait_ready(self, timeout: float, expect_workers: int = 1) -> None:
@@ -275,12 +306,10 @@ class Service:
         raise TimeoutError(f"{n} workers did not register within {timeout:.0f}s (logs: {self.log_dir})")
 
     def stop(self) -> None:
-        order = (["gateway"] + [n for n in self.procs if n.startswith("worker")]
-                 + [n for n in self.procs if n.startswith("scheduler")])
-        for name in order:
-            p = self.procs.get(name)
-            if p is not None:
-                _stop(p)
+        for role in (Role.GATEWAY, Role.WORKER, Role.SCHEDULER):  # the front first, the control plane last
+            for name, p in self.procs.items():
+                if self.specs[name].role is role:
+                    _stop(p)
         self.procs.clear()
         if self.redis:
             self.redis.stop()
@@ -303,72 +332,3 @@ def worker_threads(workers: int) -> int:
     """Torch threads per worker when ``workers`` share the cores this process may run on (its CPU
     affinity): split evenly, at least one each (more would make their OpenMP teams wait on each other)."""
     return max(1, len(os.sched_getaffinity(0)) // max(1, workers))
-
-
-def try_command(url: str) -> str:
-    """One line a user can paste: a short chat request to the family id (the gateway picks the tier)."""
-    import json  # noqa: PLC0415
-    try:
-        with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
-            family = json.loads(r.read())["data"][-1]["id"]  # the last entry is the family id
-    except (OSError, ValueError, KeyError, IndexError):
-        family = "MODEL"  # the models list did not answer: say where the name goes
-    body = json.dumps({"model": family, "max_tokens": 32,
-                       "messages": [{"role": "user", "content": "What is the capital of France? Answer briefly."}]})
-    return f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
-
-
-def up(args) -> int:
-    from core.logs import install_stop_signals  # noqa: PLC0415
-    worker_args = ["--threads", str(args.threads)] if args.threads else []  # else split (Service.start)
-    # the product's defaults (mfs/commands.py: add_up): weights by the CPU, compiled decode where it builds
-    worker_args += ["--weights", args.weights, "--compile", args.compile]
-    for flag in ("device", "kernels"):
-        if getattr(args, flag, None):
-            worker_args += [f"--{flag}", getattr(args, flag)]
-    from service.supervise import RestartPolicy, Supervisor  # noqa: PLC0415
-    policy = RestartPolicy(limit=args.restart_limit, window_s=args.restart_window)
-    from core.redisconn import DEFAULT_TIMEOUT_S, target_from_args  # noqa: PLC0415
-    external = args.redis_url or args.redis_sentinel
-    svc = Service(args.model, tiers=args.tiers, workers=args.workers, layout=args.layout,
-                  host=args.host, port=args.port, worker_args=worker_args, dtype=args.dtype,
-                  schedulers=args.schedulers, shards=args.shards, log_dir=args.log_dir, die_with_parent=True,
-                  scheduler_args=["--decode-steps", str(args.decode_steps),
-                                  "--stream-interval", str(args.stream_interval)],
-                  redis_url=target_from_args(args).as_url() if external else None,
-                  redis_timeout=args.redis_timeout if args.redis_timeout != DEFAULT_TIMEOUT_S else None)
-
-    def say(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
-    print(f"mfs up: starting {args.layout} layout of {args.model!r} with {args.workers} worker(s); "
-          f"logs in {svc.log_dir}", flush=True)
-    # Both signals stop it, even when it was started with SIGINT ignored (a script's background job).
-    install_stop_signals()
-    status = 0
-    try:
-        # compiled decode builds in the background after a worker registers: nothing here waits on it. A cold
-        # first start builds our kernels (g++) and reads and quantizes the GGUF: minutes on 2 busy cores
-        svc.start(timeout=600.0)
-        from core.redisconn import RedisTarget  # noqa: PLC0415
-        print(f"mfs up: serving at {svc.url}/v1  (redis {RedisTarget.parse(svc.redis_url).describe()}); "
-              "Ctrl-C stops everything",
-              flush=True)
-        print(f"mfs up: status page {svc.url}/ ; try:\n  {try_command(svc.url)}", flush=True)
-        sup = Supervisor(svc, policy, say=say)
-        while True:
-            why = sup.poll()
-            if why:
-                say(f"mfs up: {why}")
-                status = 1
-                break
-            time.sleep(0.25)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        # A second signal must not cut the clean-up short and leave workers running.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print("mfs up: stopping", flush=True)
-        svc.stop()
-    return status

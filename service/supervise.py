@@ -4,17 +4,13 @@ heartbeat -- so the others act now rather than when its TTL runs out (core.keyre
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from service.launch import Service
-
-WORKER_PREFIX = "worker-"  # Service names a worker's process worker-{its --worker-id}
-SCHEDULER_PREFIX = "scheduler"  # and its schedulers scheduler, scheduler-2, scheduler-s1, ...
-GATEWAY_PREFIX = "gateway"      # and its gateways gateway, gateway-2, ...
+from service.children import ChildSpec, Role
 
 AFTER_GIVING_BACK = {"registration": "the scheduler moves its requests now",
                      "leadership": "a standby takes over now",
@@ -48,19 +44,28 @@ class RestartPolicy:
         return min(self.max_backoff_s, self.backoff_s * 2 ** recent)
 
 
+class Supervised(Protocol):
+    """What the supervisor reads of a started Service (service.launch)."""
+    redis_url: str
+    specs: dict[str, ChildSpec]  # name -> its role, shard, id, log and how to start it again
+
+    def children(self) -> dict[str, subprocess.Popen]: ...
+    def restart(self, name: str) -> subprocess.Popen: ...
+
+
 @dataclass
 class Supervisor:
     """Watches a started Service's children and restarts the ones that exit (see RestartPolicy).
     `poll()` is called from one loop; it never blocks on a backoff."""
-    svc: Service
+    svc: Supervised
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     say: Callable[[str], None] = print
     clock: Callable[[], float] = time.monotonic
     restarts: dict[str, list[float]] = field(default_factory=dict)  # name -> when it was restarted
     due: dict[str, float] = field(default_factory=dict)             # name -> when to restart it
 
-    def give_back(self, name: str, pid: int) -> str | None:
-        """What the exited child ``name`` (process ``pid``) held in Redis, given back now if it is still
+    def give_back(self, spec: ChildSpec, pid: int) -> str | None:
+        """What the exited child ``spec`` (process ``pid``) held in Redis, given back now if it is still
         that process's: a worker's registration (the scheduler moves its requests at its next refresh,
         not when the 5 s TTL ends), a scheduler's lease (a standby takes over at its next poll, not when
         the 3 s lease expires), a gateway's heartbeat (the scheduler cancels its requests, whose client
@@ -71,11 +76,11 @@ class Supervisor:
 
         from core import keyrecords as K  # noqa: PLC0415
         from core.redisconn import connect  # noqa: PLC0415
-        if name.startswith(WORKER_PREFIX):
-            what, act = "registration", lambda r: K.withdraw_registration(r, name.removeprefix(WORKER_PREFIX), pid)
-        elif name.startswith(SCHEDULER_PREFIX):
-            what, act = "leadership", lambda r: K.release_leadership(r, self._shard_of(name), pid)
-        elif name.startswith(GATEWAY_PREFIX):
+        if spec.role is Role.WORKER:
+            what, act = "registration", lambda r: K.withdraw_registration(r, spec.id, pid)
+        elif spec.role is Role.SCHEDULER:
+            what, act = "leadership", lambda r: K.release_leadership(r, spec.shard, pid)
+        elif spec.role is Role.GATEWAY:
             what, act = "heartbeat", lambda r: K.forget_gateway(r, pid)
         else:
             return None
@@ -88,23 +93,19 @@ class Supervisor:
         finally:
             r.close()
 
-    def _shard_of(self, name: str) -> str:
-        from core.protocol import DEFAULT_SHARD  # noqa: PLC0415
-        args = self.svc.commands.get(name, ("", []))[1]
-        return args[args.index("--shard") + 1] if "--shard" in args[:-1] else DEFAULT_SHARD
-
     def poll(self) -> str | None:
         """Restarts what is due; returns why to stop everything (a crash loop), else None."""
         now = self.clock()
         for name, p in self.svc.children().items():
             if name in self.due or p.poll() is None:
                 continue
-            given = self.give_back(name, p.pid)
+            spec = self.svc.specs[name]
+            given = self.give_back(spec, p.pid)
             if given:
                 self.say(f"mfs up: {name}'s {given} given back: {AFTER_GIVING_BACK[given]}")
             recent = [t for t in self.restarts.get(name, []) if now - t < self.policy.window_s]
             self.restarts[name] = recent
-            log_file = self.svc.log_dir / ("redis/redis.log" if name == "redis" else f"{name}.log")
+            log_file = spec.log
             if len(recent) >= self.policy.limit:
                 return (f"{name} {exit_text(p.returncode)} after {len(recent)} restart(s) within "
                         f"{self.policy.window_s:.0f}s: crash loop, giving up (see {log_file})")

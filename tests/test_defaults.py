@@ -83,7 +83,7 @@ def test_the_launcher_splits_threads_unless_told(monkeypatch, worker_args, want)
     """Four cores, two workers: two threads each; a --threads given is passed as given, alone."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
     spawned: dict[str, list[str]] = {}
-    monkeypatch.setattr(Service, "_spawn", lambda self, name, module, args: spawned.__setitem__(name, args))
+    monkeypatch.setattr(Service, "spawn", lambda self, spec: spawned.__setitem__(spec.name, list(spec.args)))
     monkeypatch.setattr(Service, "wait_workers", lambda self, timeout, n: None)
     Service("default", workers=2, gateway=False, redis_url="redis://127.0.0.1:1/0", worker_args=worker_args).start()
     workers = [a for name, a in spawned.items() if name.startswith("worker")]

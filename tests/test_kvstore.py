@@ -117,8 +117,7 @@ def test_a_restarted_worker_loses_its_directory_entries_and_sessions_still_work(
     name = f"worker-{home}"
     service.procs[name].send_signal(2)  # SIGINT: the worker deregisters and exits
     service.procs[name].wait(30)  # ~1 s; the worker handles SIGINT even if started with it ignored
-    service._spawn(name, "worker", ["--redis-url", service.redis_url] + service._model_args()
-                   + ["--worker-id", home] + service.worker_args)
+    service.restart(name)
     wait_for(lambda: d.session("s2") is None and d.num_held(home) == 0, 60,  # dropped when the worker left
              "the directory to drop the restarted worker", poll=0.2)
     service.wait_workers(60, 2)

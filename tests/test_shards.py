@@ -17,6 +17,7 @@ from core import protocol as P
 from core.keyrecords import StatsSnapshot
 from gateway.backend import LiveWorker, choose_shard, merge_stats
 from engine import Engine
+from service.children import Role
 from service.launch import Service
 from tests.support.factories import tiny_llama_with_tokenizer
 from tests.support.wait import wait_for
@@ -68,13 +69,26 @@ def test_merge_stats_sums_numbers_and_merges_maps():
 
 
 def test_service_plans_shards_and_workers():
-    svc = Service("default", workers=4, shards=2, schedulers=2, gateway=False)
-    assert svc.scheduler_plan() == [("scheduler", ["--shard", "0"]), ("scheduler-2", ["--shard", "0"]),
-                                    ("scheduler-s1", ["--shard", "1"]), ("scheduler-s1-2", ["--shard", "1"])]
-    assert [(w, a) for w, a in svc.worker_plan()] == [("w0", ["--shard", "0"]), ("w1", ["--shard", "1"]),
-                                                       ("w2", ["--shard", "0"]), ("w3", ["--shard", "1"])]
-    one = Service("default", workers=2, gateway=False)
-    assert one.scheduler_plan() == [("scheduler", [])] and one.worker_plan() == [("w0", []), ("w1", [])]
+    """Each child's spec names its role, shard and worker id, and its args say the same to the process."""
+    url = "redis://127.0.0.1:1/0"
+    svc = Service("default", workers=4, shards=2, schedulers=2, gateway=False, redis_url=url)
+
+    def shard_arg(spec) -> str | None:
+        return spec.args[spec.args.index("--shard") + 1] if "--shard" in spec.args else None
+
+    plan = svc.plan()
+    assert [(s.name, s.role, s.shard, shard_arg(s)) for s in plan if s.role is Role.SCHEDULER] == [
+        ("scheduler", Role.SCHEDULER, "0", "0"), ("scheduler-2", Role.SCHEDULER, "0", "0"),
+        ("scheduler-s1", Role.SCHEDULER, "1", "1"), ("scheduler-s1-2", Role.SCHEDULER, "1", "1")]
+    workers = [s for s in plan if s.role is Role.WORKER]
+    assert [(s.name, s.id, s.shard, shard_arg(s)) for s in workers] == [
+        ("worker-w0", "w0", "0", "0"), ("worker-w1", "w1", "1", "1"),
+        ("worker-w2", "w2", "0", "0"), ("worker-w3", "w3", "1", "1")]
+    assert all(s.args[s.args.index("--worker-id") + 1] == s.id for s in workers)
+    one = Service("default", workers=2, gateway=False, redis_url=url).plan()
+    assert [(s.name, s.shard, shard_arg(s)) for s in one] == [
+        ("scheduler", "0", None), ("worker-w0", "0", None), ("worker-w1", "0", None)]
+    assert Service("default", redis_url=url).plan()[-1].role is Role.GATEWAY
     with pytest.raises(ValueError):
         Service("default", shards=0)
 

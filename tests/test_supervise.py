@@ -20,6 +20,7 @@ import redis
 
 from core import protocol as P
 from core.keyrecords import StatsSnapshot, WorkerInfo, scheduler_consumer
+from service.children import ChildSpec, Role
 from service.launch import free_port
 from service.supervise import RestartPolicy, Supervisor
 from tests.support.redis_server import redis_url  # noqa: F401 - the session fixture
@@ -290,9 +291,13 @@ def test_what_an_exited_child_held_is_given_back_only_while_it_is_that_process_s
     for gw, host, pid in (("gw-dead", here, gw_pid), ("gw-elsewhere", "another-host", gw_pid), ("gw-new", here, gw_pid + 1)):
         r.set(P.gateway_key(gw), json.dumps({"host": host, "pid": pid, "t": 1.0, "waiting": 0}), ex=60)
 
-    class Svc:  # what Supervisor reads of a Service
-        log_dir = tmp_path
-        commands = {f"scheduler-s{k}": ("scheduler", ["--redis-url", redis_url, "--shard", str(k)]) for k in (1, 2)}
+    roles = {"worker-w0": (Role.WORKER, "0", "w0"), "worker-w1": (Role.WORKER, "0", "w1"),
+             "scheduler": (Role.SCHEDULER, "0", ""), "scheduler-s1": (Role.SCHEDULER, "1", ""),
+             "scheduler-s2": (Role.SCHEDULER, "2", ""), "gateway": (Role.GATEWAY, "0", "")}
+
+    class Svc:  # what Supervisor reads of a Service: the specs name each child's role, shard and id
+        specs = {name: ChildSpec(name, role, tmp_path / f"{name}.log", shard=shard, id=wid)
+                 for name, (role, shard, wid) in roles.items()}
         def __init__(self, url):
             self.redis_url = url
         def children(self):
@@ -310,7 +315,7 @@ def test_what_an_exited_child_held_is_given_back_only_while_it_is_that_process_s
     assert "mfs up: worker-w0's registration given back: the scheduler moves its requests now" in said
     assert "mfs up: scheduler's leadership given back: a standby takes over now" in said
     assert not [line for line in said if "given back" in line and ("w1" in line or "-s1" in line)], said
-    assert Supervisor(Svc("redis://127.0.0.1:1/0")).give_back("worker-w1", 1) is None  # no Redis
+    assert Supervisor(Svc("redis://127.0.0.1:1/0")).give_back(Svc.specs["worker-w1"], 1) is None  # no Redis
     r.delete(P.worker_key("w1"), P.Shard("1").leader_key, P.gateway_key("gw-elsewhere"), P.gateway_key("gw-new"))
 
 

@@ -6,7 +6,7 @@ import shlex
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
-from service.launch import try_command
+from mfs.up import try_command
 
 
 class Models(BaseHTTPRequestHandler):
