@@ -23,6 +23,7 @@ gateway's own). A broken connection to a gateway that was not killed is counted 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import difflib
 import random
 import signal
@@ -61,12 +62,12 @@ class Chaos:
     # ---- the service ---------------------------------------------------------------------------
     def start(self) -> None:
         self.svc.start()
-        module, gw_args = self.svc.commands["gateway"]
+        gw = self.svc.specs["gateway"]
         port2 = self._free_port()
-        args2 = list(gw_args)
+        args2 = list(gw.args)
         args2[args2.index("--port") + 1] = str(port2)
-        # a second gateway, started and restarted as the first (Service has no public hook for it)
-        self.svc._spawn("gateway-2", module, args2)  # noqa: SLF001
+        # a second gateway, started and restarted as the first: its spec with its own name, port and log
+        self.svc.spawn(dataclasses.replace(gw, name="gateway-2", args=tuple(args2), log=gw.log.with_name("gateway-2.log")))
         self.urls = {"gateway": self.svc.url, "gateway-2": f"http://{self.svc.host}:{port2}"}
         self._wait_healthy(self.urls.values(), 240)
         sup = self._supervisor_cls(self.svc, self.policy, say=self.restarts.append)

@@ -171,16 +171,6 @@ class Service:
                                                      preexec_fn=_die_with_parent if self.die_with_parent else None)
         return self.procs[spec.name]
 
-    def _spawn(self, name: str, module: str, args: list[str]) -> None:
-        """``python -m module args`` as the child ``name`` in the role its module names, on the default
-        shard (the form benches/chaos.py adds a second gateway with)."""
-        self.spawn(self._child(name, Role(module), args))
-
-    @property
-    def commands(self) -> dict[str, tuple[str, list[str]]]:
-        """name -> (module, args) of each child started with ``python -m`` (what benches/chaos.py reads)."""
-        return {n: (s.role.value, list(s.args)) for n, s in self.specs.items() if s.role is not Role.REDIS}
-
     def children(self) -> dict[str, subprocess.Popen]:
         """Every process this service started, the embedded Redis included (as "redis")."""
         out = dict(self.procs)
