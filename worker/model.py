@@ -59,11 +59,17 @@ class DecoderLayer(nn.Module):
             return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, silu_mul=None) -> torch.Tensor:
+        """``silu_mul``: the kernel table's ``silu(g) * u`` (serving: the same operator on every path)."""
+        act = silu_mul or _silu_mul
         if self.gate_up_proj is not None:
             g, u = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(g) * u)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(act(g, u))
+        return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
+
+
+def _silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) * u
 
 
 # HF parameter name (after "model.layers.{i}.") -> our attribute path.
@@ -315,7 +321,7 @@ class NestedModel(nn.Module):
         if rows is not None:
             h, residual = h.index_select(0, rows), residual.index_select(0, rows)
         hn, residual = ops.fused_add_rms_norm(h, residual, layer.post_attention_layernorm, cfg.rms_eps)
-        return layer.mlp(hn), residual
+        return layer.mlp(hn, ops.silu_mul), residual
 
     def _segment(self, s: int, h: torch.Tensor, residual: torch.Tensor | None, pos: torch.Tensor,
                  seg, kv) -> tuple[torch.Tensor, torch.Tensor]:
