@@ -1,0 +1,134 @@
+"""Same request, same tokens: on the served CPU format (w4a8, fp32 activations) a request's tokens and
+every step's logits, bit for bit, are those of the same request served alone, whatever its batch, its
+arrival, its prefill chunks, its prefix-cache hits, the path (eager or compiled) of its steps, and
+whether self-speculation or the cascade touched it. A tiny random Llama with the default format's
+operators; the default weights in one slow check."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import Engine
+from tests.support.cascade import WINDOW, find_case
+from worker.execution import compile_decode
+from worker.family import load_family
+from worker.sampling import SamplingParams
+
+N = 10  # tokens a request generates
+
+
+@pytest.fixture(scope="module")
+def fam(llama_dir):
+    return load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights="w4a8")
+
+
+def serve(model, reqs, *, chunk: int = 512, warm=(), arrivals=None, keep_logits: bool = True):
+    """reqs: (id, prompt, tier, params). ``warm`` prompts run first in the same engine (their blocks stay
+    cached); ``arrivals[i]``: the step at which request i is added (all at once by default). Returns
+    {id: (tokens, [each step's logits])}."""
+    eng = Engine(model, block_size=4, num_blocks=256, max_num_batched_tokens=chunk, keep_logits=keep_logits)
+    if warm:
+        eng.generate(list(warm), [2] * len(warm), SamplingParams(max_tokens=2, ignore_eos=True))
+    arrivals = arrivals or [0] * len(reqs)
+    out: dict[str, tuple[list[int], list]] = {r[0]: ([], []) for r in reqs}
+    step = 0
+    while step <= max(arrivals) or eng.has_unfinished():
+        for (rid, prompt, tier, sp), at in zip(reqs, arrivals):
+            if at == step:
+                eng.add_request(rid, prompt, tier, sp)
+        for o in eng.step():
+            out[o.request_id][0].extend(o.new_token_ids)
+            if o.new_token_ids and o.logits is not None:
+                out[o.request_id][1].append(o.logits)
+        step += 1
+    return out
+
+
+def alone(model, req):
+    return serve(model, [req])[req[0]]
+
+
+def assert_same(got, want, what):
+    toks, logits = got
+    assert toks == want[0], what
+    assert len(logits) == len(want[1]) and all(torch.equal(a, b) for a, b in zip(logits, want[1])), what
+
+
+def workload(rng: random.Random, n: int, prefix: list[int]):
+    reqs = []
+    for i in range(n):
+        own = [rng.randrange(3, 160) for _ in range(rng.randint(1, 30))]
+        prompt = (prefix + own) if rng.random() < 0.5 else own
+        sp = SamplingParams(max_tokens=N, ignore_eos=True)
+        if rng.random() < 0.4:  # seeded sampling is in the contract too
+            sp = SamplingParams(max_tokens=N, ignore_eos=True, temperature=0.9, seed=rng.randrange(1000))
+        reqs.append((f"r{i}", prompt, rng.randrange(3), sp))
+    return reqs
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_request_in_any_batch_chunking_arrival_and_cache_state_equals_it_alone(fam, seed):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 160) for _ in range(13)]
+    reqs = workload(rng, 7, prefix)
+    want = {r[0]: alone(fam.model, r) for r in reqs}
+    chunk = rng.choice([3, 8, 17, 64])
+    arrivals = [rng.randrange(6) for _ in reqs]
+    got = serve(fam.model, reqs, chunk=chunk, warm=[prefix + [7, 7, 7]], arrivals=arrivals)
+    for r in reqs:
+        assert_same(got[r[0]], want[r[0]], f"{r[0]} (chunk {chunk}, arrivals {arrivals})")
+
+
+def test_self_speculation_and_the_cascade_equal_plain_decoding(fam):
+    """Greedy self-speculation (every draft > target pair) is plain decoding at the target tier, token for
+    token, on the served format; a cascade is tier 0's tokens until it escalates, then tier 1's
+    continuation of them, as plain decoding of each gives."""
+    rng = random.Random(7)
+    reqs = []
+    for i, (d, t) in enumerate([(0, 1), (0, 2), (1, 2), (0, 2)]):
+        prompt = [rng.randrange(3, 160) for _ in range(rng.randint(3, 12))]
+        reqs.append((f"s{i}", prompt, t, SamplingParams(max_tokens=24, ignore_eos=True, spec_draft_tier=d,
+                                                         spec_gamma=4)))
+    got = serve(fam.model, reqs, keep_logits=False)
+    for rid, prompt, t, _ in reqs:
+        assert got[rid][0] == alone(fam.model, (rid, prompt, t, SamplingParams(max_tokens=24, ignore_eos=True)))[0]
+    case = find_case(fam)
+    sp = SamplingParams(max_tokens=16, ignore_eos=True, cascade_threshold=case["threshold"], cascade_window=WINDOW)
+    out = serve(fam.model, [("c", case["prompt"], 0, sp)], keep_logits=False)["c"][0]
+    assert out == case["low"][:case["k"]] + case["cont"]
+
+
+def test_the_compiled_path_computes_what_the_eager_path_computes(llama_dir):
+    """The compiled decode graph calls the eager layers' operators: alone or batched, each step's logits
+    equal the eager path's, bit for bit (and so a background swap changes no token)."""
+    model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32", weights="w4a8").model
+    rng = random.Random(3)
+    reqs = workload(rng, 5, [])
+    want = {r[0]: alone(model, r) for r in reqs}
+    compile_decode(model)
+    try:
+        got = serve(model, reqs, arrivals=[0, 0, 1, 2, 2])
+        for r in reqs:
+            assert_same(got[r[0]], want[r[0]], r[0])
+            assert_same(alone(model, r), want[r[0]], r[0] + " alone")
+    finally:
+        compile_decode(model, enable=False)
+
+
+@pytest.mark.slow
+def test_the_default_weights_answer_alone_as_in_a_batch():
+    """The default family on its default format: four chat-sized prompts, each alone and all together
+    with prefill chunks of 16 tokens, at the top and the lowest tier."""
+    from kernels import cpu_rows
+    if not cpu_rows.rows_kernel():
+        pytest.skip("the per-row operators do not build here")
+    fam = load_family("default", weights="w4a8")
+    rng = random.Random(1)
+    reqs = [(f"d{i}", [rng.randrange(100, 40000) for _ in range(rng.randint(20, 60))], i % 2 * 2,
+             SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(4)]
+    want = {r[0]: alone(fam.model, r) for r in reqs}
+    got = serve(fam.model, reqs, chunk=16)
+    for r in reqs:
+        assert_same(got[r[0]], want[r[0]], r[0])
