@@ -100,10 +100,11 @@ def test_self_speculation_and_the_cascade_equal_plain_decoding(fam):
     assert out == case["low"][:case["k"]] + case["cont"]
 
 
-def test_the_compiled_path_computes_what_the_eager_path_computes(llama_dir):
+def test_the_compiled_path_computes_what_the_eager_path_computes(fam):
     """The compiled decode graph calls the eager layers' operators: alone or batched, each step's logits
-    equal the eager path's, bit for bit (and so a background swap changes no token)."""
-    model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32", weights="w4a8").model
+    equal the eager path's, bit for bit (and so a background swap changes no token). (The family of
+    test_execution.py: the same graphs, from the inductor cache when that file ran first.)"""
+    model = fam.model
     rng = random.Random(3)
     reqs = workload(rng, 5, [])
     want = {r[0]: alone(model, r) for r in reqs}

@@ -59,17 +59,12 @@ class DecoderLayer(nn.Module):
             return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def mlp(self, x: torch.Tensor, silu_mul=None) -> torch.Tensor:
-        """``silu_mul``: the kernel table's ``silu(g) * u`` (serving: the same operator on every path)."""
-        act = silu_mul or _silu_mul
+    def mlp(self, x: torch.Tensor, silu_mul=None) -> torch.Tensor:  # silu_mul: the serving ops' silu(g) * u
+        act = silu_mul or (lambda g, u: F.silu(g) * u)
         if self.gate_up_proj is not None:
             g, u = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(act(g, u))
         return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
-
-
-def _silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return F.silu(g) * u
 
 
 # HF parameter name (after "model.layers.{i}.") -> our attribute path.
