@@ -133,3 +133,20 @@ def test_the_default_weights_answer_alone_as_in_a_batch():
     got = serve(fam.model, reqs, chunk=16)
     for r in reqs:
         assert_same(got[r[0]], want[r[0]], r[0])
+
+
+def test_a_seeded_request_resumed_with_its_tokens_so_far_samples_on_as_its_fault_free_run(fam):
+    """What a worker does with a request another worker started (``ModelRunner.add(..., num_output=k)``):
+    its generator skips the k draws made, so its next tokens are the fault-free run's."""
+    sp = SamplingParams(max_tokens=N, ignore_eos=True, temperature=1.0, seed=11)
+    prompt = [5, 9, 33, 7, 2]
+    want = alone(fam.model, ("a", prompt, 2, sp))[0]
+    for k in (1, 4):
+        eng = Engine(fam.model, block_size=4, num_blocks=64)
+        rest = SamplingParams(max_tokens=N - k, ignore_eos=True, temperature=1.0, seed=11)
+        eng.scheduler.add_request("b", prompt + want[:k], 2, rest, meta={})
+        eng.runner.add("b", rest, prompt + want[:k], num_output=k)
+        got = []
+        while eng.has_unfinished():
+            got += [t for o in eng.step() for t in o.new_token_ids]
+        assert want[:k] + got == want, k
