@@ -150,3 +150,50 @@ def test_a_seeded_request_resumed_with_its_tokens_so_far_samples_on_as_its_fault
         while eng.has_unfinished():
             got += [t for o in eng.step() for t in o.new_token_ids]
         assert want[:k] + got == want, k
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sixteen_streams_after_a_worker_sigkill_equal_their_fault_free_run(llama_dir):
+    """The service (two workers, w4a8 in fp32, compiled decode swapped in when built) with one worker
+    SIGKILLed mid-generation: every stream equals the request served alone, greedy or seeded, token for
+    token and in each token's log-probability, bit for bit."""
+    import signal
+
+    import redis
+
+    from service.launch import Service
+    from tests.support.faults import assert_complete_and_equal
+    from tests.support.pipeline import Reader, submit
+    rng = random.Random(4)
+    work = [(f"k{i}", [rng.randrange(3, 160) for _ in range(rng.randint(3, 20))], i % 3, 40) for i in range(16)]
+    seeds = {rid: 100 + i for i, (rid, *_) in enumerate(work) if i % 4 == 3}
+    with Service(str(llama_dir), tiers="2+1,4,6", workers=2, gateway=False, dtype="float32",
+                 worker_args=["--num-blocks", "256", "--block-size", "4", "--threads", "1",
+                              "--weights", "w4a8"]) as svc:
+        r = redis.Redis.from_url(svc.redis_url)
+        for rid, prompt, tier, n in work:
+            kw = dict(temperature=0.9, seed=seeds[rid]) if rid in seeds else {}
+            submit(r, rid, prompt, tier, max_tokens=n, ignore_eos=True, logprobs=0, **kw)
+        rd = Reader(r)
+        rd.until(lambda: sum(len(v) for v in rd.events.values() if any(e.worker == "w1" for e in v)) >= 40)
+        svc.procs["worker-w1"].send_signal(signal.SIGKILL)
+        rd.until(lambda: all(rd.finished(rid) for rid, *_ in work), timeout=240)
+        moved = [rid for rid, evs in rd.events.items() if {e.worker for e in evs} == {"w0", "w1"}]
+        assert moved, "no request was in flight on the killed worker"
+    fam = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights="w4a8")
+    want, want_lp = {}, {}
+    for rid, prompt, tier, n in work:
+        sp = SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0,
+                            **(dict(temperature=0.9, seed=seeds[rid]) if rid in seeds else {}))
+        eng = Engine(fam.model, block_size=4, num_blocks=64)
+        eng.add_request(rid, prompt, tier, sp)
+        want[rid], want_lp[rid] = [], []
+        while eng.has_unfinished():
+            for o in eng.step():
+                want[rid] += o.new_token_ids
+                want_lp[rid] += [lp.logprob for lp in o.logprobs]
+    assert_complete_and_equal(rd, work, want)
+    for rid, *_ in work:
+        got = {e.seq + i: lp.logprob for e in rd.events[rid] for i, lp in enumerate(e.logprobs)}
+        assert [got[i] for i in range(len(want_lp[rid]))] == want_lp[rid], rid
