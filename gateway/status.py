@@ -120,6 +120,7 @@ def _workers(smp: Samples, workers, heartbeats: dict[str, float], tier_names: li
         segs = sorted(set(used[w.worker_id]) | set(total[w.worker_id]))
         out.append({"id": w.worker_id, "shard": w.shard,
                     "tiers": [tier_names[t] if t < len(tier_names) else str(t) for t in w.tiers],
+                    "weights": w.weights, "choice": w.choice,
                     "heartbeat": beat, "age_s": None if beat is None else round(now - beat, 3),
                     "kv_blocks_used": [used[w.worker_id].get(s, 0.0) for s in segs],
                     "kv_blocks_total": [total[w.worker_id].get(s, 0.0) for s in segs]})

@@ -25,7 +25,8 @@ on both machines (docs/journal/benchmarks-history.md, "Kernels of our own"): abo
 at one row on each, and faster than inductor's compiled int8 head on the AVX-512 one. ``MFS_CPU_GEMV=0``
 turns it off. The choice is logged once per process.
 
-The build: ``g++ -O3 -mavx2 -mfma -mf16c -fopenmp`` with torch's headers (plus
+The build: ``g++ -O3 -mavx2 -mfma -mf16c -fopenmp`` and the C++ standard torch's own extension
+builder asks for (:func:`cxx_standard`), with torch's headers (plus
 ``-mavx512f -mavx512bw -mavx512vl -mavx512vnni`` where the CPU has AVX-512 VNNI: :func:`isa`), each
 source file compiled on its own thread, then linked ``-shared`` into
 ``$MFS_CACHE/kernels/<hash of sources, headers, compiler, flags, torch version>/`` (``~/.cache/mfs`` by
@@ -54,7 +55,7 @@ log = structlog.get_logger(__name__)
 _HERE = Path(__file__).parent
 # one library: the operators' files (cpu_gemv.cpp registers them all; cpu_gemv.h is what they share)
 SOURCES = tuple(_HERE / f for f in ("cpu_gemv.cpp", "cpu_gemv_w4a8.cpp", "cpu_gemv_w4a8_tile.cpp", "cpu_gemv_a8.cpp"))
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-std=c++17", "-w"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-w"]
 # where the CPU has AVX-512 VNNI, w4a8's block sums take one vpdpbusd instead of vpmaddubsw + vpmaddwd
 VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
@@ -83,8 +84,18 @@ def isa() -> str:
     return "avx512-vnni" if VNNI <= cpu_flags() else "avx2"
 
 
+def cxx_standard() -> str:
+    """The C++ standard the installed torch's headers need: the newest ``-std=c++NN`` that torch's own
+    extension builder (``torch.utils.cpp_extension``) passes, so the operators build against whichever
+    torch they meet (torch 2.13 passes C++20; newer torch headers do not compile under C++17)."""
+    import re  # noqa: PLC0415
+    from torch.utils import cpp_extension  # noqa: PLC0415
+    found = re.findall(r"-std=c\+\+(\d+)", Path(cpp_extension.__file__).read_text())
+    return f"-std=c++{max(found, key=int)}" if found else "-std=c++17"
+
+
 def flags() -> list[str]:
-    return FLAGS + (VNNI_FLAGS if isa() == "avx512-vnni" else [])
+    return [*FLAGS, cxx_standard(), *(VNNI_FLAGS if isa() == "avx512-vnni" else [])]
 
 
 def _cache_dir() -> Path:
@@ -310,6 +321,10 @@ def load_once(loaded: list, source: Path, register: Callable[[], None]) -> None:
     loaded.append(True)
 
 
+# operator name -> why :func:`pick_operator` left it to the fallback (what a start line reports)
+unavailable: dict[str, str] = {}
+
+
 def pick_operator(cache: list, env: str, load_lib: Callable[[], None], name: str, what: str, fallback: str,
                   detail: str = "") -> Callable | None:
     """``torch.ops.mfs.<name>`` (``load_lib()`` builds and loads its library) on a CPU where torch reports
@@ -318,6 +333,7 @@ def pick_operator(cache: list, env: str, load_lib: Callable[[], None], name: str
     if cache:
         return cache[0]
     cap = torch.backends.cpu.get_cpu_capability()
+    unavailable.pop(name, None)
     kernel, why = None, None
     if os.environ.get(env, "1") == "0":
         why = f"{env}=0"
@@ -331,6 +347,8 @@ def pick_operator(cache: list, env: str, load_lib: Callable[[], None], name: str
             why = f"build failed: {e}"
     log.info(what, kernel=f"mfs::{name} ({isa()}{detail})" if kernel else fallback, cpu_capability=cap,
              **({"why": why} if why else {}))
+    if why:
+        unavailable[name] = why
     cache.append(kernel)
     return kernel
 

@@ -199,11 +199,11 @@ def chosen(args, threads: int) -> str:
     worker logs what it took: an ``auto`` compile it cannot build stays eager, saying why)."""
     import torch  # noqa: PLC0415
 
-    from worker.formats import resolve_mode  # noqa: PLC0415
+    from worker.formats import resolve_mode, weights_why  # noqa: PLC0415
     device = args.device or "cpu"
     isa = torch.backends.cpu.get_cpu_capability()
     weights = resolve_mode(args.weights, device)
-    why_w = f"auto on {isa}" if args.weights == "auto" else f"--weights {args.weights}"
+    why_w = weights_why(args.weights, device)
     why_t = f"--threads {args.threads}" if args.threads else f"the cores split between {args.workers} worker(s)"
     decode = {"auto": "compiled where it builds, in the background: eager until then (--no-compile: off)",
               "on": "compiled (--compile), in the background: eager until then", "off": "eager (--no-compile)"}

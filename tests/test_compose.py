@@ -1,5 +1,7 @@
-"""No Docker engine runs here, so check what compose.yaml and the Dockerfile name actually exist, and that
-the monitoring profile's Prometheus config and Grafana dashboard hold (promtool, the gateway's series)."""
+"""The fast, static checks of compose.yaml and the Dockerfile (`make compose-test` builds and runs them
+for real): `docker compose config` validates, what they name exists, Redis asks for a password that the
+MFS services get in REDIS_URL, only the gateway's port is published, and the monitoring profile's
+Prometheus config and Grafana dashboard hold (promtool, the gateway's series)."""
 import importlib.util
 import json
 import re
@@ -24,15 +26,58 @@ def test_compose_services_and_commands_exist():
         module = text.split("python -m ", 1)[1].split()[0]
         assert module == name
         assert importlib.util.find_spec(f"{module}.__main__") is not None, f"{module} has no __main__"
-        assert "redis://redis:6379/0" in text
+        assert "--redis-url" not in text  # REDIS_URL, from the environment below
+        assert services[name]["environment"]["REDIS_URL"] == REDIS_URL
         for dep in services[name].get("depends_on", {}):
             assert dep in services
-    assert services["gateway"]["ports"] == ["8000:8000"]
-    # the Redis URL may be a Sentinel group's (REDIS_URL, compose interpolation)
-    assert all("${REDIS_URL:-redis://redis:6379/0}" in " ".join(services[n]["command"])
-               for n in ("gateway", "scheduler", "worker"))
+    # only the gateway's port is published (monitoring's UIs on the host's loopback alone)
+    published = {n: s["ports"] for n, s in services.items() if s.get("ports")}
+    assert published.pop("gateway") == ["${MFS_PORT:-8000}:8000"]
+    assert all(p.startswith("127.0.0.1:") for ports in published.values() for p in ports), published
     # a service that dies comes back, as under `mfs up`
     assert all(s.get("restart") == "unless-stopped" for s in services.values()), services
+
+
+REDIS_URL = ("${MFS_REDIS_SCHEME:-redis}://:${MFS_REDIS_PASSWORD:?set MFS_REDIS_PASSWORD, or run make compose-env "
+             "(it writes a random one to .env)}@${MFS_REDIS_HOSTS:-redis:6379/0}")
+
+
+def test_compose_redis_asks_for_the_password():
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    for name in ("redis", "redis-replica", "sentinel-1"):
+        assert services[name]["environment"]["REDISCLI_AUTH"].startswith("${MFS_REDIS_PASSWORD:?")
+    assert '--requirepass "$$REDISCLI_AUTH"' in services["redis"]["command"][-1]
+    assert '--masterauth "$$REDISCLI_AUTH"' in services["redis-replica"]["command"][-1]
+    assert "sentinel auth-pass mfs %s" in services["sentinel-1"]["command"][-1]
+    assert ".env" in (ROOT / ".gitignore").read_text().split()
+
+
+COMPOSE = shutil.which("docker-compose") or shutil.which("docker")
+
+
+@pytest.mark.skipif(COMPOSE is None, reason="no docker-compose or docker client (`make test` installs "
+                    "docker-compose when run as root with apt-get)")
+def test_docker_compose_config_validates_with_every_profile():
+    cmd = [COMPOSE] if COMPOSE.endswith("docker-compose") else [COMPOSE, "compose"]
+    env = {"PATH": "/usr/bin:/bin", "MFS_REDIS_PASSWORD": "0123abcd"}
+    profiles = ["--profile", "ha", "--profile", "cuda", "--profile", "monitoring"]  # every service at once
+    out = subprocess.run([*cmd, "-f", str(ROOT / "compose.yaml"), *profiles, "config", "-q"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    if "is not a docker command" in out.stderr:
+        pytest.skip("this docker client has no compose")
+    assert out.returncode == 0, out.stderr
+    unset = subprocess.run([*cmd, "-f", str(ROOT / "compose.yaml"), "config", "-q"], env={"PATH": "/usr/bin:/bin"},
+                           capture_output=True, text=True, timeout=60, cwd="/")
+    assert unset.returncode != 0 and "make compose-env" in unset.stderr  # no password: refused, saying how
+
+
+def test_compose_cuda_profile_reserves_a_gpu_for_a_cuda_worker():
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    cuda = services["worker-cuda"]
+    assert cuda["profiles"] == ["cuda"] and cuda["build"]["args"]["TORCH_INDEX"] == ""
+    assert "--device cuda" in cuda["command"][-1]
+    (dev,) = cuda["deploy"]["resources"]["reservations"]["devices"]
+    assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]
 
 
 def test_compose_ha_profile_has_a_replica_and_three_sentinels():
@@ -49,8 +94,8 @@ def test_compose_ha_profile_has_a_replica_and_three_sentinels():
     # the sentinel URL the compose file tells users to set names exactly these sentinels and master
     from core.redisconn import RedisTarget
     head = (ROOT / "compose.yaml").read_text().split("services:")[0]
-    url = next(w for w in head.split() if w.startswith("REDIS_URL=")).split("=", 1)[1]
-    t = RedisTarget.parse(url)
+    said = dict(w.split("=", 1) for w in head.split() if w.startswith(("MFS_REDIS_SCHEME=", "MFS_REDIS_HOSTS=")))
+    t = RedisTarget.parse(f"{said['MFS_REDIS_SCHEME']}://:pw@{said['MFS_REDIS_HOSTS']}")
     assert t.master == "mfs" and {h for h, _ in t.sentinels} == {"sentinel-1", "sentinel-2", "sentinel-3"}
 
 
@@ -63,7 +108,10 @@ def test_dockerfile_copies_every_package_it_runs():
     for pkg in pkgs:
         assert f"COPY {pkg} {pkg}" in text
         assert (ROOT / pkg / "__init__.py").exists()
-    assert "make setup" in text
+    assert "make setup" in text and "LOCK=requirements.lock" in text  # the serving packages, not the tests'
+    ignored = [ln for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln and not ln.startswith("#")]
+    copied = {w for line in text.splitlines() if line.startswith("COPY ") for w in line.split()[1:-1]}
+    assert ignored[0] == "*" and all(f"!{c}" in ignored for c in copied)  # the context holds what is copied
 
 
 PROMTOOL = shutil.which("promtool")

@@ -49,6 +49,28 @@ def test_the_start_line_says_what_was_chosen_and_why():
     assert line.endswith("decode eager (--no-compile)")
 
 
+def test_a_failed_operator_build_is_named_in_the_start_line(tmp_path):
+    """Where our CPU operators do not build, ``auto`` serves int4 and the start line says why, with the
+    compiler's failure; ``--weights w4a8`` asked for them and is refused with the same cause."""
+    import subprocess
+    import sys
+
+    import torch
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("auto serves fp32 on this CPU whether or not the operators build")
+    script = ("from mfs.cli import build_parser\nfrom mfs.commands import chosen\n"
+              "a = build_parser().parse_args(['up', '--no-compile']); a.compile = 'off'\nprint(chosen(a, 1))\n"
+              "from worker.formats import resolve\n"
+              "try:\n    resolve('w4a8')\nexcept ValueError as e:\n    print('refused:', e)\n")
+    env = {**os.environ, "CXX": "/bin/false", "MFS_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=ROOT,
+                         timeout=120, check=True).stdout
+    line = next(ln for ln in out.splitlines() if " on cpu; weights " in ln)  # stdout has the log lines too
+    refused = next(ln for ln in out.splitlines() if ln.startswith("refused: "))
+    assert "weights int4 (auto on " in line and "not w4a8, our CPU operators are unavailable (build failed: " in line
+    assert refused.startswith("refused: --weights w4a8 needs our CPU operators") and "/bin/false failed" in refused
+
+
 def test_threads_are_the_cores_split_between_the_workers(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     assert [worker_threads(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]

@@ -417,7 +417,8 @@ def test_status_json_has_the_metrics_numbers(gw, rds):
              "escalations": 2, "escalations_by_pair": {"0>1": 2},
              "spec": {"0>2": {"rounds": 4, "proposed": 16, "accepted": 12, "committed": 14}}}
     rds.hset(P.STATS_KEY, "scheduler", msgpack.packb(stats))
-    rds.hset(P.worker_key("w0"), "heartbeat", now - 0.5)
+    choice = "weights int4 (auto on AVX2: not w4a8, our CPU operators are unavailable (build failed: g++))"
+    rds.hset(P.worker_key("w0"), mapping={"heartbeat": now - 0.5, "weights": "int4", "choice": choice})
     try:
         st = httpx.get(gw.url + "/status.json").json()
         text = httpx.get(gw.url + "/metrics").text
@@ -438,6 +439,7 @@ def test_status_json_has_the_metrics_numbers(gw, rds):
     assert st["escalations"] == {"total": 2, "pairs": [{"from": "small", "to": "medium", "count": 2}]}
     w0 = next(w for w in st["workers"] if w["id"] == "w0")
     assert w0["kv_blocks_used"] == [5, 4, 1] and 0.4 < w0["age_s"] < 30
+    assert (w0["weights"], w0["choice"]) == ("int4", choice)  # what it serves and why, fallback included
     (leader,) = st["schedulers"]
     assert (leader["shard"], leader["leader"], leader["epoch"]) == (P.DEFAULT_SHARD, "sched-a", 3)
     assert 0.2 < leader["age_s"] < 30 and st["redis_up"] is True and st["gateway"] == "gw-test"

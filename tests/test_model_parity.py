@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from worker.family import load_family
-from tests.support.factories import tiny_llama, tiny_mistral, tiny_qwen2
+from tests.support.factories import tiny_arch, tiny_llama, tiny_mistral, tiny_qwen2
 from engine import Engine
 from worker.model import _LAYER_KEYS
 from worker.sampling import SamplingParams
@@ -20,7 +20,10 @@ def hf_model(path):
 
 
 def truncated_hf(hf, layers: int, exit_norm: torch.Tensor):
-    """The reference for a lower tier: the HF model cut to its layers, with the tier's exit norm."""
+    """The reference for a lower tier: the HF model cut to its layers, with the tier's exit norm (less
+    the 1 MFS adds to a Gemma norm's weights at load)."""
+    if hf.config.model_type == "gemma3_text":
+        exit_norm = exit_norm - 1.0
     t = copy.deepcopy(hf)
     t.model.layers = t.model.layers[:layers]
     t.config.num_hidden_layers = layers
@@ -57,7 +60,7 @@ def hf_step_logits(hf, tokens):
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa-untied", "llama-mha-tied-llama3rope", "qwen2-bias-tied",
-                                  "mistral-mqa-window"])
+                                  "mistral-mqa-window", "qwen3", "olmo2", "phi3", "gemma3"])
 def test_every_tier_matches_transformers(tmp_path, arch):
     if arch == "llama-gqa-untied":
         path = tiny_llama(tmp_path / arch, kv_heads=2, tie=False)
@@ -66,9 +69,11 @@ def test_every_tier_matches_transformers(tmp_path, arch):
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64})
     elif arch == "mistral-mqa-window":
-        path = tiny_mistral(tmp_path / arch)  # prompt + 32 steps stay inside the 64-token window
-    else:
+        path = tiny_mistral(tmp_path / arch, window=16)  # prompt + 32 steps: past the 16-token window
+    elif arch == "qwen2-bias-tied":
         path = tiny_qwen2(tmp_path / arch)
+    else:  # gemma3: a window of 8 on every other layer; phi3: LongRoPE past its original 32 positions
+        path = tiny_arch(tmp_path / arch, arch)
     fam = load_family(str(path), tiers="2,4,6", dtype="float32")
     model = fam.model
     torch.manual_seed(1)
@@ -84,6 +89,7 @@ def test_every_tier_matches_transformers(tmp_path, arch):
         ref = hf_step_logits(ref_model, tokens)
         diff = (ours - ref).abs().max().item()
         assert diff <= 1e-4, f"{arch} tier {tier.name}: max |logit diff| {diff:.2e}"
+        assert ref.argmax(-1).tolist() == tokens, f"{arch} tier {tier.name}: greedy tokens differ"
 
 
 def test_training_forward_matches_serving_forward(llama_family):
@@ -99,11 +105,12 @@ def test_training_forward_matches_serving_forward(llama_family):
         torch.testing.assert_close(out.logits, dense[tier.index], rtol=1e-9, atol=1e-9)
 
 
-def test_a_sliding_window_caps_the_context(tmp_path):
+def test_a_sliding_window_does_not_cap_the_context(tmp_path):
     fam = load_family(str(tiny_mistral(tmp_path / "m", window=48)), tiers="3,6")
-    assert fam.model.max_positions == 48
+    assert fam.model.max_positions == 512
+    assert [layer.window for layer in fam.model.layers] == [48] * 6
     eng = Engine(fam.model, block_size=4, num_blocks=64)
-    assert eng.scheduler.cfg.max_model_len == 48
+    assert eng.scheduler.cfg.max_model_len == 512
 
 
 def with_exit_blocks(hf, layers: int, block: list, exit_norm: torch.Tensor):

@@ -47,6 +47,20 @@ def test_smoothing_leaves_every_tiers_logits_as_they_were(qwen2_dir, tied_dir, w
         torch.testing.assert_close(b, a, rtol=0, atol=2e-5 * a.abs().max().item())
 
 
+@pytest.mark.parametrize("arch", ["olmo2", "gemma3"])
+def test_smoothing_leaves_the_logits_of_other_layers_as_they_were(tmp_path, arch):
+    """OLMo 2's q/k/v and gate/up read the residual stream itself: only down_proj and o_proj are
+    smoothed there. Gemma 3's norms after attention and MLP see the same outputs as before."""
+    from tests.support.factories import tiny_arch
+    model = load_family(str(tiny_arch(tmp_path / arch, arch)), tiers="2+1,4,6", dtype="float32").model
+    ids = torch.randint(3, 150, (2, 20), generator=torch.Generator().manual_seed(0))
+    before = _logits(model, ids)
+    n = smooth(model, input_amax(model, calibration_windows(None, model.cfg.vocab_size, seq_len=32, max_tokens=96)))
+    assert n == (2 if arch == "olmo2" else 7) * (len(model.layers) + 1) + 1
+    for a, b in zip(before, _logits(model, ids)):
+        torch.testing.assert_close(b, a, rtol=0, atol=2e-5 * a.abs().max().item())
+
+
 def test_smoothing_is_what_keeps_a_large_channel_from_costing_w8a8_its_precision(tied_dir, monkeypatch):
     base = load_family(str(tied_dir), tiers="2,4,6", dtype="float32").model
     with torch.no_grad():

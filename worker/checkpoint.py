@@ -113,7 +113,8 @@ def delta_state(model: NestedModel, train_layer_norms: bool = True) -> dict[str,
     if train_layer_norms:
         for i, layer in enumerate(model.layers):
             for n in _NORMS:
-                sd[f"layers.{i}.{n}"] = getattr(layer, n).detach().clone()
+                if getattr(layer, n) is not None:  # OLMo 2's layers have no norm before attention or MLP
+                    sd[f"layers.{i}.{n}"] = getattr(layer, n).detach().clone()
     return sd
 
 

@@ -49,6 +49,8 @@ def compiled_path(model: "NestedModel") -> str:
     """The compiled path this model would take (ValueError where none serves it): inductor on CPU with
     the torch ops, CUDA graphs on CUDA with the Triton ops."""
     device = model.embed_tokens.weight.device
+    if not model.cfg.llama_layers:  # the compiled layers are Llama's (worker/compiled_step.py)
+        raise ValueError(f"the compiled decode layers are Llama's; {model.cfg.model_type}'s run eager")
     if model.ops.name == "triton" and device.type == "cuda":
         stuck = ungraphable(model)  # the weight formats say what a CUDA graph cannot capture
         if stuck:

@@ -11,6 +11,7 @@ import torch
 from core.cli import add_args, opt
 from family.manifest import Manifest, TierSpec, manifest_for, parse_tiers, resolve_base, usable_tiers
 from kernels import KernelOps, select_backend
+from worker.arch import to_llama_layout
 from worker.config import ModelConfig
 from worker.formats import FORMATS, parse_weights
 from worker.loader import BaseWeights, load_base
@@ -46,7 +47,8 @@ def build_model(base: BaseWeights, tiers: list[TierSpec], dtype: torch.dtype = t
     tlist = [Tier(i, t.name, t.layers, t.block_layers) for i, t in enumerate(tiers)]
     with skeleton():
         model = NestedModel(cfg, tlist, max_positions=max_positions, ops=ops or select_backend(None, device))
-    model.adopt_base_state({k: v.to(device) for k, v in base.state_dict.items()})
+    sd = to_llama_layout(cfg.model_type, base.state_dict, cfg.num_layers, *model.layers[0].qkv_sizes[:2])
+    model.adopt_base_state({k: v.to(device) for k, v in sd.items()})
     model = model.to(dtype)
     model.rebuild_buffers()
     return model

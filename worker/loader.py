@@ -138,7 +138,8 @@ def _read_fast(folder: Path, cfg: dict, dtype: torch.dtype) -> tuple[SimpleNames
     weights = folder / "model.safetensors"
     if not weights.exists() or cfg.get("model_type") is None:
         return None
-    if rope_params(SimpleNamespace(**cfg))["rope_type"] != "default":
+    ns = SimpleNamespace(**cfg)
+    if any(rope_params(ns, t)["rope_type"] != "default" for t in {None, *(cfg.get("layer_types") or ())}):
         return None
     gen_path = folder / "generation_config.json"
     if cfg.get("eos_token_id") is None and gen_path.exists():

@@ -48,6 +48,7 @@ class WorkerSpec:
     device: str = ""
     kernels: str = ""
     weights: str = "fp32"
+    choice: str = ""  # what it serves and why (weights, threads, decode path): its start line
     shard: str = P.DEFAULT_SHARD  # the control-plane shard it joins
     exit_blocks: list[int] = field(default_factory=list)  # segments whose tier has an exit block
 
@@ -77,7 +78,7 @@ class WorkerLoop:
     def info(self) -> WorkerInfo:
         s = self.spec
         return WorkerInfo(s.tiers, s.num_tiers, s.num_blocks, s.block_size, s.max_model_len, s.vocab_size,
-                            list(s.eos), self.started, device=s.device, kernels=s.kernels, weights=s.weights,
+                            list(s.eos), self.started, device=s.device, kernels=s.kernels, weights=s.weights, choice=s.choice,
                             shard=s.shard, pid=os.getpid(), epoch=self.epoch, heartbeat=time.time(),
                             exit_blocks=list(s.exit_blocks))
 

@@ -1,5 +1,5 @@
-"""MFS's nested model: one Llama-style decoder whose first layers, with their own exits, are the
-smaller tiers of the family.
+"""MFS's nested model: one Llama-style decoder (other architectures' pieces: worker/layer_parts.py)
+whose first layers, with their own exits, are the smaller tiers of the family.
 
 Two forwards share the weights:
 * :meth:`NestedModel.forward_step` — serving: a flattened variable-length batch whose rows are ordered
@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import TORCH_OPS, KernelOps
-from kernels.rotary import build_cos_sin_cache
+from worker.arch import rope_tables
 from worker.config import ModelConfig
+from worker.layer_parts import NORM_KEYS, ArchParts, add_arch_parts
 
 if TYPE_CHECKING:
     from worker.batch import StepTensors
@@ -36,7 +37,8 @@ class Tier:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int | None = None):
+        """``index``: which decoder layer of the architecture this is (its attention window and rope)."""
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
@@ -53,6 +55,7 @@ class DecoderLayer(nn.Module):
         self.qkv_proj: nn.Module | None = None
         self.gate_up_proj: nn.Module | None = None
         self.qkv_sizes = (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d)
+        add_arch_parts(self, cfg, index)  # what the architecture adds (worker/layer_parts.py)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv_proj is not None:
@@ -60,7 +63,7 @@ class DecoderLayer(nn.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def mlp(self, x: torch.Tensor, silu_mul=None) -> torch.Tensor:  # silu_mul: the serving ops' silu(g) * u
-        act = silu_mul or (lambda g, u: F.silu(g) * u)
+        act = silu_mul if silu_mul is not None and self.act is F.silu else (lambda g, u: self.act(g) * u)
         if self.gate_up_proj is not None:
             g, u = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(act(g, u))
@@ -75,7 +78,7 @@ _LAYER_KEYS = {
 }
 
 
-class NestedModel(nn.Module):
+class NestedModel(ArchParts, nn.Module):
     def __init__(self, cfg: ModelConfig, tiers: list[Tier], max_positions: int | None = None,
                  ops: KernelOps = TORCH_OPS):
         super().__init__()
@@ -90,18 +93,20 @@ class NestedModel(nn.Module):
         self.ops = ops
         self.boundaries = [0] + layers  # segment s = layers [boundaries[s], boundaries[s+1])
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(layers[-1]))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(layers[-1]))
         self.exit_norms = nn.ParameterList(nn.Parameter(torch.ones(cfg.hidden_size)) for _ in tiers)
         # A tier's private exit block: decoder layers between its trunk boundary and its exit norm.
         # They read the trunk's hidden state and never feed it: higher tiers go on from the trunk.
-        self.exit_blocks = nn.ModuleDict({str(t.index): nn.ModuleList(DecoderLayer(cfg) for _ in range(t.block))
-                                          for t in tiers if t.block})
+        # (each block layer attends as the model's last layers, which copy:last starts it from, whatever the cut)
+        self.exit_blocks = nn.ModuleDict({str(t.index): nn.ModuleList(
+            DecoderLayer(cfg, cfg.num_layers - t.block + j) for j in range(t.block)) for t in tiers if t.block})
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.max_positions = min(max_positions or cfg.max_position, cfg.max_position)
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        self.register_buffer("cos_sin_local", None, persistent=False)  # the windowed layers' own rope
         self.rebuild_buffers()
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
         # how all-decode rows run their segments and exit blocks another way than the eager layers below
         # (worker/execution.py: compiled graphs, applied from outside); None: eager
         self.execution = None
@@ -117,8 +122,9 @@ class NestedModel(nn.Module):
         dev = self.embed_tokens.weight.device
         if dev.type == "meta":
             return
-        self.cos_sin = build_cos_sin_cache(self.cfg.inv_freq, self.max_positions,
-                                           self.cfg.rope_attention_scaling).to(dev)
+        table, local = rope_tables(self.cfg, self.max_positions)
+        self.cos_sin = table.to(dev)
+        self.cos_sin_local = local.to(dev) if local is not None else None
 
     @property
     def num_segments(self) -> int:
@@ -175,8 +181,9 @@ class NestedModel(nn.Module):
                 take(lin, "weight", p + hf + ".weight")
                 if lin.bias is not None:
                     take(lin, "bias", p + hf + ".bias")
-            take(layer, "input_layernorm", p + "input_layernorm.weight")
-            take(layer, "post_attention_layernorm", p + "post_attention_layernorm.weight")
+            for key, ours in NORM_KEYS.items():
+                if getattr(layer, ours) is not None:
+                    take(layer, ours, p + key)
         for t in self.tiers:
             self.exit_norms[t.index] = nn.Parameter(sd["model.norm.weight"].clone(), requires_grad=False)
         for blk in self.exit_blocks.values():  # copy:last until trained weights are applied
@@ -196,25 +203,24 @@ class NestedModel(nn.Module):
         """One decoder layer over x [B, S, H] with dense causal attention (no cache)."""
         cfg = self.cfg
         B, S, _ = x.shape
-        h = self.ops.rms_norm(x, layer.input_layernorm, cfg.rms_eps)
-        q, k, v = layer.qkv(h)
+        h = self._norm(x, layer.input_layernorm)
+        q, k, v = self._qk_norm(layer, *layer.qkv(h))
         q = q.reshape(B * S, cfg.num_heads, cfg.head_dim)
         k = k.reshape(B * S, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(B, S, cfg.num_kv_heads, cfg.head_dim)
-        q, k = self.ops.rotary(q, k, pos.repeat(B), self.cos_sin)
+        q, k = self._rotary(layer, q, k, pos.repeat(B), None)
         q = q.view(B, S, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = k.view(B, S, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        a = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale,
-                                           enable_gqa=cfg.num_heads != cfg.num_kv_heads)
-        x = x + layer.o_proj(a.transpose(1, 2).reshape(B, S, -1))
-        return x + layer.mlp(self.ops.rms_norm(x, layer.post_attention_layernorm, cfg.rms_eps))
+        a = self._dense_attention(layer, q, k, v.transpose(1, 2))
+        x = x + self._norm(layer.o_proj(a.transpose(1, 2).reshape(B, S, -1)), layer.attn_out_norm)
+        return x + self._norm(layer.mlp(self._norm(x, layer.post_attention_layernorm)), layer.mlp_out_norm)
 
     def trunk_states(self, input_ids: torch.Tensor, upto_tier: int | None = None) -> list[torch.Tensor]:
         """input_ids [B, S] -> the trunk's residual stream [B, S, H] at boundary 0..upto_tier (after
         the last trunk layer of each segment, before any exit block or norm)."""
         top = self.num_segments - 1 if upto_tier is None else upto_tier
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         outs = []
         for s in range(top + 1):
             for li in self.segment_layers(s):
@@ -237,7 +243,7 @@ class NestedModel(nn.Module):
         return [self.exit_from_trunk(s, x) for s, x in enumerate(self.trunk_states(input_ids, upto_tier))]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.softcap(self.lm_head(hidden))
 
     # ---- serving forward --------------------------------------------------------------------
     @torch.inference_mode()
@@ -245,7 +251,7 @@ class NestedModel(nn.Module):
         """Runs one step of the group batch; returns logits [n_sampled_rows, V] in row order."""
         if batch.general:
             return self._forward_indexed(batch, kv)
-        h = self.embed_tokens(batch.input_ids)
+        h = self.embed(batch.input_ids)
         residual = None
         exits: list[torch.Tensor] = []
         for s in range(self.num_segments):
@@ -262,7 +268,7 @@ class NestedModel(nn.Module):
     def _forward_indexed(self, batch: "StepTensors", kv: "SegmentedKVCache") -> torch.Tensor:
         """The general layout: some rows enter past segment 0 (cross-tier catch-up), so each segment
         gathers its active tokens from the whole batch and scatters them back."""
-        H = self.embed_tokens(batch.input_ids)
+        H = self.embed(batch.input_ids)
         R = torch.zeros_like(H)
         exits: list[torch.Tensor] = []
         for s in range(self.num_segments):
@@ -296,27 +302,22 @@ class NestedModel(nn.Module):
         """One decoder layer over paged KV: writes the tokens' K/V, attends, and runs the MLP (for
         ``rows`` only when given; nothing past the KV write with ``kv_only``)."""
         cfg, ops = self.cfg, self.ops
-        if residual is None:
-            residual = h
-            hn = ops.rms_norm(h, layer.input_layernorm, cfg.rms_eps)
-        else:
-            hn, residual = ops.fused_add_rms_norm(h, residual, layer.input_layernorm, cfg.rms_eps)
+        hn, residual = self._add_norm(h, residual, layer.input_layernorm)
         T = hn.shape[0]
-        q, k, v = layer.qkv(hn)
+        q, k, v = self._qk_norm(layer, *layer.qkv(hn))
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)
         k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        q, k = ops.rotary(q, k, pos, self.cos_sin, memo=seg.memo)
+        q, k = self._rotary(layer, q, k, pos, seg.memo)
         ops.write_kv(k, v, k_cache, v_cache, seg.slot_mapping)
         if kv_only:
             return None, None
-        a = ops.paged_attention(q, k_cache, v_cache, seg.block_tables, seg.q_start_loc,
-                                seg.ctx_lens, self.scale, seg.q_lens_host, seg.ctx_lens_host, memo=seg.memo)
-        h = layer.o_proj(a.view(T, -1))
+        a = self._attention(layer, q, k_cache, v_cache, seg)
+        h = self._norm(layer.o_proj(a.view(T, -1)), layer.attn_out_norm)
         if rows is not None:
             h, residual = h.index_select(0, rows), residual.index_select(0, rows)
-        hn, residual = ops.fused_add_rms_norm(h, residual, layer.post_attention_layernorm, cfg.rms_eps)
-        return layer.mlp(hn, ops.silu_mul), residual
+        hn, residual = self._add_norm(h, residual, layer.post_attention_layernorm)
+        return self._norm(layer.mlp(hn, self.ops.silu_mul), layer.mlp_out_norm), residual
 
     def _segment(self, s: int, h: torch.Tensor, residual: torch.Tensor | None, pos: torch.Tensor,
                  seg, kv) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,7 +393,7 @@ class NestedModel(nn.Module):
         # exit order (lowest tier first) -> row order on the hidden states, not on the [rows, vocab] logits:
         # our int8/w4a8 heads compute each row alone (the same bits); torch's fp32 matmul may round a row
         # differently at another place in the batch (~1e-6)
-        return self.lm_head(torch.cat(exits).index_select(0, batch.exit_to_row_order))
+        return self.softcap(self.lm_head(torch.cat(exits).index_select(0, batch.exit_to_row_order)))
 
 
 _INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_",

@@ -59,7 +59,7 @@ class WorkerService(WorkerLoop):
                 cpu_gemv.build_in_background()
             if cfg.compile != "off":
                 cpu_gemv.build_in_background([cpu_attention.SOURCE], "MFS_CPU_ATTENTION")
-        from worker.formats import resolve_mode  # noqa: PLC0415
+        from worker.formats import resolve_mode, weights_why  # noqa: PLC0415
         # A standalone tier is cut from the fp32 family, then quantized like the nested one.
         fam = load_family(cfg.model, tiers=cfg.tiers, dtype=cfg.dtype, device=cfg.device,
                           kernels=cfg.kernels, weights="fp32" if standalone else cfg.weights)
@@ -87,7 +87,7 @@ class WorkerService(WorkerLoop):
                              load_tokenizer=lambda: base.tokenizer)
         from worker.execution import EAGER, choose  # noqa: PLC0415
         self.path, why = choose(model, cfg.compile)  # ValueError: --compile on where no compiled path serves
-        self.choice = (f"weights {self.weights} ({_weights_why(cfg.weights)}); {cfg.threads} torch "
+        self.choice = (f"weights {self.weights} ({weights_why(cfg.weights, cfg.device)}); {cfg.threads} torch "
                        f"threads of {len(os.sched_getaffinity(0))} cores; decode {self.path} ({why})")
         self.compiling = None if self.path == EAGER else BackgroundCompile(runner, self.path)
         self.model = model
@@ -97,7 +97,7 @@ class WorkerService(WorkerLoop):
         mcfg = model.cfg
         spec = WorkerSpec(tiers, ntiers, num_blocks, cfg.block_size, min(cfg.max_model_len, model.max_positions),
                           mcfg.vocab_size, list(mcfg.eos_token_ids), device=str(runner.device),
-                          kernels=model.ops.name, weights=self.weights, shard=cfg.shard,
+                          kernels=model.ops.name, weights=self.weights, choice=self.choice, shard=cfg.shard,
                           exit_blocks=[] if standalone else list(model.exit_block_segments))
         super().__init__(cfg.worker_id, connect(redis_target), runner, spec)
 
@@ -106,12 +106,6 @@ class WorkerService(WorkerLoop):
         if self.compiling is not None:
             self.compiling.start()
         super().run()
-
-
-def _weights_why(asked: str) -> str:
-    if asked != "auto":
-        return f"--weights {asked}"
-    return f"auto on {torch.backends.cpu.get_cpu_capability()}"
 
 
 def _release_memory() -> None:

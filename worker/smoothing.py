@@ -87,16 +87,9 @@ def smooth(model, amax: dict[str, torch.Tensor], alpha: float = ALPHA) -> int:
     for pre, layer in layers:
         if f"{pre}.q_proj" not in amax:
             continue  # a layer the calibration never ran (none in a nested model: every tier ran)
-        qkv = (layer.q_proj, layer.k_proj, layer.v_proj)
-        s = _scale(amax[f"{pre}.q_proj"], torch.stack([m.weight.abs().amax(0) for m in qkv]).amax(0), alpha)
-        layer.input_layernorm.div_(s)
-        for m in qkv:
-            m.weight.mul_(s)
-        gu = (layer.gate_proj, layer.up_proj)
-        s = _scale(amax[f"{pre}.gate_proj"], torch.stack([m.weight.abs().amax(0) for m in gu]).amax(0), alpha)
-        layer.post_attention_layernorm.div_(s)
-        for m in gu:
-            m.weight.mul_(s)
+        qkv, gu = (layer.q_proj, layer.k_proj, layer.v_proj), (layer.gate_proj, layer.up_proj)
+        done += _into_norm(layer.input_layernorm, qkv, amax[f"{pre}.q_proj"], alpha)
+        done += _into_norm(layer.post_attention_layernorm, gu, amax[f"{pre}.gate_proj"], alpha)
         s = _scale(amax[f"{pre}.down_proj"], layer.down_proj.weight.abs().amax(0), alpha)
         _divide_rows(layer.up_proj, s)
         layer.down_proj.weight.mul_(s)
@@ -107,7 +100,7 @@ def smooth(model, amax: dict[str, torch.Tensor], alpha: float = ALPHA) -> int:
         s = _scale(a, w, alpha)  # [hk, d]
         _divide_rows(layer.v_proj, s.reshape(-1))
         layer.o_proj.weight.mul_(s[:, None, :].expand(hk, g, d).reshape(-1))
-        done += 7
+        done += 2
     if "lm_head" in amax:
         s = _scale(amax["lm_head"], model.lm_head.weight.abs().amax(0), alpha)
         model.lm_head.weight = nn.Parameter(model.lm_head.weight * s, requires_grad=False)  # untied
@@ -115,6 +108,18 @@ def smooth(model, amax: dict[str, torch.Tensor], alpha: float = ALPHA) -> int:
             norm.div_(s)
         done += 1
     return done
+
+
+def _into_norm(norm: torch.Tensor | None, lins: tuple[nn.Linear, ...], amax: torch.Tensor, alpha: float) -> int:
+    """Smooths linears that read one RMSNorm's output, the division folded into its weight; none where
+    they read the residual stream itself (OLMo 2: no norm to fold into). Returns how many."""
+    if norm is None:
+        return 0
+    s = _scale(amax, torch.stack([m.weight.abs().amax(0) for m in lins]).amax(0), alpha)
+    norm.div_(s)
+    for m in lins:
+        m.weight.mul_(s)
+    return len(lins)
 
 
 def _divide_rows(lin: nn.Linear, s: torch.Tensor) -> None:

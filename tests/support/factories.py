@@ -115,3 +115,91 @@ def perturb_exits(fam, seed: int) -> None:
             p.add_(torch.randn_like(p) * 0.05)
         for t in fam.model.tiers[:-1]:
             fam.model.exit_norms[t.index].uniform_(0.5, 1.5)
+
+
+def tiny_arch(path: Path, arch: str, *, layers: int = 6, seed: int = 0, **over) -> Path:
+    """A tiny random model of one of the architectures beyond Llama's layer (Qwen3, OLMo 2, Phi-3 with
+    LongRoPE, Gemma 3 text with windowed local layers), saved as a HF directory. ``over``: config
+    fields to change."""
+    import transformers  # noqa: PLC0415
+    torch.manual_seed(seed)
+    common = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  eos_token_id=2, bos_token_id=1)
+    if arch == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    elif arch == "olmo2":
+        cfg = transformers.Olmo2Config(**common, tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    elif arch == "phi3":  # Phi-4-mini's shape of rope: LongRoPE over 3/4 of each head
+        rot = int(16 * 0.75) // 2
+        cfg = transformers.Phi3Config(**{**common, "max_position_embeddings": 128}, tie_word_embeddings=True,
+                                      pad_token_id=0, original_max_position_embeddings=32, rope_parameters={
+                                          "rope_type": "longrope", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": 0.75, "original_max_position_embeddings": 32,
+                                          "short_factor": [1.0 + 0.1 * i for i in range(rot)],
+                                          "long_factor": [2.0 + 0.5 * i for i in range(rot)]})
+    elif arch == "gemma3":  # every other layer local, with a window shorter than the test's context
+        cfg = transformers.Gemma3TextConfig(**common, head_dim=16, tie_word_embeddings=True,
+                                            hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,
+                                            sliding_window=8, final_logit_softcapping=30.0, pad_token_id=0,
+                                            layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                                            rope_parameters={
+                                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                   "rope_theta": 1e6}})
+    else:
+        raise ValueError(arch)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    _spread_norms(model)
+    model.save_pretrained(path)
+    return path
+
+
+def write_gguf(hf_dir: Path, out: Path) -> Path:
+    """The HF model in ``hf_dir`` as an fp32 GGUF file written with gguf-py: llama.cpp's metadata and
+    tensor names, Gemma's norms as 1 + weight, and a placeholder vocabulary (a token per id). For the
+    architectures whose tensors llama.cpp keeps unpermuted: Qwen3, Phi-3, Gemma 3."""
+    import gguf  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    c = model.config
+    arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3,
+            "gemma3_text": gguf.MODEL_ARCH.GEMMA3}[c.model_type]
+    w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if c.model_type == "gemma3_text":
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_sliding_window(c.sliding_window)
+    w.add_vocab_size(c.vocab_size)
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    w.add_pad_token_id(c.pad_token_id or 0)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"<t{i}>" for i in range(c.vocab_size)])
+    w.add_token_scores([0.0] * c.vocab_size)
+    w.add_token_types([1] * c.vocab_size)
+    names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
+    for k, v in model.state_dict().items():
+        if k == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if c.model_type == "gemma3_text" and k.endswith("norm.weight"):
+            v = v + 1  # llama.cpp keeps Gemma's norms as 1 + weight
+        w.add_tensor(names.get_name(k, try_suffixes=(".weight", ".bias")), v.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -8,7 +8,8 @@ from worker.formats.groups import Group4Linear, GroupQuantLinear
 from worker.formats.int4 import Int4Linear, q4_1_to_int4
 from worker.formats.int8 import Int8A8Linear, Int8Embedding, Int8Linear
 from worker.formats.registry import (AUTO, FORMATS, Layout, WeightFormat, auto_choice, compile_refusal, names,
-                                     parse_weights, register, resolve, resolve_mode, schemes)
+                                     parse_weights, register, resolve, resolve_mode, schemes,
+                                     weights_why)
 from worker.formats.scheme import GGUF_BLOCK, Scheme, Switches, WeightConfig
 from worker.formats.swap import (QuantReport, concat_linears, fuse_projections, linear_bytes_per_step, pack,
                                  quantize_model, rows_kernel_head, uncompilable, ungraphable)
@@ -21,4 +22,4 @@ __all__ = ["AUTO", "FORMATS", "GGUF_BLOCK", "GGUFSource", "Group4Linear", "Group
            "dequant_q4_1", "dequant_q8_0", "fuse_projections", "linear_bytes_per_step", "match_rows", "names", "pack",
            "parse_weights", "q4_1_blocks", "q4_1_to_int4", "q8_0_blocks", "quantize_model", "reduce_range",
            "register", "resolve", "resolve_mode", "rows_kernel_head", "schemes", "uncompilable",
-           "ungraphable"]
+           "ungraphable", "weights_why"]

@@ -17,6 +17,7 @@ import structlog
 import torch
 from torch import nn
 
+from kernels import cpu_gemv
 from kernels.cpu_gemv import int8_gemv_kernel, load as load_cpu_gemv
 from worker.formats.groups import Group4Linear, GroupQuantLinear
 from worker.formats.int4 import Int4Linear
@@ -128,6 +129,19 @@ def auto_choice(device: str = "cpu") -> str:
     return choice
 
 
+def weights_why(asked: str, device: str = "cpu") -> str:
+    """Why ``--weights asked`` serves what it serves, for a start line and the status page: the flag as
+    given, or ``auto`` with the CPU capability, and, where auto fell back from w4a8, why our CPU operators
+    are unavailable."""
+    if asked != AUTO:
+        return f"--weights {asked}"
+    cap = torch.backends.cpu.get_cpu_capability()
+    if auto_choice(device) == "int4":
+        why = cpu_gemv.unavailable.get("int8_gemv", "unknown")
+        return f"auto on {cap}: not w4a8, our CPU operators are unavailable ({why[:300]})"
+    return f"auto on {cap}"
+
+
 def schemes(fmt: WeightFormat, layout: str) -> tuple[type[Scheme], ...]:
     plan = fmt.layouts.get(layout)
     return () if plan is None else (*plan.linear, *plan.head, *plan.embedding)
@@ -171,4 +185,4 @@ def resolve_mode(mode: str, device: str = "cpu") -> str:
 
 
 __all__ = ["AUTO", "FORMATS", "Layout", "WeightFormat", "auto_choice", "compile_refusal", "schemes", "names", "parse_weights", "register",
-           "resolve", "resolve_mode"]
+           "resolve", "resolve_mode", "weights_why"]
