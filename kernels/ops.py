@@ -1,6 +1,8 @@
 """The kernel backend of a worker: which implementation of each hot-path op the model calls.
 
-``torch`` is the reference and the CPU path. ``triton`` (CUDA, or the CPU interpreter under
+``torch`` is the CPU path: on fp32 CPU tensors each op is our per-row operator
+(:mod:`kernels.cpu_rows`: a row's values depend on that row only, on the eager and the compiled path
+alike), elsewhere the torch reference beside it. ``triton`` (CUDA, or the CPU interpreter under
 ``TRITON_INTERPRET=1`` for tests) is filled in by the Triton kernels beside each reference; any op
 without a Triton version falls back to its reference. Choose with :func:`select_backend`.
 """
@@ -12,10 +14,10 @@ from typing import Callable
 
 import structlog
 
+import torch.nn.functional as F
+
+from kernels import cpu_rows
 from kernels.kv_write import write_kv_torch
-from kernels.paged_attention import paged_attention_torch
-from kernels.rmsnorm import fused_add_rms_norm_torch, rms_norm_torch
-from kernels.rotary import rotary_torch
 
 log = structlog.get_logger(__name__)
 
@@ -28,10 +30,11 @@ class KernelOps:
     rotary: Callable
     write_kv: Callable
     paged_attention: Callable
+    silu_mul: Callable = lambda g, u: F.silu(g) * u  # noqa: E731 (the MLP's activation: silu(g) * u)
 
 
-TORCH_OPS = KernelOps("torch", rms_norm_torch, fused_add_rms_norm_torch, rotary_torch,
-                      write_kv_torch, paged_attention_torch)
+TORCH_OPS = KernelOps("torch", cpu_rows.rms_norm, cpu_rows.fused_add_rms_norm, cpu_rows.rotary,
+                      write_kv_torch, cpu_rows.paged_attention, cpu_rows.silu_mul)
 
 
 def _triton_ops() -> KernelOps:

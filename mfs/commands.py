@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from core.params import PARAMS
@@ -132,6 +133,10 @@ def add_up(sub) -> None:
                         "serves eagerly, then swapped in (responses name the path in mfs.paths): on CPU inductor's "
                         "(cached under $MFS_CACHE/inductor; needs a C++ compiler), on CUDA CUDA graphs. Default: on "
                         "where they build; --compile: refused where they cannot; --no-compile: eager")
+    p.add_argument("--nondeterministic", action="store_true",
+                   help="torch's ops for the norms, activations and attention instead of the per-row operators "
+                        "(kernels/cpu_rows.py): a request's tokens may then depend on its batch, its prefill chunks "
+                        "and the decode path (sets MFS_NONDETERMINISTIC=1 for the workers)")
     p.add_argument("--schedulers", type=int, default=2,
                    help="scheduler processes per shard: one leads, the others stand by to take over (1: no standby)")
     p.add_argument("--shards", type=int, default=1,
@@ -181,6 +186,8 @@ def run_up(args) -> int:
     from mfs.up import up  # noqa: PLC0415
     from service.launch import worker_threads  # noqa: PLC0415
     args.compile = compile_choice(args)
+    if args.nondeterministic:  # the workers inherit it (kernels/cpu_rows.py)
+        os.environ["MFS_NONDETERMINISTIC"] = "1"
     n = args.workers
     if args.layout == "independent":  # a worker per tier per --workers (service/launch.py: worker_plan)
         from family.manifest import manifest_for  # noqa: PLC0415

@@ -17,8 +17,11 @@ from worker.sampling import SamplingParams
 
 @pytest.fixture(scope="module")
 def nested_service(llama_dir):
+    # the speculation gate stays open (no pair's acceptance is below 0): every speculative request
+    # drafts from its first round, whatever rate the pairs measured before it
     with Service(str(llama_dir), tiers="2,4,6", workers=2, gateway=False, dtype="float64",
-                 worker_args=["--num-blocks", "64", "--block-size", "4", "--threads", "1"]) as svc:
+                 worker_args=["--num-blocks", "64", "--block-size", "4", "--threads", "1"],
+                 scheduler_args=["--spec-min-acceptance", "0"]) as svc:
         yield svc
 
 

@@ -27,11 +27,12 @@ threads, SmolLM2's head: 22.3 vs 5.2 ms at one row, 346 vs 19.3 ms at sixteen). 
 is taken only where torch reports AVX-512 (:func:`compiled_head_kernel`); elsewhere the int8 head
 stays on ``_weight_int8pack_mm`` under ``--compile`` too.
 
-Rounding: the graph fuses elementwise work, so its fp32 results may round differently from the eager
-ops'. A decode row's logits could then differ in their last bits between an all-decode step and a mixed
-one, and speculation's and batching's bit-for-bit guarantees are stated for the eager path; so each
-token event names the path its step ran (``TokenEvent.path``, the response's ``mfs.paths``), and
-``--no-compile`` keeps a worker eager.
+Rounding: on fp32 the graph calls the eager layers' own operators for every step of a layer (the
+norms, rotary, SiLU, attention: kernels/cpu_rows.py; the linears' kernels), so it computes what the
+eager path computes, bit for bit; inductor only sequences them. Where those operators do not serve
+(another dtype, ``MFS_NONDETERMINISTIC=1``) the graph fuses the torch references and may round
+differently from the eager ops in the last bits; each token event names the path its step ran
+(``TokenEvent.path``, the response's ``mfs.paths``).
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ import torch
 import torch.fx.experimental._config
 import torch.nn.functional as F
 
+from kernels import cpu_rows
 from kernels.cpu_attention import decode_attention_kernel
 from kernels.cpu_gemv import int8_gemv_kernel
 from kernels.paged_attention import gather_index
@@ -62,14 +64,23 @@ def make_decode_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: flo
     slots; last [T] each row's new position in its context; mask [T, 1, 1, lmax]."""
     gqa = num_heads != num_kv_heads
     in_place = decode_attention_kernel() if head_dim % 16 == 0 else None
+    per_row = cpu_rows.rows_kernel()  # the eager layers' operators (kernels/cpu_rows.py), decided before tracing
+
+    def norm(h, residual, w):
+        if not (per_row and h.dtype == torch.float32):
+            return fused_add_rms_norm_torch(h, residual, w, eps)
+        if residual is None:
+            return torch.ops.mfs.rms_norm(h, w, eps), h
+        return torch.ops.mfs.add_rms_norm(h, residual, w, eps)
 
     def decode_layer(layer, h, residual, pos, cos_sin, k_pool, v_pool, flat, last, mask):
-        hn, residual = fused_add_rms_norm_torch(h, residual, layer.input_layernorm, eps)
+        f32 = per_row and h.dtype == torch.float32
+        hn, residual = norm(h, residual, layer.input_layernorm)
         q, k, v = layer.qkv(hn)
         T = hn.shape[0]
         q = q.reshape(T, num_heads, head_dim)
         k, v = k.reshape(T, num_kv_heads, head_dim), v.reshape(T, num_kv_heads, head_dim)
-        q, k = rotary_torch(q, k, pos, cos_sin)
+        q, k = torch.ops.mfs.rotary(q, k, pos, cos_sin) if f32 else rotary_torch(q, k, pos, cos_sin)
         k, v = k.to(k_pool.dtype), v.to(v_pool.dtype)  # what the pool will hold
         if in_place is not None and k_pool.dtype == torch.float32 and q.dtype == torch.float32:
             # the context read where it lies in the pool, the new entry from k, v (kernels/cpu_attention.py)
@@ -83,8 +94,8 @@ def make_decode_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: flo
                                                vv.transpose(1, 2).to(q.dtype), attn_mask=mask, scale=scale,
                                                enable_gqa=gqa)
             h = layer.o_proj(o[:, :, 0].reshape(T, -1))
-        hn, residual = fused_add_rms_norm_torch(h, residual, layer.post_attention_layernorm, eps)
-        return layer.mlp(hn), residual, k, v
+        hn, residual = norm(h, residual, layer.post_attention_layernorm)
+        return layer.mlp(hn, torch.ops.mfs.silu_mul if f32 else None), residual, k, v
 
     return decode_layer
 

@@ -62,11 +62,12 @@ class DecoderLayer(nn.Module):
             return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, silu_mul=None) -> torch.Tensor:  # silu_mul: the serving ops' silu(g) * u
+        act = silu_mul if silu_mul is not None and self.act is F.silu else (lambda g, u: self.act(g) * u)
         if self.gate_up_proj is not None:
             g, u = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(self.act(g) * u)
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(act(g, u))
+        return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
 
 
 # HF parameter name (after "model.layers.{i}.") -> our attribute path.
@@ -316,7 +317,7 @@ class NestedModel(ArchParts, nn.Module):
         if rows is not None:
             h, residual = h.index_select(0, rows), residual.index_select(0, rows)
         hn, residual = self._add_norm(h, residual, layer.post_attention_layernorm)
-        return self._norm(layer.mlp(hn), layer.mlp_out_norm), residual
+        return self._norm(layer.mlp(hn, self.ops.silu_mul), layer.mlp_out_norm), residual
 
     def _segment(self, s: int, h: torch.Tensor, residual: torch.Tensor | None, pos: torch.Tensor,
                  seg, kv) -> tuple[torch.Tensor, torch.Tensor]:

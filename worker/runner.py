@@ -41,7 +41,7 @@ from worker.grammar import Grammars, mask_rows
 from worker.kv_tensors import SegmentedKVCache
 from worker.model import NestedModel
 from worker.sampling import (SamplingParams, accept_greedy, accept_sampled, confidences, draw,
-                             make_generator, probs_for, process_logits, sample, token_logprobs)
+                             make_generator, probs_for, process_logits, sample, skip_draws, token_logprobs)
 
 
 @dataclass(slots=True)
@@ -117,7 +117,9 @@ class ModelRunner:
             num_output: int = 0) -> None:
         """A new request; `prompt_ids` when its parameters need them, the last `num_output` of them
         being output tokens it produced before a re-plan."""
-        self.sampling[request_id] = (params, make_generator(params))
+        gen = make_generator(params)
+        skip_draws(gen, num_output if params.spec_draft_tier is None else 0, self.model.cfg.vocab_size)
+        self.sampling[request_id] = (params, gen)
         if params.needs_prompt:
             if not prompt_ids:
                 raise ValueError(f"request {request_id}: its parameters need the prompt's token ids")

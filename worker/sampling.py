@@ -94,6 +94,19 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def skip_draws(generator: torch.Generator | None, n: int, vocab: int) -> None:
+    """Advances ``generator`` past ``n`` calls of :func:`draw` over [vocab] distributions: a request resumed
+    with ``n`` output tokens (another worker's) draws its next token as its fault-free run does. A draw
+    takes the same random numbers whatever the probabilities (one sample: ``vocab`` exponentials), so
+    uniform ones stand in. Plain sampled decoding draws once per token; a sampled speculative round draws
+    more, so its resumes are not covered."""
+    if generator is None or n <= 0:
+        return
+    u = torch.full((vocab,), 1.0 / vocab)
+    for _ in range(n):
+        draw(u, generator)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int]:
     """logits [N, V] -> one token per row."""
