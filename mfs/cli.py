@@ -30,6 +30,7 @@ BENCHES = [
     ("benches.grammar", "add_parser"),
     ("benches.load", "add_parser"),
     ("benches.chaos", "add_parser"),
+    ("benches.cuts", "add_parser"),
 ]
 
 
