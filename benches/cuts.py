@@ -111,6 +111,10 @@ def _lr_factor(step: int, steps: int, warmup: int, decay_frac: float) -> float:
     return f
 
 
+def _steps(args) -> int:
+    return max(1, args.tokens_per_cut // (args.batch_size * args.seq_len))
+
+
 def train_cut(model, tr: dict, tier: int, args, amp, bar_desc: str) -> dict:
     """Trains tier ``tier``'s exit block and norm for ``--tokens-per-cut`` tokens; the batch of step s
     is a function of (seed, s), the same for every cut."""
@@ -120,7 +124,7 @@ def train_cut(model, tr: dict, tier: int, args, amp, bar_desc: str) -> dict:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=args.weight_decay)
     n_win = tr["ids"].shape[0]
-    steps = max(1, args.tokens_per_cut // (args.batch_size * args.seq_len))
+    steps = _steps(args)
     gen = torch.Generator().manual_seed(args.seed + 1)
     tokens, train_s, kl = 0, 0.0, float("nan")
     model.train()
@@ -290,9 +294,12 @@ def run(args) -> int:
     for i, cut in zip(lower, cuts):
         res_path = out / f"cuts/{cut}.json"
         if args.resume and res_path.exists():
-            rows.append(json.loads(res_path.read_text()))
-            _log(f"cut {cut}: measured before, kept")
-            continue
+            row = json.loads(res_path.read_text())
+            if row["train"]["tokens"] == _steps(args) * args.batch_size * args.seq_len:
+                rows.append(row)
+                _log(f"cut {cut}: measured before, kept")
+                continue
+            _log(f"cut {cut}: measured before at another budget, measured again")
         t0 = time.monotonic()
         tr_info = train_cut(model, tr, i, args, amp, f"cut {cut}")
         ev = evaluate_cache(model, ho, [i])
