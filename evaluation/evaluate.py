@@ -91,12 +91,15 @@ def answer_all(model: NestedModel, tok, questions: list[str], max_tokens: int,
 
 def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max_tokens: int = 24,
              log=print, tasks: list[str] | None = None, heldout_chat: str | Path | None = None,
-             answers: bool = True, questions: str | Path | None = None) -> dict:
+             answers: bool = True, questions: str | Path | None = None,
+             deadline: float | None = None) -> dict:
     """``tasks``: local multiple-choice tasks (evaluation/mc_tasks.py) scored per tier and for the
     original; ``answers=False`` skips the generated answers (reported as None: not measured).
     ``heldout_chat``: a JSONL cache of the original's answers to the held-out prompts (they
     are the original's, so any run of the same base may share it; greedy, so regenerating is equal).
-    ``questions``: a keyword-checked question file (evaluation/eval_questions.py: load_questions)."""
+    ``questions``: a keyword-checked question file (evaluation/eval_questions.py: load_questions).
+    ``deadline`` (time.monotonic()): the held-out answers stop there, and each later part (answers,
+    questions, each task) starts only before it; what did not start is listed in ``not_measured``."""
     t_start = time.perf_counter()
     manifest, mdir = manifest_for(model_arg)
     base = load_base(resolve_base(manifest.base, mdir))
@@ -121,9 +124,20 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
     eos = model.cfg.eos_token_ids[0]
     srcs = {"pydoc": D.encode_docs(tok, D.stdlib_texts(D.STDLIB_HELDOUT), eos)}
     chat = D.self_records(original, tok, D.HELDOUT_PROMPTS, Path(heldout_chat) if heldout_chat else None,
-                          160, log)
+                          160, log, deadline=deadline)
     srcs["chat"] = D.encode_docs(tok, chat, eos)
+    if srcs["chat"].numel() < 2:
+        del srcs["chat"]
     per_src = {}
+    not_measured: list[str] = []
+
+    def in_time(part: str) -> bool:
+        if deadline is None or time.monotonic() < deadline:
+            return True
+        not_measured.append(part)
+        log(f"{part}: not measured (the deadline passed)")
+        return False
+
     for name, stream in srcs.items():
         budget = heldout_tokens if name == "pydoc" else heldout_tokens // 4
         w = make_windows(stream, seq_len if stream.numel() >= seq_len else stream.numel(), budget)
@@ -155,16 +169,19 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
     orig.ppl["all"] = math.exp(nll_o / cnt_o)
     orig.agree_top = orig.agree_original = 1.0
 
-    if answers:
+    if answers and in_time("answers"):
         _answer_questions(model, original, tok, results, orig, max_tokens)
     else:  # not measured: None, never a zero that reads like a result
         for r in results + [orig]:
             r.fixed_correct, r.agree_first_sentence = None, None
-    if questions:
+    if questions and in_time("questions"):
         _keyword_questions(model, original, tok, results, orig, Q.load_questions(questions),
                            max(max_tokens, 40))
     top = results[-1].ppl["all"]
-    task_res = _score_tasks(model, original, tok, tasks) if tasks else {}
+    task_res: dict = {}
+    for name in tasks or []:
+        if in_time(name):
+            task_res.update(_score_tasks(model, original, tok, [name]))
     return {
         "tasks": task_res,
         "model": model_arg, "family": manifest.family, "precipitated": manifest.precipitated,
@@ -180,7 +197,7 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
         "tiers": [asdict(r) for r in results], "original": asdict(orig),
         "ratios": {"ppl_vs_top": [r.ppl["all"] / top for r in results],
                    "top_vs_original": top / orig.ppl["all"]},
-        "seconds": round(time.perf_counter() - t_start, 1),
+        "seconds": round(time.perf_counter() - t_start, 1), "not_measured": not_measured,
     }
 
 

@@ -13,7 +13,7 @@ def _run(base, data, out, questions, *extra):
             "--json", str(out / "cuts.json"), "--seq-len", "32", "--cache-tokens", "1024",
             "--heldout-tokens", "256", "--heldout-answers", "skip", "--topk", "8", "--batch-size", "4",
             "--tokens-per-cut", "640", "--lr", "3e-3", "--questions", str(questions), "--answer-tokens", "4",
-            "--decode-tokens", "3", "--decode-repeats", "1", "--autocast", "none", *extra]
+            "--decode-tokens", "3", "--decode-repeats", "1", "--capitals-items", "8", "--autocast", "none", *extra]
     return mfs_main(argv)
 
 

@@ -213,14 +213,15 @@ def run(args) -> int:
     if len(lambdas) != nt or any(x < 0 for x in lambdas):
         raise ValueError(f"--weights needs {nt} values >= 0, one lambda per tier (lowest first)")
     eos = model.cfg.eos_token_ids[0] if model.cfg.eos_token_ids else (tok.eos_token_id or 0)
-    # data first, while the model is still the plain original: it writes the answers
+    # data first, while the model is still the plain original: it writes the answers (the held-out
+    # ones first: the evaluation needs them, training can do with fewer)
     t0 = time.monotonic()
-    docs = D.read_sources(args.data, model, tok, out / "data", args.self_max_tokens, log,
-                          deadline=None if stop_at is None else t_start + args.max_minutes * 60 * args.data_share,
-                          batch=args.gen_batch)
-    train_w, mix = training_windows(docs, tok, eos, args.seq_len, args.cache_tokens, args.seed)
+    data_deadline = None if stop_at is None else t_start + args.max_minutes * 60 * args.data_share
     held_w = heldout_windows(model, tok, eos, args.seq_len, args.heldout_tokens, out / "data", log,
-                             args.heldout_answers == "generate")
+                             args.heldout_answers == "generate", deadline=data_deadline)
+    docs = D.read_sources(args.data, model, tok, out / "data", args.self_max_tokens, log,
+                          deadline=data_deadline, batch=args.gen_batch)
+    train_w, mix = training_windows(docs, tok, eos, args.seq_len, args.cache_tokens, args.seed)
     prov = {"spec": args.data, "window_tokens": mix, "windows": int(train_w.shape[0]),
             "seq_len": args.seq_len, "heldout_tokens": int(held_w.numel()),
             "answers": D.answer_provenance(out / "data"), "data_seconds": round(time.monotonic() - t0, 1)}
