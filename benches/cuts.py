@@ -64,6 +64,7 @@ def add_parser(sub) -> None:
     p.add_argument("--block-layers", type=int, default=1)
     p.add_argument("--questions", default=str(QUESTIONS), help="keyword-checked question file (JSONL)")
     p.add_argument("--answer-tokens", type=int, default=40)
+    p.add_argument("--capitals-items", type=int, default=0, help="score the first N capitals items (0: all 134)")
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--decode-repeats", type=int, default=3)
     p.add_argument("--autocast", default="auto", choices=["auto", "bf16", "none"])
@@ -170,12 +171,13 @@ def question_scores(answers: list[str], questions, reference: list[bool] | None)
 
 
 @torch.no_grad()
-def capitals_accuracy(model, tok, tier: int) -> float:
-    """The capitals task (evaluation/mc_tasks.py's scoring) for one tier."""
+def capitals_accuracy(model, tok, tier: int, limit: int = 0) -> float:
+    """The capitals task (evaluation/mc_tasks.py's scoring) for one tier, its first ``limit`` items
+    (0: all)."""
     import torch.nn.functional as F  # noqa: PLC0415
 
     from evaluation.mc_tasks import accuracy, load_task  # noqa: PLC0415
-    items = load_task("capitals")
+    items = load_task("capitals")[:limit or None]
     scores = [[0.0] * len(it.choices) for it in items]
     dev = model.embed_tokens.weight.device
     for i, it in enumerate(items):
@@ -281,7 +283,7 @@ def run(args) -> int:
         t0 = time.monotonic()
         ans = answer_questions(model, tok, questions, top, args.answer_tokens)
         top_res = {"layers": tiers[-1].layers, "answers": ans, "questions": question_scores(ans, questions, None),
-                   "capitals_acc": capitals_accuracy(model, tok, top),
+                   "capitals_acc": capitals_accuracy(model, tok, top, args.capitals_items),
                    "ms_per_token": round(statistics.median(
                        decode_ms(model, tok, top, args.decode_tokens) for _ in range(args.decode_repeats)), 2),
                    "eval_s": round(time.monotonic() - t0, 1)}
@@ -308,7 +310,7 @@ def run(args) -> int:
         row = {"cut": cut, "train": tr_info, "ppl": round(q["ppl"], 3), "ppl_vs_top": round(q["ppl_vs_top"], 3),
                "agree_top": round(q["agree_top"], 4), "top_ppl": round(ev["top_ppl"], 3),
                "questions": question_scores(ans, questions, ref), "answers": ans,
-               "capitals_acc": capitals_accuracy(model, tok, i), **decode_cost(model, tok, i, top, args),
+               "capitals_acc": capitals_accuracy(model, tok, i, args.capitals_items), **decode_cost(model, tok, i, top, args),
                "layers_vs_top": round((cut + args.block_layers) / tiers[-1].layers, 3),
                "minutes": round((time.monotonic() - t0) / 60, 2), "load": _load()}
         save_block(model, i, out / f"cuts/{cut}.safetensors")
@@ -335,7 +337,7 @@ def write_results(args, rows: list[dict], top_res: dict, mix: dict, rates: dict,
            "data": {"spec": args.data, "cached_tokens_by_source": mix, "heldout_tokens": args.heldout_tokens,
                     "answer_max_tokens": args.self_max_tokens, **rates,
                     "cache_minutes_this_run": round(cache_min, 1)},
-           "questions_file": args.questions, "top": top_res, "cuts": rows,
+           "questions_file": args.questions, "capitals_items": args.capitals_items or 134, "top": top_res, "cuts": rows,
            "minutes_this_run": round((time.monotonic() - t_run) / 60, 1)}
     write_json(args.json, res)
     base = Path(args.json).with_suffix("")
