@@ -370,18 +370,18 @@ def plot(res: dict, path: str) -> None:
         return
     cost = [r["cost_vs_top"] for r in rows] + [1.0]
     fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax[0].plot(cost, [r["agree_top"] for r in rows] + [1.0], "o-", label="greedy agreement with top")
-    ax[0].plot(cost, [_nan(r["questions"]["share_of_top_answered"]) for r in rows] + [1.0], "s-",
+    ax[0].plot(cost, [r["agree_top"] for r in rows] + [1.0], "o", label="greedy agreement with top")
+    ax[0].plot(cost, [_nan(r["questions"]["share_of_top_answered"]) for r in rows] + [1.0], "s",
                label="share of top's answered questions")
-    ax[0].plot(cost, [r["capitals_acc"] for r in rows] + [res["top"]["capitals_acc"]], "^-",
+    ax[0].plot(cost, [r["capitals_acc"] for r in rows] + [res["top"]["capitals_acc"]], "^",
                label="capitals accuracy")
     ax[0].axhline(0.75, color="grey", ls=":", lw=1)
     ax[0].axhline(0.60, color="grey", ls="--", lw=1)
-    ax[1].plot(cost, [r["ppl_vs_top"] for r in rows] + [1.0], "o-", color="C3")
+    ax[1].plot(cost, [r["ppl_vs_top"] for r in rows] + [1.0], "o", color="C3")
     ax[1].axhline(1.3, color="grey", ls=":", lw=1)
     ax[1].set_yscale("log")
     for a in ax:
-        a.set_xlabel("decode cost per token / top tier's (measured, batch 1)")
+        a.set_xlabel("decode cost per token / top tier's (measured, batch 1, interleaved)")
         for r, c in zip(rows, cost):
             a.annotate(str(r["cut"]), (c, a.get_lines()[0].get_ydata()[rows.index(r)]), fontsize=7,
                        textcoords="offset points", xytext=(3, 3))
