@@ -39,6 +39,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("cuts", help="exit-block quality against the cut layer, at an equal token budget")
     p.add_argument("--base", default="default", help="base model (default: the default family's base)")
     p.add_argument("--cuts", default=DEFAULT_CUTS, help="candidate cut layers (the top tier is the base)")
+    p.add_argument("--measure", default=None,
+                   help="train and measure only these of --cuts (the cache still holds every cut)")
     p.add_argument("--data", default="chat,names:300,stdlib",
                    help="training mix (sources of mfs precipitate --data)")
     p.add_argument("--out", default="runs/bench-cuts", help="work folder: data, feature cache, cut results")
@@ -293,7 +295,10 @@ def run(args) -> int:
          f"capitals {top_res['capitals_acc']:.3f}, {top_res['ms_per_token']} ms/token")
 
     rows = []
+    measure = {int(c) for c in args.measure.split(",")} if args.measure else set(cuts)
     for i, cut in zip(lower, cuts):
+        if cut not in measure:
+            continue
         res_path = out / f"cuts/{cut}.json"
         if args.resume and res_path.exists():
             row = json.loads(res_path.read_text())

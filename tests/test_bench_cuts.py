@@ -1,5 +1,6 @@
 """``mfs bench cuts`` on a tiny random Llama (CPU, seconds): one cache for every cut, one trained exit
-block and one result per cut, resume keeps what was measured, and the table and plot are written."""
+block and one result per cut, resume keeps what was measured, --measure picks cuts, and the table and
+plot are written."""
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ def test_bench_cuts_measures_every_cut_and_resumes(tiny, tmp_path, capsys):  # n
     # resume: the cache and every measured cut are kept; a lost cut is measured again
     (out / "cuts/2.json").unlink()
     capsys.readouterr()
-    assert _run(base, txt, out, q, "--resume") == 0
+    assert _run(base, txt, out, q, "--resume", "--measure", "2,3") == 0  # cut 1 is not asked for
     log = capsys.readouterr().out
     assert "feature cache complete" in log
-    assert log.count("measured before, kept") == 2 and "cut 2: ppl" in log
+    assert log.count("measured before, kept") == 1 and "cut 2: ppl" in log and "cut 1:" not in log
