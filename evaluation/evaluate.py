@@ -3,7 +3,9 @@
 Per tier: perplexity on the held-out text (:func:`training.data.heldout_docs`: pydoc of modules no
 training source uses, and the original model's answers to held-out prompts), greedy top-1 agreement
 with the same model's top tier and with the original top tier, and greedy answers (chat template) to
-:data:`training.data.EVAL_QUESTIONS`. The *original* is the base weights cut the same way with no
+:data:`training.data.EVAL_QUESTIONS`; with ``--questions FILE`` (e.g. evals/questions/chat_keywords.jsonl),
+keyword-checked answers to the file's questions: how many each tier answers, and the share of the
+questions the top tier answers that the tier answers too. The *original* is the base weights cut the same way with no
 precipitated weights applied: its top tier is the unmodified model. Writes JSON, prints a table,
 optionally plots a PNG.
 """
@@ -40,6 +42,9 @@ class TierResult:
     fixed_correct: int | None = 0  # of the six fixed questions (eval_questions.FIXED_KEYS); None: not measured
     answers_large: list[str] = field(default_factory=list)
     agree_first_sentence: float | None = 0.0  # larger set: first sentence = the top tier's; None: not measured
+    questions_correct: int | None = None  # --questions: answers with a keyword; None: not asked
+    questions_share_of_top: float | None = None  # ... of the questions the top tier answers
+    answers_questions: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -86,11 +91,15 @@ def answer_all(model: NestedModel, tok, questions: list[str], max_tokens: int,
 
 def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max_tokens: int = 24,
              log=print, tasks: list[str] | None = None, heldout_chat: str | Path | None = None,
-             answers: bool = True) -> dict:
+             answers: bool = True, questions: str | Path | None = None,
+             deadline: float | None = None) -> dict:
     """``tasks``: local multiple-choice tasks (evaluation/mc_tasks.py) scored per tier and for the
     original; ``answers=False`` skips the generated answers (reported as None: not measured).
     ``heldout_chat``: a JSONL cache of the original's answers to the held-out prompts (they
-    are the original's, so any run of the same base may share it; greedy, so regenerating is equal)."""
+    are the original's, so any run of the same base may share it; greedy, so regenerating is equal).
+    ``questions``: a keyword-checked question file (evaluation/eval_questions.py: load_questions).
+    ``deadline`` (time.monotonic()): the held-out answers stop there, and each later part (answers,
+    questions, each task) starts only before it; what did not start is listed in ``not_measured``."""
     t_start = time.perf_counter()
     manifest, mdir = manifest_for(model_arg)
     base = load_base(resolve_base(manifest.base, mdir))
@@ -115,9 +124,20 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
     eos = model.cfg.eos_token_ids[0]
     srcs = {"pydoc": D.encode_docs(tok, D.stdlib_texts(D.STDLIB_HELDOUT), eos)}
     chat = D.self_records(original, tok, D.HELDOUT_PROMPTS, Path(heldout_chat) if heldout_chat else None,
-                          160, log)
+                          160, log, deadline=deadline)
     srcs["chat"] = D.encode_docs(tok, chat, eos)
+    if srcs["chat"].numel() < 2:
+        del srcs["chat"]
     per_src = {}
+    not_measured: list[str] = []
+
+    def in_time(part: str) -> bool:
+        if deadline is None or time.monotonic() < deadline:
+            return True
+        not_measured.append(part)
+        log(f"{part}: not measured (the deadline passed)")
+        return False
+
     for name, stream in srcs.items():
         budget = heldout_tokens if name == "pydoc" else heldout_tokens // 4
         w = make_windows(stream, seq_len if stream.numel() >= seq_len else stream.numel(), budget)
@@ -149,13 +169,19 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
     orig.ppl["all"] = math.exp(nll_o / cnt_o)
     orig.agree_top = orig.agree_original = 1.0
 
-    if answers:
+    if answers and in_time("answers"):
         _answer_questions(model, original, tok, results, orig, max_tokens)
     else:  # not measured: None, never a zero that reads like a result
         for r in results + [orig]:
             r.fixed_correct, r.agree_first_sentence = None, None
+    if questions and in_time("questions"):
+        _keyword_questions(model, original, tok, results, orig, Q.load_questions(questions),
+                           max(max_tokens, 40))
     top = results[-1].ppl["all"]
-    task_res = _score_tasks(model, original, tok, tasks) if tasks else {}
+    task_res: dict = {}
+    for name in tasks or []:
+        if in_time(name):
+            task_res.update(_score_tasks(model, original, tok, [name]))
     return {
         "tasks": task_res,
         "model": model_arg, "family": manifest.family, "precipitated": manifest.precipitated,
@@ -166,11 +192,12 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
                            + " | ".join(D.HELDOUT_PROMPTS)}
                     for name, (w, _, _) in per_src.items()},
         "questions": D.EVAL_QUESTIONS, "questions_large": D.EVAL_QUESTIONS_LARGE,
+        "questions_file": str(questions) if questions else None,
         "max_tokens": max_tokens,
         "tiers": [asdict(r) for r in results], "original": asdict(orig),
         "ratios": {"ppl_vs_top": [r.ppl["all"] / top for r in results],
                    "top_vs_original": top / orig.ppl["all"]},
-        "seconds": round(time.perf_counter() - t_start, 1),
+        "seconds": round(time.perf_counter() - t_start, 1), "not_measured": not_measured,
     }
 
 
@@ -201,6 +228,22 @@ def _answer_questions(model: NestedModel, original: NestedModel, tok, results: l
         r.fixed_correct = sum(Q.correct(i, a) for i, a in enumerate(r.answers))
 
 
+def _keyword_questions(model: NestedModel, original: NestedModel, tok, results: list[TierResult],
+                       orig: TierResult, questions: list[tuple[str, tuple[str, ...]]], max_tokens: int) -> None:
+    """Greedy answers to a keyword-checked question file, per tier and for the original."""
+    qs = [q for q, _ in questions]
+    answers = answer_all(model, tok, qs, max_tokens)
+    if original is not model:
+        answers.append(answer_all(original, tok, qs, max_tokens, [original.num_segments - 1])[0])
+    else:
+        answers.append(answers[-1])
+    ok = [[Q.has_keyword(a, k) for a, (_, k) in zip(tier, questions)] for tier in answers]
+    for r, tier, good in zip(results + [orig], answers, ok):
+        r.answers_questions = tier
+        r.questions_correct = sum(good)
+        r.questions_share_of_top = Q.answered_share(good, ok[len(results) - 1])
+
+
 def _score_tasks(model: NestedModel, original: NestedModel, tok, tasks: list[str]) -> dict:
     from evaluation import mc_tasks  # noqa: PLC0415
     res = mc_tasks.score_tasks(model, tok, tasks)
@@ -215,7 +258,8 @@ def format_table(res: dict) -> str:
     tasks = list(res.get("tasks") or {})
     head = ["model", "tier", "layers"] + [f"ppl {s}" for s in srcs] + [
         "ppl all", "ppl / top", "agree top", "agree orig", "fixed correct", "1st sentence = top"] + [
-        f"acc {t} ({res['tasks'][t]['items']})" for t in tasks] + [res["questions"][0]]
+        f"acc {t} ({res['tasks'][t]['items']})" for t in tasks] + (
+        ["questions right", "of top's answered"] if res.get("questions_file") else []) + [res["questions"][0]]
     rows = []
     top = res["tiers"][-1]["ppl"]["all"]
     for i, r in enumerate(res["tiers"] + [res["original"]]):
@@ -226,11 +270,17 @@ def format_table(res: dict) -> str:
                      f"{r['agree_original']:.3f}",
                      "not measured" if r["fixed_correct"] is None else f"{r['fixed_correct']}/6",
                      "not measured" if r["agree_first_sentence"] is None else f"{r['agree_first_sentence']:.0%}"]
-                    + [f"{a:.3f}" for a in accs] +
+                    + [f"{a:.3f}" for a in accs] + (_question_cells(r) if res.get("questions_file") else []) +
                     [r["answers"][0][:60].replace("\n", " ").replace("|", "/") if r["answers"] else ""])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def _question_cells(r: dict) -> list[str]:
+    n = len(r["answers_questions"])
+    share = r["questions_share_of_top"]
+    return [f"{r['questions_correct']}/{n}", "-" if share is None else f"{share:.0%}"]
 
 
 def plot(res: dict, path: str | Path) -> None:
@@ -261,7 +311,8 @@ def run(args) -> int:
     if args.skip_answers and args.record_quality:
         raise ValueError("--record-quality needs the answers: drop --skip-answers")
     runs = [evaluate(m, args.seq_len, args.heldout_tokens, args.max_tokens, tasks=tasks,
-                     heldout_chat=args.heldout_chat, answers=not args.skip_answers)
+                     heldout_chat=args.heldout_chat, answers=not args.skip_answers,
+                     questions=args.questions)
             for m in args.model or ["default"]]
     table = [format_table(r).splitlines() for r in runs]
     print("\n".join(table[0] + [line for t in table[1:] for line in t[2:]]))
@@ -353,6 +404,10 @@ def add_parser(sub) -> None:
                         "capitals,stdlib_modules,unicode_names")
     p.add_argument("--heldout-chat", default=None, metavar="JSONL",
                    help="cache of the original's answers to the held-out prompts (written if missing)")
+    p.add_argument("--questions", default=None, metavar="JSONL",
+                   help="keyword-checked questions (question, keywords), e.g. "
+                        "evals/questions/chat_keywords.jsonl: per tier, the answers with a keyword and the "
+                        "share of the top tier's answered questions it answers too")
     p.add_argument("--skip-answers", action="store_true",
                    help="no generated answers (fixed and larger question sets): perplexity, agreement "
                         "and --tasks only, forward passes alone")

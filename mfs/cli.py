@@ -31,6 +31,7 @@ BENCHES = [
     ("benches.load", "add_parser"),
     ("benches.chaos", "add_parser"),
     ("benches.determinism", "add_parser"),
+    ("benches.cuts", "add_parser"),
 ]
 
 

@@ -108,3 +108,31 @@ def test_gpu_precipitate_joint_dry_run_writes_parts_within_its_budget(tiny, tmp_
     assert mfs_main(["precipitate", "--assemble", str(out)]) == 0
     assert (out / "joint.safetensors").read_bytes() == whole
     assert load_family(str(out)).model.num_segments == 3
+
+
+def test_joint_warm_start_begins_where_the_exit_blocks_artifact_is(tiny, tmp_path):  # noqa: F811
+    """--init-from: with the trunk delta at zero, step 0's held-out loss of every lower tier is the
+    exit-block artifact's, also when --block-layers adds a layer (it starts as the identity)."""
+    from training.exit_features import heldout_windows  # noqa: PLC0415
+    from training.joint import Original, evaluate_joint  # noqa: PLC0415
+    base, txt = tiny
+    eb = tmp_path / "eb"
+    assert mfs_main(["precipitate", "--method", "exit-blocks", "--base", str(base), "--tiers", "2,3,4",
+                     "--data", str(txt), "--out", str(eb), "--seq-len", "32", "--cache-tokens", "1024",
+                     "--heldout-tokens", "256", "--batch-size", "4", "--topk", "8", "--lr", "3e-3",
+                     "--steps", "10", "--eval-every", "10", "--patience", "0", "--save-every-min", "0",
+                     "--threads", "1", "--autocast", "none"]) == 0
+    fam = load_family(str(eb))
+    for blocks in ("1", "2,1"):
+        out = tmp_path / f"j{blocks}"
+        assert _run(base, txt, out, "--steps", "0", "--init-from", str(eb / "exit-blocks.safetensors"),
+                    "--block-layers", blocks) == 0
+        step0 = json.loads((out / "eval_log.jsonl").read_text().splitlines()[0])
+        held = heldout_windows(fam.model, fam.tokenizer, 1, 32, 256, out / "data")
+        ref = evaluate_joint(fam.model, Original(fam.model), held)
+        for name in ("small", "medium"):
+            assert step0[f"{name}_ppl"] == pytest.approx(ref["tiers"][name]["ppl"], rel=1e-4, abs=1e-4)
+    cold = tmp_path / "cold"
+    assert _run(base, txt, cold, "--steps", "0") == 0
+    step0 = json.loads((cold / "eval_log.jsonl").read_text().splitlines()[0])
+    assert step0["small_ppl"] != pytest.approx(ref["tiers"]["small"]["ppl"], rel=1e-3)

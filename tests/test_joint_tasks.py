@@ -77,3 +77,26 @@ def test_mfs_eval_tasks_without_answers(tiny, tmp_path, capsys):  # noqa: F811
     assert all(t["fixed_correct"] is None for t in res["tiers"])
     assert "not measured" in capsys.readouterr().out and (tmp_path / "h.jsonl").exists()
     assert mfs_main(["eval", "--model", str(base), "--skip-answers", "--record-quality"]) == 2
+
+
+def test_mfs_eval_questions_file_scores_keyword_answers_per_tier(tiny, tmp_path, capsys):  # noqa: F811
+    """`mfs eval --questions FILE`: every tier's answers to the file, keyword-checked, next to
+    perplexity and agreement; the share of the top tier's answered questions is None when it answers none."""
+    from evaluation.eval_questions import answered_share, has_keyword  # noqa: PLC0415
+    from mfs.cli import main as mfs_main  # noqa: PLC0415
+    base, _ = tiny
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps({"question": s, "keywords": ["zzz"]}) + "\n" for s in ("Say zzz.", "Hi.")))
+    out = tmp_path / "e.json"
+    assert mfs_main(["eval", "--model", str(base), "--seq-len", "32", "--heldout-tokens", "256",
+                     "--skip-answers", "--questions", str(q), "--max-tokens", "4", "--json", str(out),
+                     "--heldout-chat", str(tmp_path / "h.jsonl")]) == 0
+    res = json.loads(out.read_text())
+    assert res["questions_file"] == str(q)
+    for t in res["tiers"] + [res["original"]]:
+        assert len(t["answers_questions"]) == 2
+        assert t["questions_correct"] == sum(has_keyword(a, ("zzz",)) for a in t["answers_questions"])
+    assert "questions right" in capsys.readouterr().out
+    assert has_keyword("The capital is Warsaw.", ("warsaw",)) and not has_keyword("Warsawa", ("warsaw",))
+    assert answered_share([True, False, True], [True, True, False]) == 0.5
+    assert answered_share([True], [False]) is None

@@ -104,7 +104,8 @@ def generate_answers(model, tokenizer, prompts: list[str], max_tokens: int = 160
     """Greedy (answer, finished) of one tier (default: the top) through the serving engine, ``batch``
     prompts a call (the engine batches them: large batches on a GPU make this seconds, not minutes);
     ``on_batch(prompts, answers)`` is called after every batch (the caller saves them). With a
-    ``deadline`` (time.monotonic()) it stops after the batch that passes it: fewer answers, never late."""
+    ``deadline`` (time.monotonic()) it stops there, within one engine step: the batch under way is
+    dropped, so fewer answers, never late and never a cut one."""
     import time  # noqa: PLC0415
 
     from engine import Engine  # noqa: PLC0415
@@ -120,7 +121,9 @@ def generate_answers(model, tokenizer, prompts: list[str], max_tokens: int = 160
             break
         chunk = prompts[i:i + batch]
         ids = [chat_ids(tokenizer, p) for p in chunk]
-        gen = eng.generate(ids, [tier] * len(ids), SamplingParams(max_tokens=max_tokens))
+        gen = _generate_until(eng, ids, tier, SamplingParams(max_tokens=max_tokens), deadline)
+        if gen is None:
+            break
         answers = [(tokenizer.decode(g, skip_special_tokens=True).strip(), len(g) < max_tokens)
                    for g in gen]
         out += answers
@@ -129,6 +132,26 @@ def generate_answers(model, tokenizer, prompts: list[str], max_tokens: int = 160
         bar.update(len(chunk))
     bar.close()
     return out
+
+
+def _generate_until(eng, prompts: list[list[int]], tier: int, params, deadline: float | None):
+    """Engine.generate that gives up at ``deadline`` (checked before every step): the generated ids,
+    or None when the deadline came first (the requests are aborted)."""
+    import time  # noqa: PLC0415
+    if deadline is None:
+        return eng.generate(prompts, [tier] * len(prompts), params)
+    rids = [f"answer-{id(prompts)}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(rids, prompts):
+        eng.add_request(rid, p, tier, params)
+    out: dict[str, list[int]] = {rid: [] for rid in rids}
+    while eng.has_unfinished():
+        if time.monotonic() >= deadline:
+            for rid in rids:
+                eng.abort_request(rid)
+            return None
+        for o in eng.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return [out[rid] for rid in rids]
 
 
 def _read_records(cache: Path) -> list[dict]:

@@ -130,15 +130,21 @@ def training_windows(docs: list[tuple[str, list]], tok, eos: int, seq_len: int, 
 
 
 def heldout_windows(original: NestedModel, tok, eos: int, seq_len: int, heldout_tokens: int,
-                    cache_dir: Path, log=print, answers: bool = True) -> torch.Tensor:
+                    cache_dir: Path, log=print, answers: bool = True,
+                    deadline: float | None = None) -> torch.Tensor:
     """The held-out text of ``mfs eval`` (same sources, same budgets) as windows. ``answers=False``:
-    the pydoc part alone (no generation; for a machine too busy to write the original's answers)."""
+    the pydoc part alone (no generation; for a machine too busy to write the original's answers).
+    ``deadline`` (time.monotonic()): the answers stop there (fewer held-out chat windows, or none)."""
     from training.data import make_windows  # noqa: PLC0415
     pydoc = D.encode_docs(tok, D.stdlib_texts(D.STDLIB_HELDOUT), eos)
     if not answers:
         log("held-out: pydoc only (--heldout-answers skip)")
         return make_windows(pydoc, seq_len, heldout_tokens)
-    chat = D.encode_docs(tok, D.self_records(original, tok, D.HELDOUT_PROMPTS,
-                                             cache_dir / "heldout_chat.jsonl", 160, log), eos)
-    return torch.cat([make_windows(pydoc, seq_len, heldout_tokens),
-                      make_windows(chat, seq_len, heldout_tokens // 4)])
+    recs = D.self_records(original, tok, D.HELDOUT_PROMPTS, cache_dir / "heldout_chat.jsonl", 160, log,
+                          deadline=deadline)
+    chat = D.encode_docs(tok, recs, eos)
+    windows = make_windows(pydoc, seq_len, heldout_tokens)
+    if chat.numel() < seq_len:
+        log(f"held-out: pydoc only ({len(recs)} of {len(D.HELDOUT_PROMPTS)} answers before the deadline)")
+        return windows
+    return torch.cat([windows, make_windows(chat, seq_len, heldout_tokens // 4)])

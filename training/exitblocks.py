@@ -228,33 +228,13 @@ def warm_start(model: NestedModel, path: str | Path, lower: list[int], log=print
                 f"{len(blk) - len(have)} new identity layer(s)")
 
 
-# ---- the run -----------------------------------------------------------------------------------
-def run(args) -> int:
-    t_start = time.monotonic()  # --max-minutes counts from here: data and cache included
-    args.lr = 3e-4 if args.lr is None else args.lr
-    args.ce = 0.1 if args.ce is None else float(args.ce)
-    args.steps = 20_000 if args.steps is None else args.steps
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    out = Path(args.out)
-    (out / "state").mkdir(parents=True, exist_ok=True)
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-
-    amp = autocast_dtype(args.autocast, args.device)
-    log(f"exit-block precipitation: {args.threads} thread(s), autocast {amp or 'off (fp32)'}")
-    model, tok, base_ref, family, tiers = build_exit_model(args)
-    lower = list(range(model.num_segments - 1))
-    if not lower:
-        raise ValueError("--tiers needs at least two tiers: exit blocks are for the lower ones")
-    if args.init_from and not (args.resume and (out / STATE).exists()):
-        warm_start(model, args.init_from, lower, log)
+def feature_caches(args, model: NestedModel, tok, lower: list[int], out: Path,
+                   log=print) -> tuple[FeatureCache, FeatureCache, dict, dict]:
+    """Stage 1: the answer sources, the training and held-out windows and their feature caches under
+    ``OUT/cache/`` (reused when complete and of the same key); (train cache, held-out cache, the
+    training mix in tokens, {"cache_tokens_per_s"})."""
     eos = model.cfg.eos_token_ids[0] if model.cfg.eos_token_ids else (tok.eos_token_id or 0)
     H = model.cfg.hidden_size
-
-    # stage 1: data and the feature cache (the top tier is the frozen original: it writes the
-    # self-distillation answers and is the teacher)
     key = {"data": args.data, "seq_len": args.seq_len, "cache_tokens": args.cache_tokens,
            "heldout_tokens": args.heldout_tokens, "topk": args.topk, "lower": lower, "seed": args.seed,
            "hidden": H, "prompts": D.answer_prompts_digest(args.data, tok),
@@ -281,6 +261,35 @@ def run(args) -> int:
         rates = {"cache_tokens_per_s": rate}
         meta_path.write_text(json.dumps({"key": key, "train_windows": tc.n, "heldout_windows": hc.n,
                                          "mix": mix, "cache_tokens_per_s": rate}) + "\n")
+    return tc, hc, mix, rates
+
+
+# ---- the run -----------------------------------------------------------------------------------
+def run(args) -> int:
+    t_start = time.monotonic()  # --max-minutes counts from here: data and cache included
+    args.lr = 3e-4 if args.lr is None else args.lr
+    args.ce = 0.1 if args.ce is None else float(args.ce)
+    args.steps = 20_000 if args.steps is None else args.steps
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    (out / "state").mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    amp = autocast_dtype(args.autocast, args.device)
+    log(f"exit-block precipitation: {args.threads} thread(s), autocast {amp or 'off (fp32)'}")
+    model, tok, base_ref, family, tiers = build_exit_model(args)
+    lower = list(range(model.num_segments - 1))
+    if not lower:
+        raise ValueError("--tiers needs at least two tiers: exit blocks are for the lower ones")
+    if args.init_from and not (args.resume and (out / STATE).exists()):
+        warm_start(model, args.init_from, lower, log)
+
+    # stage 1: data and the feature cache (the top tier is the frozen original: it writes the
+    # self-distillation answers and is the teacher)
+    tc, hc, mix, rates = feature_caches(args, model, tok, lower, out, log)
     tr, ho = tc.open("r"), hc.open("r")
 
     # stage 2: train the exit blocks

@@ -6,12 +6,14 @@ delta switched off, so no second copy is held. What learns:
 
 * the trunk, through one shared low-rank delta on every linear of every trunk layer (``--rank``,
   ``worker/checkpoint.py: LoRALinear``) — the part the exit-block recipe never touches;
-* each lower tier's private exit block and norm (the exit-block machinery: ``--block-layers``, ``--init``);
+* each lower tier's private exit block and norm (the exit-block machinery: ``--block-layers``, ``--init``;
+  ``--init-from`` warm-starts them from an exit-blocks artifact, and since the delta starts at zero,
+  step 0 is that artifact exactly);
 * the top tier's norm. The top tier runs on the same merged trunk, so it drifts; its own loss term holds
   it, and the held-out evaluation reports its perplexity against the original's.
 
-The artifact is a ``delta`` weights file (adapters, exit norms, exit blocks; fp16, kept <= 25 MB by
-:func:`artifact_bytes`), merged at load and then quantized like any delta. Every ``--eval-every`` steps
+The artifact is a ``delta`` weights file (adapters, exit norms, exit blocks; fp16, kept <= 32 MB by
+:func:`artifact_bytes`: rank 16 with two-layer and one-layer blocks on SmolLM2-135M is 31.0 MB), merged at load and then quantized like any delta. Every ``--eval-every`` steps
 the held-out set of ``mfs eval`` is scored and the best state so far exported; ``--resume`` continues
 from ``OUT/state/trainer.pt`` (batch order is a function of (seed, step)). ``--max-minutes`` counts from
 the start of the command (data included), so a wall-clock budget holds end to end.
@@ -31,13 +33,13 @@ import torch.nn.functional as F
 from family.manifest import DEFAULT_FLOOR, Manifest
 from training import data as D
 from training.exit_features import heldout_windows, training_windows
-from training.exitblocks import build_exit_model, ce_sample, exit_loss, exit_parameters
+from training.exitblocks import build_exit_model, ce_sample, exit_loss, exit_parameters, warm_start
 from worker import checkpoint as ckpt
 from worker.model import NestedModel
 
 STATE = "state/trainer.pt"
 WEIGHTS = "joint.safetensors"
-MAX_ARTIFACT_MB = 25.0
+MAX_ARTIFACT_MB = 32.0
 
 
 @dataclass(slots=True)
@@ -211,19 +213,22 @@ def run(args) -> int:
     if len(lambdas) != nt or any(x < 0 for x in lambdas):
         raise ValueError(f"--weights needs {nt} values >= 0, one lambda per tier (lowest first)")
     eos = model.cfg.eos_token_ids[0] if model.cfg.eos_token_ids else (tok.eos_token_id or 0)
-    # data first, while the model is still the plain original: it writes the answers
+    # data first, while the model is still the plain original: it writes the answers (the held-out
+    # ones first: the evaluation needs them, training can do with fewer)
     t0 = time.monotonic()
-    docs = D.read_sources(args.data, model, tok, out / "data", args.self_max_tokens, log,
-                          deadline=None if stop_at is None else t_start + args.max_minutes * 60 * args.data_share,
-                          batch=args.gen_batch)
-    train_w, mix = training_windows(docs, tok, eos, args.seq_len, args.cache_tokens, args.seed)
+    data_deadline = None if stop_at is None else t_start + args.max_minutes * 60 * args.data_share
     held_w = heldout_windows(model, tok, eos, args.seq_len, args.heldout_tokens, out / "data", log,
-                             args.heldout_answers == "generate")
+                             args.heldout_answers == "generate", deadline=data_deadline)
+    docs = D.read_sources(args.data, model, tok, out / "data", args.self_max_tokens, log,
+                          deadline=data_deadline, batch=args.gen_batch)
+    train_w, mix = training_windows(docs, tok, eos, args.seq_len, args.cache_tokens, args.seed)
     prov = {"spec": args.data, "window_tokens": mix, "windows": int(train_w.shape[0]),
             "seq_len": args.seq_len, "heldout_tokens": int(held_w.numel()),
             "answers": D.answer_provenance(out / "data"), "data_seconds": round(time.monotonic() - t0, 1)}
     log(f"data: {train_w.shape[0]} windows x {args.seq_len} ({mix}) in {prov['data_seconds']} s; "
         f"held-out {held_w.numel()} tokens")
+    if args.init_from and not (args.resume and (out / STATE).exists()):
+        warm_start(model, args.init_from, list(range(nt - 1)), log)
     groups = make_trainable(model, args.rank, args.alpha)
     size_mb = artifact_bytes(model) / 1e6
     if size_mb > MAX_ARTIFACT_MB:
@@ -345,8 +350,8 @@ def run(args) -> int:
     return 0
 
 
-JOINT_SHARED = ("weights", "kl", "stop_after", "block_layers", "init", "cache_tokens", "heldout_tokens",
-                "heldout_answers",
+JOINT_SHARED = ("weights", "kl", "stop_after", "block_layers", "init", "init_from", "cache_tokens",
+                "heldout_tokens", "heldout_answers",
                 "topk", "ce_frac", "eval_every", "patience", "decay_minutes")
 
 

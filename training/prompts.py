@@ -210,9 +210,20 @@ EVAL_QUESTIONS_LARGE = [
 ]
 
 
+def keyword_questions() -> set[str]:
+    """The questions of the keyword-checked files under evals/questions/ (``mfs eval --questions``,
+    ``mfs bench cuts``): evaluation questions like the others, never a training prompt."""
+    import json  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+    out: set[str] = set()
+    for f in sorted((Path(__file__).resolve().parents[1] / "evals/questions").glob("*.jsonl")):
+        out |= {json.loads(line)["question"] for line in f.read_text().splitlines() if line.strip()}
+    return out
+
+
 def check_disjoint() -> None:
     assert not set(STDLIB_TRAIN) & set(STDLIB_HELDOUT)
-    evals = set(HELDOUT_PROMPTS) | set(EVAL_QUESTIONS) | set(EVAL_QUESTIONS_LARGE)
+    evals = set(HELDOUT_PROMPTS) | set(EVAL_QUESTIONS) | set(EVAL_QUESTIONS_LARGE) | keyword_questions()
     assert not set(SELF_PROMPTS) & evals
     assert not set(CHAT_PROMPTS) & (evals | set(SELF_PROMPTS))
     assert len(set(CHAT_PROMPTS)) == len(CHAT_PROMPTS)
