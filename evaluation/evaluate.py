@@ -89,21 +89,11 @@ def answer_all(model: NestedModel, tok, questions: list[str], max_tokens: int,
     return out
 
 
-def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max_tokens: int = 24,
-             log=print, tasks: list[str] | None = None, heldout_chat: str | Path | None = None,
-             answers: bool = True, questions: str | Path | None = None,
-             deadline: float | None = None) -> dict:
-    """``tasks``: local multiple-choice tasks (evaluation/mc_tasks.py) scored per tier and for the
-    original; ``answers=False`` skips the generated answers (reported as None: not measured).
-    ``heldout_chat``: a JSONL cache of the original's answers to the held-out prompts (they
-    are the original's, so any run of the same base may share it; greedy, so regenerating is equal).
-    ``questions``: a keyword-checked question file (evaluation/eval_questions.py: load_questions).
-    ``deadline`` (time.monotonic()): the held-out answers stop there, and each later part (answers,
-    questions, each task) starts only before it; what did not start is listed in ``not_measured``."""
-    t_start = time.perf_counter()
+def _load_models(model_arg: str):
+    """(manifest, tokenizer, the family's model, the original): the original is the model itself where
+    its top tier is the base's, else its own copy of the base's weights."""
     manifest, mdir = manifest_for(model_arg)
     base = load_base(resolve_base(manifest.base, mdir))
-    tok = base.tokenizer
     has_weights = bool(manifest.weights) and mdir is not None
     original = None
     if has_weights and not _top_is_original(manifest, mdir):
@@ -116,8 +106,50 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
         from worker.checkpoint import apply_weights  # noqa: PLC0415
         apply_weights(model, mdir / manifest.weights["file"], manifest.weights["kind"])
     model.eval()
-    original = original if original is not None else model
-    del base
+    return manifest, base.tokenizer, model, original if original is not None else model
+
+
+def _score_heldout(model, original, per_src: dict) -> tuple[list[TierResult], TierResult]:
+    """Per tier and for the original: perplexity per held-out source and over all, and greedy agreement
+    with the top tier and with the original."""
+    results = [TierResult(t.name, t.layers, block=t.block) for t in model.tiers]
+    orig = TierResult("original", original.tiers[-1].layers)
+    for t in range(model.num_segments):
+        nll_all, cnt_all, agree_top, agree_orig = 0.0, 0, 0, 0
+        for name, (w, st, ost) in per_src.items():
+            results[t].ppl[name] = math.exp(st.nll[t] / st.count)
+            nll_all += st.nll[t]
+            cnt_all += st.count
+            agree_top += int((st.argmax[t] == st.argmax[-1]).sum())
+            o_arg = (ost or st).argmax[-1]
+            agree_orig += int((st.argmax[t] == o_arg).sum())
+        results[t].ppl["all"] = math.exp(nll_all / cnt_all)
+        results[t].agree_top = agree_top / cnt_all
+        results[t].agree_original = agree_orig / cnt_all
+    nll_o, cnt_o = 0.0, 0
+    for name, (w, st, ost) in per_src.items():
+        s = ost or st
+        orig.ppl[name] = math.exp(s.nll[-1] / s.count)
+        nll_o += s.nll[-1]
+        cnt_o += s.count
+    orig.ppl["all"] = math.exp(nll_o / cnt_o)
+    orig.agree_top = orig.agree_original = 1.0
+    return results, orig
+
+
+def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max_tokens: int = 24,
+             log=print, tasks: list[str] | None = None, heldout_chat: str | Path | None = None,
+             answers: bool = True, questions: str | Path | None = None,
+             deadline: float | None = None) -> dict:
+    """``tasks``: local multiple-choice tasks (evaluation/mc_tasks.py) scored per tier and for the
+    original; ``answers=False`` skips the generated answers (reported as None: not measured).
+    ``heldout_chat``: a JSONL cache of the original's answers to the held-out prompts (they
+    are the original's, so any run of the same base may share it; greedy, so regenerating is equal).
+    ``questions``: a keyword-checked question file (evaluation/eval_questions.py: load_questions).
+    ``deadline`` (time.monotonic()): the held-out answers stop there, and each later part (answers,
+    questions, each task) starts only before it; what did not start is listed in ``not_measured``."""
+    t_start = time.perf_counter()
+    manifest, tok, model, original = _load_models(model_arg)
     D.check_disjoint()
 
     # held-out text: pydoc of held-out modules + the original's answers to held-out prompts
@@ -145,29 +177,7 @@ def evaluate(model_arg: str, seq_len: int = 256, heldout_tokens: int = 8192, max
                          heldout_pass(original, w) if original is not model else None)
         log(f"held-out {name}: {w.numel()} tokens")
 
-    nt = model.num_segments
-    results = [TierResult(t.name, t.layers, block=t.block) for t in model.tiers]
-    orig = TierResult("original", original.tiers[-1].layers)
-    for t in range(nt):
-        nll_all, cnt_all, agree_top, agree_orig = 0.0, 0, 0, 0
-        for name, (w, st, ost) in per_src.items():
-            results[t].ppl[name] = math.exp(st.nll[t] / st.count)
-            nll_all += st.nll[t]
-            cnt_all += st.count
-            agree_top += int((st.argmax[t] == st.argmax[-1]).sum())
-            o_arg = (ost or st).argmax[-1]
-            agree_orig += int((st.argmax[t] == o_arg).sum())
-        results[t].ppl["all"] = math.exp(nll_all / cnt_all)
-        results[t].agree_top = agree_top / cnt_all
-        results[t].agree_original = agree_orig / cnt_all
-    nll_o, cnt_o = 0.0, 0
-    for name, (w, st, ost) in per_src.items():
-        s = ost or st
-        orig.ppl[name] = math.exp(s.nll[-1] / s.count)
-        nll_o += s.nll[-1]
-        cnt_o += s.count
-    orig.ppl["all"] = math.exp(nll_o / cnt_o)
-    orig.agree_top = orig.agree_original = 1.0
+    results, orig = _score_heldout(model, original, per_src)
 
     if answers and in_time("answers"):
         _answer_questions(model, original, tok, results, orig, max_tokens)

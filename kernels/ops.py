@@ -1,40 +1,17 @@
-"""The kernel backend of a worker: which implementation of each hot-path op the model calls.
-
-``torch`` is the CPU path: on fp32 CPU tensors each op is our per-row operator
-(:mod:`kernels.cpu_rows`: a row's values depend on that row only, on the eager and the compiled path
-alike), elsewhere the torch reference beside it. ``triton`` (CUDA, or the CPU interpreter under
-``TRITON_INTERPRET=1`` for tests) is filled in by the Triton kernels beside each reference; any op
-without a Triton version falls back to its reference. Choose with :func:`select_backend`.
+"""The kernel backend of a worker: which table of hot-path ops (:mod:`kernels.kernel_ops`) the model
+calls. ``torch`` is the CPU table; ``triton`` (CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``
+for tests) is filled in by the Triton kernels beside each reference; any op without a Triton version falls
+back to its reference. Choose with :func:`select_backend`.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Callable
 
 import structlog
 
-import torch.nn.functional as F
-
-from kernels import cpu_rows
-from kernels.kv_write import write_kv_torch
+from kernels.kernel_ops import TORCH_OPS, KernelOps
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class KernelOps:
-    name: str
-    rms_norm: Callable
-    fused_add_rms_norm: Callable
-    rotary: Callable
-    write_kv: Callable
-    paged_attention: Callable
-    silu_mul: Callable = lambda g, u: F.silu(g) * u  # noqa: E731 (the MLP's activation: silu(g) * u)
-
-
-TORCH_OPS = KernelOps("torch", cpu_rows.rms_norm, cpu_rows.fused_add_rms_norm, cpu_rows.rotary,
-                      write_kv_torch, cpu_rows.paged_attention, cpu_rows.silu_mul)
 
 
 def _triton_ops() -> KernelOps:
@@ -58,3 +35,6 @@ def select_backend(requested: str | None = None, device: str = "cpu") -> KernelO
             log.warning("triton kernels unavailable, using torch", error=str(e))
     log.info("kernel backend selected", backend=ops.name, device=str(device))
     return ops
+
+
+__all__ = ["TORCH_OPS", "KernelOps", "select_backend"]

@@ -12,7 +12,7 @@ import os
 import sys
 from dataclasses import replace
 
-from kernels.ops import KernelOps
+from kernels.kernel_ops import KernelOps
 
 
 def use_interpreter() -> None:
