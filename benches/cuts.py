@@ -32,7 +32,8 @@ import torch
 from engine.runtime import autocast_dtype, progress, save_figure, write_json
 
 DEFAULT_CUTS = "10,12,14,16,18,20,22,24,26,28"
-QUESTIONS = Path(__file__).resolve().parents[1] / "evals/questions/chat_keywords.jsonl"
+ROOT = Path(__file__).resolve().parents[1]
+QUESTIONS = ROOT / "evals/questions/chat_keywords.jsonl"
 
 
 def add_parser(sub) -> None:
@@ -342,7 +343,7 @@ def write_results(args, rows: list[dict], top_res: dict, mix: dict, rates: dict,
            "data": {"spec": args.data, "cached_tokens_by_source": mix, "heldout_tokens": args.heldout_tokens,
                     "answer_max_tokens": args.self_max_tokens, **rates,
                     "cache_minutes_this_run": round(cache_min, 1)},
-           "questions_file": args.questions, "capitals_items": args.capitals_items or 134, "top": top_res, "cuts": rows,
+           "questions_file": _shown(args.questions), "capitals_items": args.capitals_items or 134, "top": top_res, "cuts": rows,
            "minutes_this_run": round((time.monotonic() - t_run) / 60, 1)}
     write_json(args.json, res)
     base = Path(args.json).with_suffix("")
@@ -396,3 +397,9 @@ def plot(res: dict, path: str) -> None:
     fig.suptitle(f"exit block per cut, {res['recipe']['tokens_per_cut']:,} tokens each ({res['cpu']}, "
                  f"{res['threads']} thread(s))", fontsize=9)
     save_figure(fig, path)
+
+
+def _shown(path: str) -> str:
+    """A path as the results show it: relative to the repository where it lies inside it."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
