@@ -18,6 +18,7 @@ import httpx2 as httpx
 import pytest
 
 from tests.support.factories import tiny_service
+from tests.support.wait import wait_for
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian: apt-get install "
@@ -86,7 +87,8 @@ def test_status_page_numbers_move_while_requests_run(service, tmp_path):
     assert float(tiers[0][4]) > 0 and float(tiers[0][3]) >= 0
     assert re.fullmatch(r"[\d.]+ / [\d.]+ / [\d.]+", tiers[0][6])     # TTFT percentiles drawn
     (worker,) = cells(second, "workers")
-    assert float(worker[3]) < 10                                      # a fresh heartbeat
+    assert worker[3].startswith("weights fp32 (--weights fp32); ")    # what it serves, and why
+    assert float(worker[4]) < 10                                      # a fresh heartbeat
     (leader,) = cells(second, "schedulers")
     assert leader[1] and float(leader[4]) < 10
     # the charts: tokens/s a line of the small tier; its latencies points (a gap where an interval

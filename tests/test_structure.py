@@ -1,8 +1,8 @@
 """The shape of the tree: no source file outside tests/ over 450 lines (Python or C++); no function over 80
 lines (data tables aside; the known debt listed by name); no test module, nor a script a test writes,
 importing another test module (what they share lives in tests/support/); no test sleeping bare (it waits
-on a condition with tests.support.wait); no import circle between files; and no issue numbers or session
-counts outside docs/journal/."""
+on a condition with tests.support.wait); and no issue numbers or session counts outside docs/journal/
+(import circles and upward imports: tests/test_layers.py)."""
 import ast
 import functools
 import re
@@ -263,81 +263,3 @@ def test_the_length_check_counts_code_not_tables():
     table = "def g():\n    x = 1\n    return {\n" + "        'k': 1,\n" * 90 + "    }\n"
     assert function_lengths(ast.parse(code)) == {"f": 82}
     assert function_lengths(ast.parse(table)) == {"g": 2}
-
-
-def import_edges(files: list[Path]) -> dict[str, set[str]]:
-    """file -> the project files it imports (at module level, in a function or under TYPE_CHECKING alike):
-    ``import a.b`` and ``from a.b import c`` name a/b.py (or a/b/__init__.py), and c itself where it is a
-    module of a.b; a package's ``__init__`` is an edge only where it is named."""
-    def target(dotted: str) -> str | None:
-        base = ROOT.joinpath(*dotted.split("."))
-        for cand in (base.with_suffix(".py"), base / "__init__.py"):
-            if cand.is_file():
-                return str(cand.relative_to(ROOT))
-        return None
-    edges: dict[str, set[str]] = {}
-    for f in files:
-        rel = str(f.relative_to(ROOT))
-        out = edges.setdefault(rel, set())
-        pkg = ".".join(f.relative_to(ROOT).parent.parts)
-        for node in ast.walk(ast.parse(f.read_text())):
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                mod = node.module or ""
-                if node.level:
-                    up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1] if pkg else []
-                    mod = ".".join([*up, mod] if mod else up)
-                subs = [f"{mod}.{a.name}" for a in node.names if target(f"{mod}.{a.name}")]
-                names = subs if len(subs) == len(node.names) else [mod, *subs]
-            for n in names:
-                t = target(n)
-                if t is not None and t != rel:
-                    out.add(t)
-    return edges
-
-
-def import_circles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected groups of more than one file (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in edges.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            group = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                group.append(w)
-                if w == v:
-                    break
-            if len(group) > 1:
-                out.append(sorted(group))
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return out
-
-
-def test_no_import_circle_between_files():
-    files = [f for f in source_files() if f.suffix == ".py" and f.relative_to(ROOT).parts[0] != "docs"]
-    assert import_circles(import_edges(files)) == []
-
-
-def test_the_circle_check_sees_a_circle():
-    assert import_circles({"a.py": {"b.py"}, "b.py": {"c.py"}, "c.py": {"a.py"}, "d.py": {"a.py"}}) == \
-        [["a.py", "b.py", "c.py"]]
