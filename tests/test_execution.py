@@ -1,5 +1,5 @@
 """Execution paths applied from outside the model (worker/execution.py) and a worker that serves before
-its compiled graphs exist (worker/execution_swap.py): it serves eagerly while they build, swaps them in
+its compiled graphs exist (worker/background_compile.py): it serves eagerly while they build, swaps them in
 between two steps without recompiling in a client's step, and names the path of every token it sends
 (the response's ``mfs.paths``). Two tests compile (one in-process, one through a worker process)."""
 import dataclasses
@@ -11,7 +11,7 @@ import pytest
 from engine import Engine
 from tests.support.wait import wait_for
 from worker.execution import EAGER, INDUCTOR, INDUCTOR_TRUNK, choose, compile_decode, compiled_exits, path_name
-from worker.execution_swap import BackgroundCompile
+from worker.background_compile import BackgroundCompile
 from worker.family import load_family
 from worker.sampling import SamplingParams
 

@@ -228,7 +228,6 @@ KNOWN_LONG = {
     "training/joint.py: run",
     "training/precipitate.py: run",
     "worker/batch.py: build_step",
-    "worker/runner.py: _execute",
 }
 
 
