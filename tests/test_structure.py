@@ -227,7 +227,6 @@ KNOWN_LONG = {
     "training/exitblocks.py: run",
     "training/joint.py: run",
     "training/precipitate.py: run",
-    "worker/batch.py: build_step",
 }
 
 
