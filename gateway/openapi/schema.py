@@ -1,8 +1,8 @@
-"""The building blocks of the gateway's OpenAPI document (``gateway.openapi``): schema helpers and
-:class:`Facts`, what the document depends on, read from the gateway's Service and config."""
+"""The building blocks of the gateway's OpenAPI document: JSON Schema helpers, and a declared request
+parameter (core/params.py) as a schema, its bounds as the parser reads them."""
 from __future__ import annotations
 
-from gateway.openai_api import Limits
+from core.params import PARAMS, Param
 
 
 def ref(name: str) -> dict:
@@ -24,21 +24,25 @@ def obj(props: dict, required: list[str] | tuple[str, ...] = (), closed: bool = 
     return out
 
 
-class Facts:
-    """What the document depends on, read from the gateway's Service and config."""
+def param_schema(p: Param) -> dict:
+    """A declared parameter (core/params.py) as the parser reads it: its type and bounds, or null."""
+    return nullable({**bounds_schema(p), "description": p.doc})
 
-    def __init__(self, svc, cfg):
-        self.tier_ids: list[str] = list(svc.tier_ids)
-        self.tier_names: list[str] = list(svc.tier_names)
-        self.family: str = svc.frontend.family_id
-        self.vocab: int = int(svc.vocab_size)
-        self.default_draft: int | None = svc.spec_draft_tier
-        self.default_gamma: int = svc.spec_gamma
-        self.default_threshold: float | None = svc.cascade_threshold
-        self.default_window: int = svc.cascade_window
-        self.max_prompt_tokens: int = svc.max_prompt_tokens
-        self.default_max_tokens: int | None = svc.default_max_tokens
-        self.limits: Limits = cfg.limits
-        self.max_body_bytes: int = cfg.max_body_bytes
-        self.request_timeout_s: float = cfg.request_timeout_s
-        self.max_inflight: int = cfg.max_inflight
+
+def bounds_schema(p: Param) -> dict:
+    """A declared parameter's type and bounds (null aside)."""
+    s: dict = {"type": p.json_type}
+    if p.lo is not None:
+        s["exclusiveMinimum" if p.lo_open else "minimum"] = num(p.lo)
+    if p.hi is not None:
+        s["exclusiveMaximum" if p.hi_open else "maximum"] = num(p.hi)
+    return s
+
+
+def at_path(name: str, description: str) -> dict:
+    """The declared parameter a body carries at its path (``mfs.*``), described for that place."""
+    return {**bounds_schema(PARAMS[name]), "description": description}
+
+
+def num(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x  # 2, not 2.0, in the document
