@@ -88,6 +88,26 @@ def test_the_trunk_only_path_keeps_exit_blocks_eager_and_shares_the_graphs(llama
     assert _tokens(Engine(model, block_size=4, num_blocks=64), [("t2", [4, 4, 8], 2)], [])["t2"] == out["t2"]
 
 
+def test_a_path_changes_nothing_on_the_model_but_its_execution(llama_dir):
+    """The background build applies a path to a shadow, a shallow copy of the model
+    (worker/background_compile.py): the served model keeps its eager path, its modules and its head; a
+    path is refused by a model it was not built for."""
+    from worker.background_compile import shadow
+    from worker.execution import InductorDecode
+    model = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights="int8").model
+    children = dict(model.named_children())
+    sh = shadow(model)
+    path = InductorDecode(model)
+    path.apply(sh)
+    assert sh.execution is path and path_name(sh) == INDUCTOR and sh.lm_head is model.lm_head
+    assert model.execution is None and model.head() is model.lm_head and dict(model.named_children()) == children
+    assert model.lm_head.rows_kernel is None  # the path runs its own copy of the head where it has a kernel
+    other = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights="int8").model
+    with pytest.raises(ValueError, match="another model"):
+        path.apply(other)
+    assert other.execution is None
+
+
 def test_the_path_is_chosen_once_and_a_flag_is_never_ignored(llama_dir):
     """off: eager; on: the compiled path or a refusal where none serves the model; auto: the compiled path
     where one serves, else eager with the reason."""

@@ -44,6 +44,7 @@ from worker.request_state import RequestState
 from worker.sampling import (SamplingParams, confidences, make_generator, process_logits, sample, skip_draws,
                              token_logprobs)
 
+
 @dataclass(slots=True)
 class StepOutput:
     tokens: dict[str, int]   # request -> the token its plain row sampled (a client may see it)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from core.params import INT32_MAX, PARAMS, body_params
 from core.sampling import MAX_BIAS, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
-from gateway.openai_api import MAX_LOGPROBS, MAX_N, ROLES
+from gateway.openai_api import MAX_N, ROLES
 from gateway.openapi.facts import Facts
 from gateway.openapi.multilevel import multilevel_schema, per_model
 from gateway.openapi.schema import bounds_schema, nullable, num, obj, param_schema, ref
