@@ -243,7 +243,7 @@ def build_cuts_model(args, cuts: list[int]):
     from kernels import TORCH_OPS  # noqa: PLC0415
     from training.exitblocks import tier_specs  # noqa: PLC0415
     from worker.family import build_model  # noqa: PLC0415
-    from worker.loader import load_base  # noqa: PLC0415
+    from family.loader import load_base  # noqa: PLC0415
     base_path, _, family = resolve_base_arg(args.base)
     base = load_base(base_path)
     n = base.hf_config.num_hidden_layers

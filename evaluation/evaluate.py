@@ -26,7 +26,7 @@ from engine.runtime import save_figure, write_json
 from evaluation import eval_questions as Q
 from worker.family import build_model
 from family.manifest import manifest_for, resolve_base
-from worker.loader import load_base
+from family.loader import load_base
 from worker.model import NestedModel
 
 

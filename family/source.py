@@ -1,6 +1,6 @@
 """Where a family's base weights are, as users have them (a Hugging Face directory or a GGUF file), and
 where their caches go (the GGUF's dequantized copy, a HF directory's complete config): data only, no
-torch, no transformers. :func:`locate` answers all of it once; worker/loader.py reads the weights from
+torch, no transformers. :func:`locate` answers all of it once; family/loader.py reads the weights from
 there, and family/tokenizer.py the tokenizer. Nothing here reaches a model hub: paths must exist locally."""
 from __future__ import annotations
 

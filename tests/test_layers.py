@@ -30,7 +30,8 @@ def test_process_modules_without_torch(module):
     assert "worker" not in loaded
 
 
-@pytest.mark.parametrize("module", ["worker.loop", "worker.null", "family.manifest", "family.source"])
+@pytest.mark.parametrize("module", ["worker.loop", "worker.null", "family.manifest", "family.source",
+                                    "family.tokenizer", "family.hfconfig"])
 def test_worker_protocol_and_null_workers_without_torch(module):
     """The worker protocol is torch-free (32 null workers per process stay small), and so is the family
     as data (the gateway reads it)."""
@@ -75,6 +76,10 @@ THIRD_PARTY_EXCEPTIONS = {
     # the one translation of a structured-output spec into a grammar, imported inside the
     # function that needs it: the gateway checks a request's spec with it, the worker compiles it
     ("core.grammar", "xgrammar"),
+    # the family's base weights read as tensors: imported only by those who load weights (worker,
+    # training, evaluation, benches), never by family/'s data modules, which the gateway reads (checked
+    # on what they load, above)
+    ("family.loader", "torch"),
 }
 # The gateway's HTTP side: only these modules may import aiohttp. Below the views (serving, the wire
 # format, the OpenAPI document, the config) the gateway takes plain values, never a request object.

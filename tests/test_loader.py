@@ -16,11 +16,11 @@ from family.source import locate, resolve_cached, split_source
 from worker.config import ModelConfig
 from tests.support.factories import tiny_llama, tiny_qwen2
 from tests.support.wait import pace
-from worker.loader import _read_fast, load_base
+from family.loader import _read_fast, load_base
 
 PROBE = """
 import json, sys
-from worker.loader import load_base
+from family.loader import load_base
 base = load_base(sys.argv[1])
 before = {m: m in sys.modules for m in ("transformers", "torch._dynamo")}
 tok = base.tokenizer
@@ -135,7 +135,7 @@ def test_processes_loading_one_uncached_gguf_together_dequantize_it_once(tmp_pat
     Each load opens the lock file itself, so threads contend as processes do (flock)."""
     import threading
 
-    from worker import loader
+    from family import loader
     monkeypatch.setenv("MFS_CACHE", str(tmp_path / "cache"))
     (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(range(256)))
     converted, inside, overlap = [], [0], []
@@ -171,7 +171,7 @@ def test_a_ggufs_first_load_reads_its_tokenizer_from_the_cache_it_wrote(tmp_path
     """The first load of a GGUF converts its tokenizer into the cache beside the weights; the loaded
     base reads it from there, not from the GGUF's metadata again. A cache that was not written (a failed
     write costs only speed) leaves the tokenizer to the GGUF."""
-    from worker import loader
+    from family import loader
     monkeypatch.setenv("MFS_CACHE", str(tmp_path / "cache"))
     (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(range(256)))
 

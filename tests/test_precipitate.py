@@ -11,7 +11,7 @@ from worker import checkpoint as ckpt
 from mfs.cli import main as mfs_main
 from worker.family import build_model, load_family
 from family.manifest import parse_tiers
-from worker.loader import load_base
+from family.loader import load_base
 from tests.support.precipitate import TEXT, tiny  # noqa: F401 - the module fixture
 
 

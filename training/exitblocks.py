@@ -36,7 +36,7 @@ from training.loop import Budget, Evaluation, Method, Options, RunState, StepRes
 from family.manifest import DEFAULT_FLOOR, Manifest, TierSpec, parse_tiers, resolve_base_arg
 from worker.family import build_model
 from engine.runtime import autocast_dtype
-from worker.loader import load_base
+from family.loader import load_base
 from worker.model import NestedModel
 
 WEIGHTS = "exit-blocks.safetensors"

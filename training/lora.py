@@ -31,7 +31,7 @@ from training import data as D
 from training.loop import Budget, Method, Options, RunState, StepResult, Trainer, say
 from worker import checkpoint as ckpt
 from worker.family import build_model
-from worker.loader import BaseWeights, load_base
+from family.loader import BaseWeights, load_base
 from worker.model import NestedModel
 
 SAVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from family.hfconfig import global_rope_type, rope_params
 from worker.arch import ARCHS
 
 SUPPORTED_TYPES = tuple(ARCHS)
@@ -140,32 +141,11 @@ def _activation(model_type: str, act: str) -> str:
     return act
 
 
-def _global_type(hf_config) -> str | None:
-    """The key of the global layers' rope parameters where a config keeps one set per layer type."""
-    rp = getattr(hf_config, "rope_parameters", None)
-    return "full_attention" if isinstance(rp, dict) and isinstance(rp.get("full_attention"), dict) else None
-
-
-def rope_params(hf_config, layer_type: str | None = None) -> dict:
-    """A config's rope parameters (rope_type, rope_theta, any scaling) from either spelling:
-    ``rope_parameters`` or the older ``rope_scaling`` + ``rope_theta``; ``layer_type``: that type's set,
-    where the config keeps one per layer type (the global layers' by default)."""
-    rp = getattr(hf_config, "rope_parameters", None)
-    if isinstance(rp, dict) and isinstance(rp.get(layer_type or _global_type(hf_config)), dict):
-        rp = rp[layer_type or _global_type(hf_config)]
-    if rp is None:  # older configs
-        rp = dict(getattr(hf_config, "rope_scaling", None) or {})
-        rp.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    rp = dict(rp)
-    rp.setdefault("rope_type", rp.get("type", "default"))
-    return rp
-
-
 def _rope_fields(hf_config, head_dim: int, windowed: bool) -> dict:
     """The rope fields of a ModelConfig: the global layers' frequencies (over the rotated dims), the
     local layers' where the config gives them their own (Gemma 3), LongRoPE's long ones and where they
     start."""
-    glob = _global_type(hf_config)
+    glob = global_rope_type(hf_config)
     inv_freq, scaling = _rope_inv_freq(hf_config, head_dim, glob)
     rp = rope_params(hf_config, glob)
     out = dict(inv_freq=inv_freq, rope_attention_scaling=scaling, rope=rp, rotary_dim=2 * inv_freq.numel())

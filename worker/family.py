@@ -14,7 +14,7 @@ from kernels import KernelOps, select_backend
 from worker.arch import to_llama_layout
 from worker.config import ModelConfig
 from worker.formats import FORMATS, parse_weights
-from worker.loader import BaseWeights, load_base
+from family.loader import BaseWeights, load_base
 from worker.model import NestedModel, Tier, skeleton
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -30,7 +30,7 @@ class LoadedFamily:
 
     @property
     def tokenizer(self):
-        """Read when first asked for (see :class:`worker.loader.BaseWeights`)."""
+        """Read when first asked for (see :class:`family.loader.BaseWeights`)."""
         return self.base.tokenizer
 
     def model_id(self, tier: Tier) -> str:

@@ -4,7 +4,8 @@ their caches go (:func:`family.source.locate`, data), then reads, converts and c
 
 ``transformers`` is the loader of first resort (it dequantizes GGUF and knows every config variant);
 the weights are then handed to MFS's own nested model. Nothing here reaches a model hub: paths must
-exist locally.
+exist locally. The one module of family/ that imports torch: those who load weights (the worker,
+training, evaluation, benches) import it; family/'s data modules, which the gateway reads, never do.
 """
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from types import SimpleNamespace
 import structlog
 import torch
 
+from family.hfconfig import rope_params
 from family.source import BaseSource, locate
 from family.tokenizer import load_tokenizer
-from worker.config import rope_params
 
 log = structlog.get_logger(__name__)
 
