@@ -1,14 +1,14 @@
 """The weight-format package (worker/formats/): a format added in one place (a scheme and a registry
 line) is loaded, fused, counted, served and benched through the public path; every invalid combination
 is refused by the registry with a message that says what; the schemes answer what the execution layer
-asks (compilable, graphable, a swappable head kernel); the MFS_* switches are read and checked once."""
+asks (compilable, graphable, a swappable head kernel)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from worker.formats import (FORMATS, Int8DynamicLinear, Int8Embedding, Layout, Scheme, Switches, WeightConfig,
+from worker.formats import (FORMATS, Int8DynamicLinear, Int8Embedding, Layout, Scheme, WeightConfig,
                             WeightFormat, linear_bytes_per_step, names, quantize_model, register, resolve,
                             rows_kernel_head, uncompilable, ungraphable)
 
@@ -117,15 +117,3 @@ def test_the_execution_layer_asks_the_schemes(llama_dir):
     int8 = _model(llama_dir)
     quantize_model(int8, "int8")
     assert uncompilable(int8) == [] and rows_kernel_head(int8) and isinstance(int8.embed_tokens, Int8Embedding)
-
-
-def test_the_switches_are_read_and_checked_once(monkeypatch):
-    monkeypatch.setenv("MFS_W4A8_TILES", "0")
-    assert resolve("int8").switches == Switches.from_env() and not resolve("int8").tiles
-    monkeypatch.setenv("MFS_W4A8_TILES", "yes")
-    with pytest.raises(ValueError, match="MFS_W4A8_TILES='yes'"):
-        resolve("int8")
-    monkeypatch.setenv("MFS_W4A8_TILES", "1")
-    monkeypatch.setenv("MFS_KERNELS", "cuda")
-    with pytest.raises(ValueError, match="MFS_KERNELS"):
-        Switches.from_env()

@@ -10,7 +10,7 @@ from worker.formats.int4 import Int4Linear, q4_1_to_int4
 from worker.formats.int8 import Int8A8Linear, Int8Embedding, Int8Linear
 from worker.formats.registry import (AUTO, FORMATS, auto_choice, compile_refusal, may_quantize, names,
                                      parse_weights, register, resolve, resolve_mode, weights_why)
-from worker.formats.scheme import GGUF_BLOCK, Scheme, Switches, WeightConfig
+from worker.formats.scheme import GGUF_BLOCK, Scheme, WeightConfig
 from worker.formats.swap import (QuantReport, concat_linears, fuse_projections, linear_bytes_per_step, pack,
                                  quantize_model, rows_kernel_head, uncompilable, ungraphable)
 from worker.formats.w4a8 import Q4A8Linear
@@ -19,7 +19,7 @@ from worker.formats.weightformat import Layout, WeightFormat
 
 __all__ = ["AUTO", "FORMATS", "GGUF_BLOCK", "GGUFSource", "Group4Linear", "GroupQuantLinear", "Int4Linear",
            "Int8A8Linear", "Int8DynamicLinear", "Int8Embedding", "Int8Linear", "Layout", "Q4A8Linear",
-           "QuantReport", "Scheme", "Switches", "WeightConfig", "WeightFormat", "auto_choice", "compile_refusal", "concat_linears",
+           "QuantReport", "Scheme", "WeightConfig", "WeightFormat", "auto_choice", "compile_refusal", "concat_linears",
            "dequant_q4_1", "dequant_q8_0", "fuse_projections", "linear_bytes_per_step", "match_rows", "may_quantize", "names", "pack",
            "parse_weights", "q4_1_blocks", "q4_1_to_int4", "q8_0_blocks", "quantize_model", "reduce_range",
            "register", "resolve", "resolve_mode", "rows_kernel_head", "uncompilable",

@@ -11,16 +11,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import switches
 from kernels.cpu_gemv import int8_gemv_kernel, load as load_cpu_gemv, tile_int8_rows, untile_int8_rows
 from worker.formats.groups import GroupQuantLinear
-from worker.formats.scheme import GGUF_BLOCK, Scheme, Switches, WeightConfig, found_kind
+from worker.formats.scheme import GGUF_BLOCK, Scheme, WeightConfig, found_kind
 from worker.formats.weightformat import TWO_DEVICES, Layout, WeightFormat
 
 
 def tiles(out_features: int, tiled: bool | None = None) -> bool:
     """w4a8's linears and head in tiles of 16 rows: where N % 16 == 0, unless the config (or, for a
     module built directly, MFS_W4A8_TILES=0) says rows."""
-    want = Switches.from_env().w4a8_tiles if tiled is None else tiled
+    want = switches.current().w4a8_tiles if tiled is None else tiled
     return out_features % 16 == 0 and want
 
 

@@ -18,7 +18,8 @@ from worker.formats import (  # the formats' modules, one a line
     w4a8,
     w8a8,
 )
-from worker.formats.scheme import GGUF_BLOCK, Switches, WeightConfig
+from kernels.switches import Switches, current as current_switches
+from worker.formats.scheme import GGUF_BLOCK, WeightConfig
 from worker.formats.weightformat import WeightFormat
 
 log = structlog.get_logger(__name__)
@@ -114,7 +115,7 @@ def resolve(weights: str, device: str = "cpu", layout: str | None = None, group:
     stuck = fmt.uncompilable(layout)
     if compile and stuck and not dev.startswith("cuda"):
         raise ValueError(compile_refusal(stuck, fmt.name))
-    cfg = WeightConfig(fmt.name, dev, layout, group, switches or Switches.from_env())
+    cfg = WeightConfig(fmt.name, dev, layout, group, switches or current_switches())
     fmt.check_machine(cfg)
     return cfg
 
