@@ -92,8 +92,8 @@ class ModelArgs:
     dtype: Literal["float32", "bfloat16", "float16", "float64"] | None = None
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     kernels: Literal["auto", "torch", "triton"] | None = None
-    weights: str = opt(FP32.name, "serve weights quantized: " + "; ".join(f"{f.name} = {f.help}" for f in FORMATS.values())
-                       + "; auto picks by the device and CPU", parse=parse_weights)
+    weights: str = opt(FP32.name, lambda: "serve weights quantized: " + "; ".join(
+        f"{f.name} = {f.help}" for f in FORMATS.values()) + "; auto picks by the device and CPU", parse=parse_weights)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
