@@ -166,11 +166,12 @@ _background: dict[tuple, threading.Thread] = {}
 
 def build_in_background(sources: Sequence[Path] = SOURCES, switch: str = "MFS_CPU_GEMV") -> threading.Thread | None:
     """Starts :func:`build` of ``sources`` on a thread (once per process) where :func:`pick_operator`
-    would load them (a CPU with AVX2 or AVX-512, ``switch`` not 0: kernels/switches.py), so a cold start's compile (~10 s)
-    overlaps the work before their first use (reading and dequantizing the weights). Best effort: a
-    failure is left for the loader, which builds again (after this thread, by the cache's lock) and
-    reports it."""
-    if not switches.current().operator_on(switch) or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    would load them (a CPU with AVX2 or AVX-512, ``switch`` not 0: kernels/switches.py), so a cold
+    start's compile (~10 s) overlaps the work before their first use (reading and dequantizing the
+    weights). Best effort: a failure is left for the loader, which builds again (after this thread, by
+    the cache's lock) and reports it."""
+    if not switches.current().operator_on(switch) or \
+            torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     key = tuple(sorted(str(p) for p in sources))
     if key in _background:
@@ -328,8 +329,9 @@ unavailable: dict[str, str] = {}
 def pick_operator(cache: list, switch: str, load_lib: Callable[[], None], name: str, what: str, fallback: str,
                   detail: str = "") -> Callable | None:
     """``torch.ops.mfs.<name>`` (``load_lib()`` builds and loads its library) on a CPU where torch reports
-    AVX2 or AVX512, unless ``switch`` (kernels/switches.py) is 0 or the build fails: then None, and the caller's ``fallback``
-    serves. Decided once per process into ``cache`` (a list, empty until then) and logged as ``what``."""
+    AVX2 or AVX512, unless ``switch`` (kernels/switches.py) is 0 or the build fails: then None, and the
+    caller's ``fallback`` serves. Decided once per process into ``cache`` (a list, empty until then) and
+    logged as ``what``."""
     if cache:
         return cache[0]
     cap = torch.backends.cpu.get_cpu_capability()

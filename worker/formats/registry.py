@@ -111,7 +111,7 @@ def resolve(weights: str, device: str = "cpu", layout: str | None = None, group:
         known = ", ".join(fmt.layouts or ("cpu", "groups"))
         raise ValueError(f"--weights {fmt.name}: layout {layout!r}, expected one of {known}")
     if fmt.group is not None and group != fmt.group:
-        raise ValueError(f"--weights {fmt.name} uses Q4_1's blocks of {fmt.group} inputs; group {group} was asked")
+        raise ValueError(f"--weights {fmt.name} takes blocks of {fmt.group} inputs only; group {group} was asked")
     stuck = fmt.uncompilable(layout)
     if compile and stuck and not dev.startswith("cuda"):
         raise ValueError(compile_refusal(stuck, fmt.name))
