@@ -30,6 +30,7 @@ class Layout:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class WeightFormat:
+    """One ``--weights`` format, declared by its module as ``FORMAT`` (see the module docstring)."""
     name: str
     help: str
     devices: tuple[str, ...] = ()  # device types it serves; () any (fp32)
