@@ -131,130 +131,175 @@ def _snapshots(r: redis.Redis) -> list[StatsSnapshot]:
             if P.shard_of_stats_field(k.decode()) is not None and (s := StatsSnapshot.decode(v)) is not None]
 
 
-def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, max_tokens: int,
-                  warmup_s: float, seconds: float, log_dir: Path, say, profile: Path | None = None,
-                  shards: int = 1) -> dict:
-    from service.launch import EmbeddedRedis  # noqa: PLC0415
-    tag = f"{shards}x{workers}"
-    rs = EmbeddedRedis(data_dir=str(log_dir / f"redis-{tag}")).start()
-    procs: list[subprocess.Popen] = []
-    stats_files: list[Path] = []
-    client = None
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+class _Children:
+    """The bench's child processes (schedulers, null-worker processes), each logging to ``log_dir``."""
 
-    def spawn(name: str, args: list[str]) -> subprocess.Popen:
-        with open(log_dir / f"{name}.log", "ab") as out:
+    def __init__(self, log_dir: Path):
+        self.log_dir, self.procs = log_dir, []
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+
+    def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        with open(self.log_dir / f"{name}.log", "ab") as out:
             p = subprocess.Popen([sys.executable, "-m"] + args, stdout=out, stderr=subprocess.STDOUT,
-                                 env=env, start_new_session=True)
-        procs.append(p)
+                                 env=self.env, start_new_session=True)
+        self.procs.append(p)
         return p
 
-    try:
-        r = connect(rs.url)
+    def schedulers(self, url: str, rows: int, shards: int, tag: str,
+                   profile: Path | None) -> list[subprocess.Popen]:
+        """One scheduler per shard (under cProfile when ``profile`` names a file)."""
         scheds = []
         for s in range(shards):
             prof = ["cProfile", "-o", f"{profile}.shard{s}" if shards > 1 else str(profile), "-m"] if profile else []
-            scheds.append(spawn(f"scheduler-{tag}-s{s}", prof + [
-                "scheduler", "--redis-url", rs.url, "--max-num-seqs", str(max(rows, 1)), "--shard", str(s),
+            scheds.append(self.spawn(f"scheduler-{tag}-s{s}", prof + [
+                "scheduler", "--redis-url", url, "--max-num-seqs", str(max(rows, 1)), "--shard", str(s),
                 # a plan a step: what is measured is the control plane of every step, which multi-step
                 # plans (the scheduler's default --decode-steps) pay once per plan
                 "--decode-steps", "1"]))
+        return scheds
+
+    def nulls(self, url: str, workers: int, step_ms: float, shards: int,
+              tag: str) -> tuple[list[subprocess.Popen], list[Path]]:
+        """``workers`` null workers, WORKERS_PER_PROCESS to a process: (processes, their stats files)."""
         shard_list = ",".join(str(s) for s in range(shards))
-        nulls = []
+        procs, stats_files = [], []
         for k in range(math.ceil(workers / WORKERS_PER_PROCESS)):
             n = min(WORKERS_PER_PROCESS, workers - k * WORKERS_PER_PROCESS)
-            f = log_dir / f"null-{tag}-{k}.json"
+            f = self.log_dir / f"null-{tag}-{k}.json"
             stats_files.append(f)
-            nulls.append(spawn(f"null-{tag}-{k}", [
-                "worker.null", "--redis-url", rs.url, "--workers", str(n), "--prefix", f"n{k}-",
+            procs.append(self.spawn(f"null-{tag}-{k}", [
+                "worker.null", "--redis-url", url, "--workers", str(n), "--prefix", f"n{k}-",
                 "--step-ms", str(step_ms), "--stats-file", str(f), "--shards", shard_list]))
-        deadline = time.monotonic() + 120
+        return procs, stats_files
+
+    def wait_registered(self, r: redis.Redis, workers: int, shards: int, timeout_s: float = 120) -> None:
+        """Until every shard's scheduler reports and ``workers`` workers have registered with them."""
+        deadline = time.monotonic() + timeout_s
         while True:
             snaps = _snapshots(r)
             if len(snaps) == shards and sum(s.workers for s in snaps) >= workers:
-                break
-            for p in procs:
+                return
+            for p in self.procs:
                 if p.poll() is not None:
-                    raise RuntimeError(f"{p.args[2]} exited with {p.returncode} (logs: {log_dir})")
+                    raise RuntimeError(f"{p.args[2]} exited with {p.returncode} (logs: {self.log_dir})")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{workers} null workers did not register within 120 s (logs: {log_dir})")
+                raise TimeoutError(f"{workers} null workers did not register within {timeout_s:g} s "
+                                   f"(logs: {self.log_dir})")
             time.sleep(0.2)
+
+    def stop(self) -> None:
+        """SIGINT to every child still running; a kill for one that has not exited 10 s later."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(2)
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _sample(r: redis.Redis, client: Client, scheds: list, nulls: list) -> dict:
+    """The counters a measured window is the difference of (times, tokens, CPU, steps, Redis)."""
+    snaps = _snapshots(r)
+    return {"t": time.monotonic(), "wall": time.time(), "tokens": client.tokens,
+            "leader_cpu": sum(_cpu_s(p.pid) for p in scheds),
+            **{f"leader_cpu_{i}": _cpu_s(p.pid) for i, p in enumerate(scheds)},
+            "null_cpu": sum(_cpu_s(p.pid) for p in nulls),
+            "client_cpu": time.process_time(), "machine_busy": _machine_busy_s(),
+            **{f"steps_{s.shard}": s.steps for s in snaps},
+            "steps": sum(s.steps for s in snaps), "roundtrip": sum(s.step_roundtrip_s for s in snaps),
+            "forward": sum(s.step_forward_s for s in snaps), **_redis_counters(r)}
+
+
+def _gaps(stats_files: list[Path], a: dict, b: dict) -> list[float]:
+    """The null workers' result-to-next-plan gaps that fell between samples ``a`` and ``b``."""
+    gaps = []
+    for f in stats_files:
+        for w in json.loads(f.read_text()).values():
+            gaps += [g for wall, g in w["gaps"] if a["wall"] <= wall <= b["wall"]]
+    return gaps
+
+
+def _point(a: dict, b: dict, gaps: list[float], client_errors: int, shards: int, workers: int,
+           step_ms: float, rows: int) -> dict:
+    """One point of the report from the window between samples ``a`` and ``b``."""
+    # stats snapshots are written every 0.5 s: the step counters lag by up to that much at both ends
+    dt = b["t"] - a["t"]
+    d = {k: b[k] - a[k] for k in a if k not in ("t", "wall")}
+    steps = d["steps"]
+    ideal = workers / (step_ms / 1000)
+    tokens = d["tokens"]
+    return {
+        "shards": shards, "workers": workers, "step_ms": step_ms, "rows_per_worker": rows, "seconds": round(dt, 2),
+        "steps_per_s": round(steps / dt, 1), "ideal_steps_per_s": round(ideal, 1),
+        "keeps_up": steps / dt >= 0.9 * ideal, "efficiency": round(steps / dt / ideal, 3),
+        "tokens_per_s": round(tokens / dt, 1),
+        "steps_per_s_by_shard": {str(s): round(d.get(f"steps_{s}", 0) / dt, 1) for s in range(shards)},
+        "gap_ms_p50": round(_pct(gaps, 50) * 1000, 2), "gap_ms_p99": round(_pct(gaps, 99) * 1000, 2),
+        "gap_samples": len(gaps),
+        "overhead_ms_per_step_mean": round((d["roundtrip"] - d["forward"]) / max(steps, 1) * 1000, 2),
+        "leader_cpu_share": round(d["leader_cpu"] / dt, 3),  # all leaders together, in cores
+        "busiest_leader_cpu_share": round(max(d[f"leader_cpu_{i}"] for i in range(shards)) / dt, 3),
+        "leader_cpu_ms_per_step": round(d["leader_cpu"] / max(steps, 1) * 1000, 3),
+        "redis_cpu_share": round(d["cpu_s"] / dt, 3),
+        "null_workers_cpu_share": round(d["null_cpu"] / dt, 3),
+        "client_cpu_share": round(d["client_cpu"] / dt, 3),
+        # the whole machine (any process), in CPUs: near os.cpu_count() means the machine, not the
+        # leader, was the limit
+        "machine_cpus_busy": round(d["machine_busy"] / dt, 2),
+        "redis_commands_per_token": round(d["commands"] / max(tokens, 1), 2),
+        "redis_bytes_per_token": round(d["bytes"] / max(tokens, 1), 1),
+        "client_errors": client_errors,
+    }
+
+
+def _describe(p: dict) -> str:
+    return (f"{p['shards']} shard(s), {p['workers']:4d} null workers @ {p['step_ms']:g} ms: "
+            f"{p['steps_per_s']:8.1f} steps/s of {p['workers'] / (p['step_ms'] / 1000):8.1f} ideal "
+            f"({p['efficiency']:.0%}), {p['tokens_per_s']:8.1f} tok/s, gap p50 "
+            f"{p['gap_ms_p50']:.2f} / p99 {p['gap_ms_p99']:.2f} ms, leader CPU "
+            f"{p['leader_cpu_share']:.0%} ({p['leader_cpu_ms_per_step']:.2f} ms/step; busiest leader "
+            f"{p['busiest_leader_cpu_share']:.0%}), "
+            f"{p['redis_commands_per_token']:.1f} Redis cmds and {p['redis_bytes_per_token']:.0f} B/token; "
+            f"machine {p['machine_cpus_busy']:.1f} of {os.cpu_count()} CPUs busy")
+
+
+def measure_point(workers: int, step_ms: float, rows: int, prompt_tokens: int, max_tokens: int,
+                  warmup_s: float, seconds: float, log_dir: Path, say, profile: Path | None = None,
+                  shards: int = 1) -> dict:
+    """One point: Redis, the schedulers and the null workers started, a closed-loop client warmed up
+    for ``warmup_s``, then one window of ``seconds`` measured; everything stopped again."""
+    from service.launch import EmbeddedRedis  # noqa: PLC0415
+    tag = f"{shards}x{workers}"
+    rs = EmbeddedRedis(data_dir=str(log_dir / f"redis-{tag}")).start()
+    kids = _Children(log_dir)
+    client = None
+    try:
+        r = connect(rs.url)
+        scheds = kids.schedulers(rs.url, rows, shards, tag, profile)
+        nulls, stats_files = kids.nulls(rs.url, workers, step_ms, shards, tag)
+        kids.wait_registered(r, workers, shards)
         client = Client(connect(rs.url), workers * rows, prompt_tokens, max_tokens, 3, shards)
         ct = threading.Thread(target=client.run, daemon=True)
         ct.start()
         time.sleep(warmup_s)
-
-        def sample():
-            snaps = _snapshots(r)
-            return {"t": time.monotonic(), "wall": time.time(), "tokens": client.tokens,
-                    "leader_cpu": sum(_cpu_s(p.pid) for p in scheds),
-                    **{f"leader_cpu_{i}": _cpu_s(p.pid) for i, p in enumerate(scheds)},
-                    "null_cpu": sum(_cpu_s(p.pid) for p in nulls),
-                    "client_cpu": time.process_time(), "machine_busy": _machine_busy_s(),
-                    **{f"steps_{s.shard}": s.steps for s in snaps},
-                    "steps": sum(s.steps for s in snaps), "roundtrip": sum(s.step_roundtrip_s for s in snaps),
-                    "forward": sum(s.step_forward_s for s in snaps), **_redis_counters(r)}
-
-        a = sample()
+        a = _sample(r, client, scheds, nulls)
         time.sleep(seconds)
-        b = sample()
-        # stats snapshots are written every 0.5 s: the step counters lag by up to that much at both ends
-        dt = b["t"] - a["t"]
+        b = _sample(r, client, scheds, nulls)
         client.stop.set()
         ct.join(5)
         for p in nulls:
             p.send_signal(2)
         for p in nulls:
             p.wait(20)
-        gaps = []
-        for f in stats_files:
-            for w in json.loads(f.read_text()).values():
-                gaps += [g for wall, g in w["gaps"] if a["wall"] <= wall <= b["wall"]]
-        d = {k: b[k] - a[k] for k in a if k not in ("t", "wall")}
-        steps = d["steps"]
-        ideal = workers / (step_ms / 1000)
-        tokens = d["tokens"]
-        point = {
-            "shards": shards, "workers": workers, "step_ms": step_ms, "rows_per_worker": rows, "seconds": round(dt, 2),
-            "steps_per_s": round(steps / dt, 1), "ideal_steps_per_s": round(ideal, 1),
-            "keeps_up": steps / dt >= 0.9 * ideal, "efficiency": round(steps / dt / ideal, 3),
-            "tokens_per_s": round(tokens / dt, 1),
-            "steps_per_s_by_shard": {str(s): round(d.get(f"steps_{s}", 0) / dt, 1) for s in range(shards)},
-            "gap_ms_p50": round(_pct(gaps, 50) * 1000, 2), "gap_ms_p99": round(_pct(gaps, 99) * 1000, 2),
-            "gap_samples": len(gaps),
-            "overhead_ms_per_step_mean": round((d["roundtrip"] - d["forward"]) / max(steps, 1) * 1000, 2),
-            "leader_cpu_share": round(d["leader_cpu"] / dt, 3),  # all leaders together, in cores
-            "busiest_leader_cpu_share": round(max(d[f"leader_cpu_{i}"] for i in range(shards)) / dt, 3),
-            "leader_cpu_ms_per_step": round(d["leader_cpu"] / max(steps, 1) * 1000, 3),
-            "redis_cpu_share": round(d["cpu_s"] / dt, 3),
-            "null_workers_cpu_share": round(d["null_cpu"] / dt, 3),
-            "client_cpu_share": round(d["client_cpu"] / dt, 3),
-            # the whole machine (any process), in CPUs: near os.cpu_count() means the machine, not the
-            # leader, was the limit
-            "machine_cpus_busy": round(d["machine_busy"] / dt, 2),
-            "redis_commands_per_token": round(d["commands"] / max(tokens, 1), 2),
-            "redis_bytes_per_token": round(d["bytes"] / max(tokens, 1), 1),
-            "client_errors": len(client.errors),
-        }
-        say(f"{shards} shard(s), {workers:4d} null workers @ {step_ms:g} ms: {point['steps_per_s']:8.1f} steps/s of "
-            f"{ideal:8.1f} ideal ({point['efficiency']:.0%}), {point['tokens_per_s']:8.1f} tok/s, gap p50 "
-            f"{point['gap_ms_p50']:.2f} / p99 {point['gap_ms_p99']:.2f} ms, leader CPU "
-            f"{point['leader_cpu_share']:.0%} ({point['leader_cpu_ms_per_step']:.2f} ms/step; busiest leader "
-            f"{point['busiest_leader_cpu_share']:.0%}), "
-            f"{point['redis_commands_per_token']:.1f} Redis cmds and {point['redis_bytes_per_token']:.0f} B/token; "
-            f"machine {point['machine_cpus_busy']:.1f} of {os.cpu_count()} CPUs busy")
+        point = _point(a, b, _gaps(stats_files, a, b), len(client.errors), shards, workers, step_ms, rows)
+        say(_describe(point))
         return point
     finally:
         if client is not None:
             client.stop.set()
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(2)
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        kids.stop()
         rs.stop()
 
 

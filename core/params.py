@@ -4,7 +4,7 @@ doc, the endpoints whose bodies carry it under its name, or the body path that c
 and ``validate`` (core/sampling.py), the gateway's parsers of OpenAI bodies and of the ``mfs`` extension
 (``gateway.openai_api``, ``gateway.multilevel``), the gateway's checks and help of its server defaults
 (``gateway.serving``, ``gateway.config``) and the request schemas of its OpenAPI document
-(``gateway.openapi_requests``). A new parameter is one :class:`Param` here, its ``SamplingParams`` field
+(``gateway.openapi.requests``). A new parameter is one :class:`Param` here, its ``SamplingParams`` field
 and its math in worker/sampling.py; tests/test_params.py checks that they agree on every bound, and
 tests/test_params_api.py does it through the HTTP API.
 

@@ -12,8 +12,8 @@ A nested checkpoint is a directory with a manifest ``mfs.json``::
      "precipitated": false, "notes": "..."}
 
 ``--model`` accepts ``default`` (the embedded family, precipitated when its weights ship),
-``default-raw`` (the same cut, not precipitated), ``default-lora`` (the earlier LoRA-precipitated
-artifact, kept for comparison), a checkpoint directory, a Hugging Face directory or
+``default-raw`` (the same cut, not precipitated), ``default-NAME`` (an earlier artifact kept by name in
+``families/smollm2-135m-NAME``: ``default-lora``, ``default-10-20``), a checkpoint directory, a Hugging Face directory or
 a ``.gguf`` file (cut into tiers by ``--tiers``, default thirds).
 """
 from __future__ import annotations
@@ -170,8 +170,12 @@ def family_dir(name: str) -> Path:
 
 def manifest_for(model: str, tiers: str | None = None) -> tuple[Manifest, Path | None]:
     """(manifest, directory holding it or None) for anything --model accepts."""
-    if model == "default-lora":  # the earlier LoRA-precipitated artifact, kept for comparison
-        d = family_dir(DEFAULT_FAMILY + "-lora")
+    if model.startswith("default-") and model != "default-raw":  # earlier artifacts, kept by name
+        d = family_dir(DEFAULT_FAMILY + model.removeprefix("default"))
+        if not (d / "mfs.json").exists():
+            kept = sorted("default" + p.name.removeprefix(DEFAULT_FAMILY) for p in FAMILIES_DIR.iterdir()
+                          if p.name.startswith(DEFAULT_FAMILY + "-") and (p / "mfs.json").exists())
+            raise FileNotFoundError(f"--model {model!r}: no such family (kept by name: {', '.join(kept)})")
         return Manifest.read(d), d
     if model in ("default", "default-raw"):
         d = family_dir(DEFAULT_FAMILY)

@@ -46,7 +46,7 @@ def test_escalation_happens_exactly_where_the_window_mean_first_drops(request, f
     assert toks == case["low"][:k] + case["cont"]
     assert len(toks) == N
     assert all(p.num_free == p.num_blocks for p in eng.pools)
-    assert not eng.runner.windows and not eng.runner.sampling
+    assert not eng.runner.requests
 
 
 def test_escalated_history_is_findable_in_the_upper_segment_cache(llama_family, case):
@@ -145,7 +145,7 @@ def test_mixed_batch_with_cascade_and_speculation_equals_solo_runs(request, fami
     if budget == 8:
         assert st.preemptions > 0
     assert all(p.num_free == p.num_blocks for p in eng.pools)
-    assert not eng.running and not eng.runner.windows and not eng.runner.draft_probs
+    assert not eng.running and not eng.runner.requests
 
 
 @pytest.mark.parametrize("cascade_first", [True, False])

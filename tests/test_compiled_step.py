@@ -39,7 +39,7 @@ def test_compiled_decode_matches_eager(llama_dir, weights, attention, monkeypatc
     eager = load_family(str(llama_dir), tiers="2+2,4+1,6", dtype="float32", weights=weights).model
     comp = load_family(str(llama_dir), tiers="2+2,4+1,6", dtype="float32", weights=weights).model
     compile_decode(comp)
-    if weights == "int8" and comp.lm_head.rows_kernel is not None:
+    if weights == "int8" and comp.execution.head_kernel is not None:
         # an AVX-512 CPU's compiled head computes in fp32: the eager run gets the same sum uncompiled
         from worker.compiled_step import int8_rows
         eager.lm_head.rows_kernel = int8_rows
@@ -108,8 +108,10 @@ def test_an_exit_block_built_unlike_the_trunk_stays_eager(llama_dir):
 def test_the_compiled_int8_head_is_fp32_exact_and_batch_invariant(llama_dir):
     """The compiled int8 head kernel computes in fp32 (torch's int8 kernel rounds activations to bf16):
     close to the dequantized weights' fp32 product, and each row's logits the same bit for bit whatever
-    the batch; compile_decode(False) puts the default kernel back. Checked on every CPU, whichever kernel
+    the batch; the model's own head keeps its default kernel under the compiled path, which runs a copy of
+    the head on the compiled kernel (worker/execution.py). Checked on every CPU, whichever kernel
     compile_decode would pick on this one."""
+    import copy
     from worker.compiled_step import compiled_int8_rows
     model = load_family(str(llama_dir), tiers="2,4,6", dtype="float32", weights="int8").model
     head = model.lm_head
@@ -119,15 +121,16 @@ def test_the_compiled_int8_head_is_fp32_exact_and_batch_invariant(llama_dir):
         bf16 = torch._weight_int8pack_mm(x.to(torch.bfloat16), head.qweight, head.scales).float()
         default = head(x)
         compile_decode(model)
-        head.rows_kernel = compiled_int8_rows()
-        got = head(x)
-        singles = torch.cat([head(x[i:i + 1]) for i in range(7)])
-        pairs = torch.cat([head(x[i:i + 2]) for i in range(0, 6, 2)])
+        fp32 = copy.copy(head)  # the head on the compiled kernel, as the inductor path holds one on AVX-512
+        fp32.rows_kernel = compiled_int8_rows()
+        got = fp32(x)
+        singles = torch.cat([fp32(x[i:i + 1]) for i in range(7)])
+        pairs = torch.cat([fp32(x[i:i + 2]) for i in range(0, 6, 2)])
+        under_path = head(x)
         compile_decode(model, False)
-        back = head(x)
     assert (got.double() - want).abs().max() < 1e-5 < (bf16.double() - want).abs().max()
     assert torch.equal(singles, got) and torch.equal(pairs, got[:6])
-    assert head.rows_kernel is None and torch.equal(back, default)
+    assert head.rows_kernel is None and torch.equal(under_path, default)
 
 
 @pytest.mark.parametrize("capability,ours", [("AVX512", True), ("AVX512", False), ("AVX2", True),
@@ -145,7 +148,9 @@ def test_compile_takes_the_fp32_head_only_on_avx512_without_our_operator(llama_d
     monkeypatch.setattr(cpu_gemv, "_choice", [torch.ops.mfs.int8_gemv if ours else None])
     compile_decode(model)
     want = compiled_int8_rows() if capability == "AVX512" and not ours else None
-    assert model.lm_head.rows_kernel is want
+    path = model.execution
+    assert path.head_kernel is want and model.lm_head.rows_kernel is None  # the model's own head: untouched
+    assert (path.head(model) is model.lm_head) if want is None else (path.head(model).rows_kernel is want)
 
 
 def test_compile_leaves_a_tiled_w4a8_head_on_its_own_operator(llama_dir, monkeypatch):
@@ -157,9 +162,9 @@ def test_compile_leaves_a_tiled_w4a8_head_on_its_own_operator(llama_dir, monkeyp
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(cpu_gemv, "_choice", [None])
     compile_decode(model)
-    assert model.lm_head.rows_kernel is None
+    assert model.execution.head_kernel is None and model.head() is model.lm_head
     x = torch.randn(2, model.lm_head.in_features)
-    assert model.lm_head(x).shape == (2, model.lm_head.out_features)
+    assert model.head()(x).shape == (2, model.lm_head.out_features)
 
 
 def test_a_warmed_up_runner_serves_without_compiling_and_its_blocks_leak_nothing(llama_dir):
@@ -175,7 +180,7 @@ def test_a_warmed_up_runner_serves_without_compiling_and_its_blocks_leak_nothing
         eng = Engine(model, block_size=4, num_blocks=64)
         graphs = [counters["stats"]["unique_graphs"]]
         if warm:
-            assert eng.runner.warm_up() > 0 and not eng.runner.sampling  # its requests are gone
+            assert eng.runner.warm_up() > 0 and not eng.runner.requests  # its requests are gone
             graphs.append(counters["stats"]["unique_graphs"])
         for i, (p, t) in enumerate(work):
             eng.add_request(f"r{i}", p, t, SamplingParams(max_tokens=9, ignore_eos=True))
@@ -188,7 +193,7 @@ def test_a_warmed_up_runner_serves_without_compiling_and_its_blocks_leak_nothing
     comp = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights="int8").model
     compile_decode(comp)
     eager = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights="int8").model
-    if comp.lm_head.rows_kernel is not None:  # AVX-512: the compiled head's fp32 sum, uncompiled
+    if comp.execution.head_kernel is not None:  # AVX-512: the compiled head's fp32 sum, uncompiled
         eager.lm_head.rows_kernel = int8_rows
     warmed, (before, after_warm_up, after_serving) = serve(comp, True)
     want, _ = serve(eager, False)
@@ -229,7 +234,7 @@ def test_a_standalone_tier_worker_warms_up_under_its_global_tier(llama_dir):
     compile_decode(model)
     runner = ModelRunner(model, [16], 4, tier_map={2: 0})
     before = counters["stats"]["unique_graphs"]
-    assert runner.warm_up() > 0 and not runner.sampling
+    assert runner.warm_up() > 0 and not runner.requests
     assert counters["stats"]["unique_graphs"] > before
     with pytest.raises(ValueError, match="no global tier maps to this model's top tier"):
         ModelRunner(model, [16], 4, tier_map={2: 1}).warm_up()

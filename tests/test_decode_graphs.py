@@ -83,6 +83,32 @@ def test_a_padding_row_attends_to_nothing(splits):
     torch.testing.assert_close(out[keep], ref)
 
 
+def test_the_path_records_its_graphs_over_each_runners_pools(family_dir, monkeypatch):
+    """The CUDA-graphs path owns its recording (the runner imports no graphs): applied before a runner
+    exists, it records over the runner's pools when the runner is built; swapped into a runner, over that
+    runner's pools at the step that applies it. Recording itself is replaced by a note of the pools."""
+    from core.protocol import PlanRow  # noqa: PLC0415
+    from worker.execution import CUDA_GRAPHS, CudaGraphDecode, eager, path_name  # noqa: PLC0415
+    from worker.runner import ModelRunner  # noqa: PLC0415
+    model = _model(family_dir)
+    graphs = DecodeGraphs(model, capture=CAPTURE)
+    recorded = []
+    monkeypatch.setattr(graphs, "capture_all", lambda kv: recorded.append(id(kv)) or 0)
+    use_decode_graphs(model, graphs)
+    try:
+        first = ModelRunner(model, [8] * model.num_segments, 4)
+        assert recorded == [id(first.kv)]
+        eager(model)
+        second = ModelRunner(model, [8] * model.num_segments, 4)
+        assert recorded == [id(first.kv)]  # an eager model: nothing to record
+        second.swap_in(CudaGraphDecode(graphs))
+        second.add("a", SamplingParams(max_tokens=2, ignore_eos=True))
+        out = second.execute([PlanRow("a", 2, [1, 2, 3], 0, [[0]] * model.num_segments, True, 0)])
+        assert recorded == [id(first.kv), id(second.kv)] and out.path == CUDA_GRAPHS == path_name(model)
+    finally:
+        use_decode_graphs(model, None)
+
+
 def test_tokens_logits_and_kv_match_the_eager_step(family_dir):
     """Greedy tokens of a batch of three tiers (decode rows crossing KV blocks, three rows padded to a
     bucket of four) equal the eager Triton path's; the graphs served the decode segments; and the KV

@@ -1,5 +1,5 @@
 """Execution paths applied from outside the model (worker/execution.py) and a worker that serves before
-its compiled graphs exist (worker/execution_swap.py): it serves eagerly while they build, swaps them in
+its compiled graphs exist (worker/background_compile.py): it serves eagerly while they build, swaps them in
 between two steps without recompiling in a client's step, and names the path of every token it sends
 (the response's ``mfs.paths``). Two tests compile (one in-process, one through a worker process)."""
 import dataclasses
@@ -11,7 +11,7 @@ import pytest
 from engine import Engine
 from tests.support.wait import wait_for
 from worker.execution import EAGER, INDUCTOR, INDUCTOR_TRUNK, choose, compile_decode, compiled_exits, path_name
-from worker.execution_swap import BackgroundCompile
+from worker.background_compile import BackgroundCompile
 from worker.family import load_family
 from worker.sampling import SamplingParams
 
@@ -86,6 +86,26 @@ def test_the_trunk_only_path_keeps_exit_blocks_eager_and_shares_the_graphs(llama
     assert set(paths) == {INDUCTOR_TRUNK} and calls["trunk"] > 0 and calls["exit"] == 0
     whole.apply(model)
     assert _tokens(Engine(model, block_size=4, num_blocks=64), [("t2", [4, 4, 8], 2)], [])["t2"] == out["t2"]
+
+
+def test_a_path_changes_nothing_on_the_model_but_its_execution(llama_dir):
+    """The background build applies a path to a shadow, a shallow copy of the model
+    (worker/background_compile.py): the served model keeps its eager path, its modules and its head; a
+    path is refused by a model it was not built for."""
+    from worker.background_compile import shadow
+    from worker.execution import InductorDecode
+    model = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights="int8").model
+    children = dict(model.named_children())
+    sh = shadow(model)
+    path = InductorDecode(model)
+    path.apply(sh)
+    assert sh.execution is path and path_name(sh) == INDUCTOR and sh.lm_head is model.lm_head
+    assert model.execution is None and model.head() is model.lm_head and dict(model.named_children()) == children
+    assert model.lm_head.rows_kernel is None  # the path runs its own copy of the head where it has a kernel
+    other = load_family(str(llama_dir), tiers="2+1,4,6", dtype="float32", weights="int8").model
+    with pytest.raises(ValueError, match="another model"):
+        path.apply(other)
+    assert other.execution is None
 
 
 def test_the_path_is_chosen_once_and_a_flag_is_never_ignored(llama_dir):

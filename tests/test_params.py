@@ -15,8 +15,9 @@ from core.params import ENDPOINTS, PARAMS, Param, body_params, default, register
 from core.sampling import SamplingParams
 from gateway.errors import APIError
 from gateway.openai_api import DEFAULT_LIMITS, parse_chat, parse_completion
-from gateway.openapi_base import Facts
-from gateway.openapi_requests import param_schema, request_schemas
+from gateway.openapi.facts import Facts
+from gateway.openapi.requests import request_schemas
+from gateway.openapi.schema import param_schema
 from tests.support.params import probes
 
 NOT_DECLARED = {"stop_token_ids", "logit_bias", "grammar"}  # not scalars: checked on their own

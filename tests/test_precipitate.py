@@ -50,7 +50,7 @@ def test_precipitation_lowers_every_exit_loss(tiny, tmp_path, rank):
 @pytest.mark.parametrize("kind", ["full", "delta"])
 def test_checkpoint_round_trip(tiny, tmp_path, kind):
     """save -> load_family -> the same logits at every tier as the in-memory trained model."""
-    from training.precipitate import export  # noqa: PLC0415
+    from training.lora import export  # noqa: PLC0415
     base, _ = tiny
     bw = load_base(base)
     tiers = parse_tiers("2,3,4", 4)

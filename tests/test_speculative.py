@@ -227,7 +227,7 @@ def test_speculative_sampling_keeps_the_target_distribution(request, family, sam
                                  **sampling, **extra) for i in range(N)]
         outs = eng.generate([prompt] * N, [2] * N, params)
         assert all(len(o) == 3 for o in outs)
-        assert all(p.num_free == p.num_blocks for p in eng.pools) and not eng.runner.draft_probs
+        assert all(p.num_free == p.num_blocks for p in eng.pools) and not eng.runner.requests
         got[mode] = [torch.bincount(torch.tensor([o[j] for o in outs]), minlength=V) for j in (1, 2)]
         if mode == "spec":
             st = eng.stats
@@ -256,7 +256,7 @@ def test_sampled_speculation_with_many_rejections_returns_every_block(request, f
     assert 0 < st.spec_accepted < 0.8 * st.spec_proposed  # many rejections
     assert (st.preemptions > 0) == (num_blocks == 24)
     assert all(p.num_free == p.num_blocks for p in eng.pools)
-    assert not eng.running and not eng.runner.draft_probs and not eng.runner.sampling
+    assert not eng.running and not eng.runner.requests
 
 
 def test_sampled_speculation_is_reproducible_from_its_seed_in_any_batch(llama_family):

@@ -121,9 +121,9 @@ def test_a_replanned_request_rebuilds_its_matcher_and_samples_the_same(fam):
     k = 7
     eng2 = engine(fam)
     eng2.runner.add("b", p.resumed(k), prompt(fam) + toks[:k], num_output=k)
-    assert eng2.runner.matchers["b"] is not None
+    assert eng2.runner.requests["b"].matcher is not None
     # the rebuilt matcher allows exactly the original's next token among the grammar's options
-    allowed = eng2.runner.grammars().allowed([eng2.runner.matchers["b"]])[0]
+    allowed = eng2.runner.grammars().allowed([eng2.runner.requests["b"].matcher])[0]
     assert bool(allowed[toks[k]])
     eng2.runner.drop(["b"])
     # through the engine: a fresh request with that prefix as its prompt tail produces the same tail

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,13 +32,13 @@ from kernels import TORCH_OPS
 from training import data as D
 from training.exit_features import (FeatureCache, fill_cache, from_bf16_bits, heldout_windows,
                                 training_windows)
+from training.loop import Budget, Evaluation, Method, Options, RunState, StepResult, Trainer, say
 from family.manifest import DEFAULT_FLOOR, Manifest, TierSpec, parse_tiers, resolve_base_arg
 from worker.family import build_model
-from engine.runtime import autocast_dtype, progress
+from engine.runtime import autocast_dtype
 from worker.loader import load_base
 from worker.model import NestedModel
 
-STATE = "state/trainer.pt"
 WEIGHTS = "exit-blocks.safetensors"
 
 
@@ -264,148 +263,110 @@ def feature_caches(args, model: NestedModel, tok, lower: list[int], out: Path,
     return tc, hc, mix, rates
 
 
-# ---- the run -----------------------------------------------------------------------------------
-def run(args) -> int:
-    t_start = time.monotonic()  # --max-minutes counts from here: data and cache included
+# ---- the method --------------------------------------------------------------------------------
+def exit_defaults(args) -> None:
+    """Fills the options whose default depends on --method (None on the command line)."""
     args.lr = 3e-4 if args.lr is None else args.lr
     args.ce = 0.1 if args.ce is None else float(args.ce)
     args.steps = 20_000 if args.steps is None else args.steps
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    out = Path(args.out)
-    (out / "state").mkdir(parents=True, exist_ok=True)
 
-    def log(msg: str) -> None:
-        print(msg, flush=True)
 
-    amp = autocast_dtype(args.autocast, args.device)
-    log(f"exit-block precipitation: {args.threads} thread(s), autocast {amp or 'off (fp32)'}")
-    model, tok, base_ref, family, tiers = build_exit_model(args)
-    lower = list(range(model.num_segments - 1))
-    if not lower:
-        raise ValueError("--tiers needs at least two tiers: exit blocks are for the lower ones")
-    if args.init_from and not (args.resume and (out / STATE).exists()):
-        warm_start(model, args.init_from, lower, log)
+class ExitBlocks(Method):
+    """Exit blocks on a frozen trunk, trained on the feature cache; a plug-in of training/loop.py."""
 
-    # stage 1: data and the feature cache (the top tier is the frozen original: it writes the
-    # self-distillation answers and is the teacher)
-    tc, hc, mix, rates = feature_caches(args, model, tok, lower, out, log)
-    tr, ho = tc.open("r"), hc.open("r")
+    def __init__(self, args, budget: Budget, log=say):
+        exit_defaults(args)
+        self.args, self.budget, self.log, self.total = args, budget, log, args.steps
 
-    # stage 2: train the exit blocks
-    params = exit_parameters(model, lower)
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=args.weight_decay)
-    st = {"step": 0, "tokens": 0, "train_s": 0.0, "best": None, "bad_evals": 0, "history": []}
-    if args.resume and (out / STATE).exists():
-        saved = torch.load(out / STATE, weights_only=False)
-        model.load_state_dict(saved["exit_state"], strict=False)
-        opt.load_state_dict(saved["opt"])
-        st = saved["st"]
-        log(f"resumed at step {st['step']} ({st['tokens']} tokens, {st['train_s'] / 60:.1f} min)")
-    names = [model.tiers[t].name for t in lower]
-    n_win = tr["ids"].shape[0]
-
-    def exit_state() -> dict:
-        return {k: v.detach().clone() for k, v in model.state_dict().items()
-                if k.startswith(("exit_blocks.", "exit_norms."))}
-
-    def save() -> None:
-        tmp = out / (STATE + ".tmp")
-        torch.save({"exit_state": exit_state(), "opt": opt.state_dict(), "st": st}, tmp)
-        tmp.replace(out / STATE)
-
-    def do_eval() -> bool:
-        model.eval()
-        ev = evaluate_cache(model, ho, lower)
+    def prepare(self, resuming: bool) -> None:
+        a, log = self.args, self.log
+        self.amp = autocast_dtype(a.autocast, a.device)
+        log(f"exit-block precipitation: {a.threads} thread(s), autocast {self.amp or 'off (fp32)'}")
+        model, tok, self.base_ref, self.family, self.tiers = build_exit_model(a)
+        self.model, self.lower = model, list(range(model.num_segments - 1))
+        if not self.lower:
+            raise ValueError("--tiers needs at least two tiers: exit blocks are for the lower ones")
+        if a.init_from and not resuming:
+            warm_start(model, a.init_from, self.lower, log)
+        # stage 1: data and the feature cache (the top tier is the frozen original: it writes the
+        # self-distillation answers and is the teacher)
+        tc, hc, self.mix, self.rates = feature_caches(a, model, tok, self.lower, Path(a.out), log)
+        self.train_arrays, self.heldout = tc.open("r"), hc.open("r")
+        # stage 2: the exit blocks learn
+        self.params = exit_parameters(model, self.lower)
+        for p in self.params:
+            p.requires_grad_(True)
+        self.opt = torch.optim.AdamW(self.params, lr=a.lr, betas=(0.9, 0.98), weight_decay=a.weight_decay)
+        self.gen = torch.Generator().manual_seed(a.seed + 1)  # the cross-entropy positions
+        self.names = [model.tiers[t].name for t in self.lower]
         model.train()
-        score = sum(math.log(ev["tiers"][str(t)]["ppl"]) for t in lower)
-        rec = {"step": st["step"], "tokens": st["tokens"], "train_minutes": round(st["train_s"] / 60, 2),
-               **{f"{names[i]}_{k}": round(v, 4) for i, t in enumerate(lower)
-                  for k, v in ev["tiers"][str(t)].items()}, "top_ppl": round(ev["top_ppl"], 4)}
-        st["history"].append(rec)
-        with (out / "eval_log.jsonl").open("a") as f:
-            f.write(json.dumps(rec) + "\n")
-        log("eval " + " ".join(f"{k}={v}" for k, v in rec.items()))
-        if st["best"] is None or score < st["best"]["score"] - 1e-4:
-            st["best"] = {"score": score, "step": st["step"], "eval": ev}
-            st["bad_evals"] = 0
-            quality = {"floor": dict(DEFAULT_FLOOR), **{model.tiers[t].name: {"ppl_vs_top": round(ev["tiers"][str(t)]["ppl_vs_top"], 3),
-                                             "agree_top": round(ev["tiers"][str(t)]["agree_top"], 3)}
-                       for t in lower}}
-            info = {"step": st["step"], "tokens": st["tokens"], "train_minutes": rec["train_minutes"],
-                    "data": args.data, "data_tokens": mix, "topk": args.topk, "seed": args.seed,
-                    "lr": args.lr, "ce": args.ce, "quality": quality, **rates}
-            notes = (f"{family} cut after layers {[t.layers for t in tiers]}: the trunk is the frozen "
-                     f"original; each lower tier has an exit block ("
-                     + ", ".join(f"{model.tiers[t].name} {len(model.exit_block(t))} layer(s)" for t in lower)
-                     + f") and its own norm (mfs precipitate --method exit-blocks, {st['tokens']:,} trained tokens"
-                     + (f" after a warm start from {Path(args.init_from).name}" if args.init_from else "")
-                     + f", {rec['train_minutes']} min). Held-out: " + ", ".join(
-                         f"{n} perplexity {q['ppl_vs_top']}x top, greedy agreement {q['agree_top']:.0%}"
-                         for n, q in quality.items() if n != "floor") + ".")
-            export(model, out, base_ref, family, tiers, lower, info, notes)
-            return True
-        st["bad_evals"] += 1
-        return False
 
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    bar = progress(total=args.steps, initial=st["step"], desc="train exit blocks", unit="step")
-    stop_at = t_start + args.max_minutes * 60 if args.max_minutes else None
-    last_save = last_line = time.monotonic()
-    model.train()
-    if st["best"] is None:
-        do_eval()
-    reason = f"--steps {args.steps} reached"
-    while st["step"] < args.steps:
-        g = np.random.default_rng([args.seed, st["step"]])
-        b = batch_tensors(tr, g.choice(n_win, size=min(args.batch_size, n_win), replace=False), lower,
-                          args.device)
-        t0 = time.perf_counter()
-        loss, kls, ces = step_losses(model, b, lower, args.ce, args.ce_frac, gen, amp)
-        lr_f = min(1.0, (st["step"] + 1) / max(1, args.warmup))
-        if stop_at is not None and args.decay_minutes:  # anneal linearly to 10% before --max-minutes
-            lr_f *= min(1.0, max(0.1, (stop_at - time.monotonic()) / (args.decay_minutes * 60)))
-        for grp in opt.param_groups:
-            grp["lr"] = args.lr * lr_f
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        a, n_win = self.args, self.train_arrays["ids"].shape[0]
+        g = np.random.default_rng([a.seed, step])
+        return batch_tensors(self.train_arrays, g.choice(n_win, size=min(a.batch_size, n_win), replace=False),
+                             self.lower, a.device)
+
+    def step(self, step: int, batch: dict[str, torch.Tensor]) -> StepResult:
+        a = self.args
+        loss, kls, ces = step_losses(self.model, batch, self.lower, a.ce, a.ce_frac, self.gen, self.amp)
+        lr_f = min(1.0, (step + 1) / max(1, a.warmup)) * self.budget.decay(a.decay_minutes)
+        for grp in self.opt.param_groups:
+            grp["lr"] = a.lr * lr_f
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        st["step"] += 1
-        st["tokens"] += b["ids"].numel()
-        st["train_s"] += time.perf_counter() - t0
-        bar.set_postfix_str(f"{st['tokens'] / max(st['train_s'], 1e-9):.0f} tok/s " + " ".join(
-            f"{n}={k:.3f}/{c:.2f}" for n, k, c in zip(names, kls, ces)), refresh=False)
-        bar.update(1)
-        if args.save_every_min and time.monotonic() - last_line >= args.save_every_min * 60:  # a line a period
-            log(f"step {st['step']} tokens {st['tokens']} "
-                f"{st['tokens'] / max(st['train_s'], 1e-9):.0f} tok/s " + " ".join(
-                    f"{n}={k:.3f}/{c:.2f}" for n, k, c in zip(names, kls, ces)))
-            last_line = time.monotonic()
-        if st["step"] % args.eval_every == 0:
-            do_eval()
-            save()
-            last_save = time.monotonic()
-            if args.patience and st["bad_evals"] >= args.patience:
-                reason = f"no held-out improvement in {args.patience} evaluations"
-                break
-        elif time.monotonic() - last_save >= args.save_every_min * 60:
-            save()
-            last_save = time.monotonic()
-        if stop_at is not None and time.monotonic() >= stop_at:
-            reason = "--max-minutes reached"
-            break
-    bar.close()
-    if st["history"][-1]["step"] != st["step"]:
-        do_eval()
-    save()
-    rate = st["tokens"] / max(st["train_s"], 1e-9)
-    best = st["best"]
-    log(f"stopped at step {st['step']}: {reason}. Trained {st['tokens']:,} tokens at {rate:.0f} tokens/s; "
-        f"best held-out at step {best['step']} exported to {out}")
-    return 0
+        torch.nn.utils.clip_grad_norm_(self.params, a.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return StepResult(batch["ids"].numel(),
+                          " ".join(f"{n}={k:.3f}/{c:.2f}" for n, k, c in zip(self.names, kls, ces)))
+
+    def evaluate(self) -> Evaluation:
+        self.model.eval()
+        ev = evaluate_cache(self.model, self.heldout, self.lower)
+        self.model.train()
+        tiers = [ev["tiers"][str(t)] for t in self.lower]
+        metrics = {**{f"{n}_{k}": round(v, 4) for n, d in zip(self.names, tiers) for k, v in d.items()},
+                   "top_ppl": round(ev["top_ppl"], 4)}
+        return Evaluation(metrics, sum(math.log(d["ppl"]) for d in tiers), ev)
+
+    def export(self, run: RunState, ev: Evaluation) -> None:
+        a, model = self.args, self.model
+        quality = {"floor": dict(DEFAULT_FLOOR), **{
+            n: {"ppl_vs_top": round(ev.detail["tiers"][str(t)]["ppl_vs_top"], 3),
+                "agree_top": round(ev.detail["tiers"][str(t)]["agree_top"], 3)}
+            for n, t in zip(self.names, self.lower)}}
+        minutes = ev.record["train_minutes"]
+        info = {"step": run.step, "tokens": run.tokens, "train_minutes": minutes, "data": a.data,
+                "data_tokens": self.mix, "topk": a.topk, "seed": a.seed, "lr": a.lr, "ce": a.ce,
+                "quality": quality, **self.rates}
+        notes = (f"{self.family} cut after layers {[t.layers for t in self.tiers]}: the trunk is the frozen "
+                 f"original; each lower tier has an exit block ("
+                 + ", ".join(f"{n} {len(model.exit_block(t))} layer(s)" for n, t in zip(self.names, self.lower))
+                 + f") and its own norm (mfs precipitate --method exit-blocks, {run.tokens:,} trained tokens"
+                 + (f" after a warm start from {Path(a.init_from).name}" if a.init_from else "")
+                 + f", {minutes} min). Held-out: " + ", ".join(
+                     f"{n} perplexity {q['ppl_vs_top']}x top, greedy agreement {q['agree_top']:.0%}"
+                     for n, q in quality.items() if n != "floor") + ".")
+        export(model, Path(a.out), self.base_ref, self.family, self.tiers, self.lower, info, notes)
+
+    def state_dict(self, run: RunState) -> dict:
+        exit_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()
+                      if k.startswith(("exit_blocks.", "exit_norms."))}
+        return {"exit_state": exit_state, "opt": self.opt.state_dict(), "st": run.as_dict(),
+                "ce_generator": self.gen.get_state()}
+
+    def load_state_dict(self, saved: dict) -> RunState:
+        self.model.load_state_dict(saved["exit_state"], strict=False)
+        self.opt.load_state_dict(saved["opt"])
+        if "ce_generator" in saved:  # a checkpoint written before it was kept starts the positions anew
+            self.gen.set_state(saved["ce_generator"])
+        return RunState(**saved["st"])
+
+
+def run(args) -> int:
+    budget = Budget(args.max_minutes)  # counted from here: model, data and feature cache included
+    opts = Options.of(args, "train exit blocks", eval_every=args.eval_every, patience=args.patience)
+    return Trainer(ExitBlocks(args, budget), opts, budget).run()
 
 
 def add_arguments(p):

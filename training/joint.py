@@ -23,33 +23,23 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.runtime import autocast_dtype
 from family.manifest import DEFAULT_FLOOR, Manifest
 from training import data as D
 from training.exit_features import heldout_windows, training_windows
 from training.exitblocks import build_exit_model, ce_sample, exit_loss, exit_parameters, warm_start
+from training.loop import Budget, Evaluation, Method, Options, RunState, StepResult, Trainer, say
 from worker import checkpoint as ckpt
 from worker.model import NestedModel
 
-STATE = "state/trainer.pt"
 WEIGHTS = "joint.safetensors"
 MAX_ARTIFACT_MB = 32.0
-
-
-@dataclass(slots=True)
-class JointState:
-    step: int = 0
-    tokens: int = 0
-    train_s: float = 0.0
-    best: dict | None = None
-    bad_evals: int = 0
-    history: list = field(default_factory=list)
 
 
 # ---- the model ---------------------------------------------------------------------------------
@@ -175,7 +165,7 @@ def export(model: NestedModel, out: Path, base_ref: dict, family: str, tiers, in
     return out / WEIGHTS
 
 
-def _notes(family: str, tiers, args, st: JointState, ev: dict, prov: dict) -> str:
+def _notes(family: str, tiers, args, st: RunState, ev: dict, prov: dict) -> str:
     q = ", ".join(f"{n} {v['ppl_vs_top']:.3f}x top perplexity, {v['agree_original']:.0%} agreement"
                   for n, v in ev["tiers"].items())
     return (f"{family} cut after layers {[t.layers for t in tiers]}, trained jointly (mfs precipitate "
@@ -186,171 +176,134 @@ def _notes(family: str, tiers, args, st: JointState, ev: dict, prov: dict) -> st
             f"Data: {json.dumps(prov)}.")
 
 
-# ---- the run -----------------------------------------------------------------------------------
+# ---- the method --------------------------------------------------------------------------------
 def _defaults(args) -> None:
     args.lr = 5e-4 if args.lr is None else args.lr
     args.ce = 0.1 if args.ce is None else float(args.ce)
     args.steps = 2000 if args.steps is None else args.steps
 
 
-def run(args) -> int:
-    from engine.runtime import autocast_dtype, progress  # noqa: PLC0415
-    t_start = time.monotonic()
-    _defaults(args)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    out = Path(args.out)
-    (out / "state").mkdir(parents=True, exist_ok=True)
-    stop_at = t_start + args.max_minutes * 60 if args.max_minutes else None
-    amp = autocast_dtype(args.autocast, args.device)
+class Joint(Method):
+    """Every tier at once: a shared trunk delta and private exit blocks; a plug-in of training/loop.py."""
 
-    def log(msg: str) -> None:
-        print(msg, flush=True)
+    def __init__(self, args, budget: Budget, log=say):
+        _defaults(args)
+        self.args, self.budget, self.log, self.total = args, budget, log, args.steps
 
-    model, tok, base_ref, family, tiers = build_joint(args, log)
-    nt = model.num_segments
-    lambdas = [float(x) for x in args.weights.split(",")] if args.weights else [1.0] * nt
-    if len(lambdas) != nt or any(x < 0 for x in lambdas):
-        raise ValueError(f"--weights needs {nt} values >= 0, one lambda per tier (lowest first)")
-    eos = model.cfg.eos_token_ids[0] if model.cfg.eos_token_ids else (tok.eos_token_id or 0)
-    # data first, while the model is still the plain original: it writes the answers (the held-out
-    # ones first: the evaluation needs them, training can do with fewer)
-    t0 = time.monotonic()
-    data_deadline = None if stop_at is None else t_start + args.max_minutes * 60 * args.data_share
-    held_w = heldout_windows(model, tok, eos, args.seq_len, args.heldout_tokens, out / "data", log,
-                             args.heldout_answers == "generate", deadline=data_deadline)
-    docs = D.read_sources(args.data, model, tok, out / "data", args.self_max_tokens, log,
-                          deadline=data_deadline, batch=args.gen_batch)
-    train_w, mix = training_windows(docs, tok, eos, args.seq_len, args.cache_tokens, args.seed)
-    prov = {"spec": args.data, "window_tokens": mix, "windows": int(train_w.shape[0]),
-            "seq_len": args.seq_len, "heldout_tokens": int(held_w.numel()),
-            "answers": D.answer_provenance(out / "data"), "data_seconds": round(time.monotonic() - t0, 1)}
-    log(f"data: {train_w.shape[0]} windows x {args.seq_len} ({mix}) in {prov['data_seconds']} s; "
-        f"held-out {held_w.numel()} tokens")
-    if args.init_from and not (args.resume and (out / STATE).exists()):
-        warm_start(model, args.init_from, list(range(nt - 1)), log)
-    groups = make_trainable(model, args.rank, args.alpha)
-    size_mb = artifact_bytes(model) / 1e6
-    if size_mb > MAX_ARTIFACT_MB:
-        raise ValueError(f"the artifact would be {size_mb:.1f} MB fp16 (> {MAX_ARTIFACT_MB} MB): lower "
-                         "--rank or --block-layers")
-    original = Original(model)
-    opt = torch.optim.AdamW([{"params": groups["delta"], "lr": args.lr, "name": "delta"},
-                             {"params": groups["exits"], "lr": args.block_lr, "name": "exits"}],
-                            betas=(0.9, 0.98), weight_decay=args.weight_decay)
-    st = JointState()
-    if args.resume and (out / STATE).exists():
-        saved = torch.load(out / STATE, weights_only=False)
-        model.load_state_dict(saved["trainable"], strict=False)
-        opt.load_state_dict(saved["opt"])
-        st = JointState(**saved["st"])
-        log(f"resumed at step {st.step} ({st.tokens} tokens, {st.train_s / 60:.1f} min)")
-    n_train = sum(p.numel() for g in groups.values() for p in g)
-    log(f"joint: tiers {[t.layers for t in tiers]}, rank {args.rank}, {n_train / 1e6:.2f}M trainable, "
-        f"artifact {size_mb:.1f} MB fp16, lambdas {lambdas}, {args.threads} thread(s), autocast "
-        f"{amp or 'off (fp32)'}")
-
-    def save() -> None:
-        trainable = {k: v.detach().clone() for k, v in model.state_dict().items()
-                     if ".lora_" in k or k.startswith(("exit_blocks.", "exit_norms."))}
-        tmp = out / (STATE + ".tmp")
-        torch.save({"trainable": trainable, "opt": opt.state_dict(),
-                    "st": {f: getattr(st, f) for f in JointState.__slots__}}, tmp)
-        tmp.replace(out / STATE)
-
-    def do_eval() -> None:
-        model.eval()
-        ev = evaluate_joint(model, original, held_w)
+    def prepare(self, resuming: bool) -> None:
+        a, log = self.args, self.log
+        self.amp = autocast_dtype(a.autocast, a.device)
+        model, tok, self.base_ref, self.family, self.tiers = build_joint(a, log)
+        nt = model.num_segments
+        self.lambdas = [float(x) for x in a.weights.split(",")] if a.weights else [1.0] * nt
+        if len(self.lambdas) != nt or any(x < 0 for x in self.lambdas):
+            raise ValueError(f"--weights needs {nt} values >= 0, one lambda per tier (lowest first)")
+        self.model = model
+        self.train_w, self.held_w, self.prov = self._data(tok)
+        if a.init_from and not resuming:
+            warm_start(model, a.init_from, list(range(nt - 1)), log)
+        groups = make_trainable(model, a.rank, a.alpha)
+        size_mb = artifact_bytes(model) / 1e6
+        if size_mb > MAX_ARTIFACT_MB:
+            raise ValueError(f"the artifact would be {size_mb:.1f} MB fp16 (> {MAX_ARTIFACT_MB} MB): lower "
+                             "--rank or --block-layers")
+        self.original = Original(model)  # before a resume loads the trained top norm
+        self.opt = torch.optim.AdamW([{"params": groups["delta"], "lr": a.lr, "name": "delta"},
+                                      {"params": groups["exits"], "lr": a.block_lr, "name": "exits"}],
+                                     betas=(0.9, 0.98), weight_decay=a.weight_decay)
+        self.params = [p for g in groups.values() for p in g]
+        self.gen = torch.Generator().manual_seed(a.seed + 1)  # the cross-entropy positions
+        log(f"joint: tiers {[t.layers for t in self.tiers]}, rank {a.rank}, "
+            f"{sum(p.numel() for p in self.params) / 1e6:.2f}M trainable, artifact {size_mb:.1f} MB fp16, "
+            f"lambdas {self.lambdas}, {a.threads} thread(s), autocast {self.amp or 'off (fp32)'}")
         model.train()
-        score = sum(lam * math.log(v["ppl"]) for lam, v in zip(lambdas, ev["tiers"].values()))
-        rec = {"step": st.step, "tokens": st.tokens, "train_minutes": round(st.train_s / 60, 2),
-               "top_vs_original": round(ev["top_vs_original"], 4),
-               **{f"{n}_{k}": round(v, 4) for n, d in ev["tiers"].items() for k, v in d.items()}}
-        st.history.append(rec)
-        with (out / "eval_log.jsonl").open("a") as f:
-            f.write(json.dumps(rec) + "\n")
-        log("eval " + " ".join(f"{k}={v}" for k, v in rec.items()))
-        if st.best is not None and score >= st.best["score"] - 1e-4:
-            st.bad_evals += 1
-            return
-        st.best, st.bad_evals = {"score": score, "step": st.step, "eval": ev}, 0
+
+    def _data(self, tok) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Training and held-out windows, read while the model is still the plain original: it writes
+        the answers (the held-out ones first: the evaluation needs them, training can do with fewer),
+        within ``--data-share`` of the budget. (training windows, held-out windows, provenance)."""
+        a, model, log = self.args, self.model, self.log
+        eos = model.cfg.eos_token_ids[0] if model.cfg.eos_token_ids else (tok.eos_token_id or 0)
+        t0 = time.monotonic()
+        deadline = self.budget.share(a.data_share)
+        held_w = heldout_windows(model, tok, eos, a.seq_len, a.heldout_tokens, Path(a.out) / "data", log,
+                                 a.heldout_answers == "generate", deadline=deadline)
+        docs = D.read_sources(a.data, model, tok, Path(a.out) / "data", a.self_max_tokens, log,
+                              deadline=deadline, batch=a.gen_batch)
+        train_w, mix = training_windows(docs, tok, eos, a.seq_len, a.cache_tokens, a.seed)
+        prov = {"spec": a.data, "window_tokens": mix, "windows": int(train_w.shape[0]),
+                "seq_len": a.seq_len, "heldout_tokens": int(held_w.numel()),
+                "answers": D.answer_provenance(Path(a.out) / "data"),
+                "data_seconds": round(time.monotonic() - t0, 1)}
+        log(f"data: {train_w.shape[0]} windows x {a.seq_len} ({mix}) in {prov['data_seconds']} s; "
+            f"held-out {held_w.numel()} tokens")
+        return train_w, held_w, prov
+
+    def batch(self, step: int) -> torch.Tensor:
+        a, n_win = self.args, self.train_w.shape[0]
+        g = np.random.default_rng([a.seed, step])
+        return self.train_w[np.sort(g.choice(n_win, size=min(a.batch_size, n_win), replace=False))].to(a.device)
+
+    def step(self, step: int, ids: torch.Tensor) -> StepResult:
+        a = self.args
+        tk_ids, tk_lp = self.original.topk(ids, a.topk)  # the teacher in fp32: the original as it is
+        with torch.autocast(torch.device(a.device).type, dtype=self.amp or torch.bfloat16,
+                            enabled=self.amp is not None):
+            loss, kls, ces = joint_loss(self.model, ids, tk_ids, tk_lp, self.lambdas, a.kl, a.ce, a.ce_frac,
+                                        self.gen)
+        lr_f = min(1.0, (step + 1) / max(1, a.warmup)) * self.budget.decay(a.decay_minutes)
+        for grp in self.opt.param_groups:
+            grp["lr"] = (a.lr if grp["name"] == "delta" else a.block_lr) * lr_f
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, a.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return StepResult(ids.numel(), " ".join(f"{t.name}={k:.3f}/{c:.2f}"
+                                                for t, k, c in zip(self.tiers, kls, ces)))
+
+    def evaluate(self) -> Evaluation:
+        self.model.eval()
+        ev = evaluate_joint(self.model, self.original, self.held_w)
+        self.model.train()
+        score = sum(lam * math.log(v["ppl"]) for lam, v in zip(self.lambdas, ev["tiers"].values()))
+        metrics = {"top_vs_original": round(ev["top_vs_original"], 4),
+                   **{f"{n}_{k}": round(v, 4) for n, d in ev["tiers"].items() for k, v in d.items()}}
+        return Evaluation(metrics, score, ev)
+
+    def export(self, run: RunState, ev: Evaluation) -> None:
+        a, d, out = self.args, ev.detail, Path(self.args.out)
         quality = {"floor": dict(DEFAULT_FLOOR), **{n: {"ppl_vs_top": round(v["ppl_vs_top"], 3),
                                                         "agree_top": round(v["agree_top"], 3)}
-                                                    for n, v in list(ev["tiers"].items())[:-1]}}
-        info = {"method": "joint", "step": st.step, "tokens": st.tokens, "train_minutes": rec["train_minutes"],
-                "rank": args.rank, "lambdas": lambdas, "kl": args.kl, "ce": args.ce, "topk": args.topk,
-                "lr": args.lr, "block_lr": args.block_lr, "seed": args.seed, "data": prov,
-                "top_vs_original": round(ev["top_vs_original"], 4), "quality": quality}
-        export(model, out, base_ref, family, tiers, info, _notes(family, tiers, args, st, ev, prov))
-        (out / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n")
+                                                    for n, v in list(d["tiers"].items())[:-1]}}
+        info = {"method": "joint", "step": run.step, "tokens": run.tokens,
+                "train_minutes": ev.record["train_minutes"], "rank": a.rank, "lambdas": self.lambdas,
+                "kl": a.kl, "ce": a.ce, "topk": a.topk, "lr": a.lr, "block_lr": a.block_lr, "seed": a.seed,
+                "data": self.prov, "top_vs_original": round(d["top_vs_original"], 4), "quality": quality}
+        export(self.model, out, self.base_ref, self.family, self.tiers, info,
+               _notes(self.family, self.tiers, a, run, d, self.prov))
+        (out / "provenance.json").write_text(json.dumps(self.prov, indent=2) + "\n")
 
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    n_win = train_w.shape[0]
-    bar = progress(total=args.steps, initial=st.step, desc="joint", unit="step")
-    eval_s = 0.0
-    last_save = last_line = time.monotonic()
-    model.train()
-    if st.best is None:
-        t_e = time.monotonic()
-        do_eval()
-        eval_s = time.monotonic() - t_e  # the final evaluation costs as much: the budget keeps it
-    first = st.step
-    last_step = min(args.steps, st.step + args.stop_after) if args.stop_after else args.steps
-    reason = f"--steps {args.steps} reached"
-    while st.step < last_step:
-        if stop_at is not None and time.monotonic() + eval_s + args.reserve_s >= stop_at:
-            reason = "--max-minutes reached (time kept for the last evaluation and the export)"
-            break
-        g = np.random.default_rng([args.seed, st.step])
-        ids = train_w[np.sort(g.choice(n_win, size=min(args.batch_size, n_win), replace=False))]
-        ids = ids.to(args.device)
-        t0 = time.perf_counter()
-        tk_ids, tk_lp = original.topk(ids, args.topk)  # the teacher in fp32: the original as it is
-        with torch.autocast(torch.device(args.device).type, dtype=amp or torch.bfloat16,
-                            enabled=amp is not None):
-            loss, kls, ces = joint_loss(model, ids, tk_ids, tk_lp, lambdas, args.kl, args.ce,
-                                        args.ce_frac, gen)
-        lr_f = min(1.0, (st.step + 1) / max(1, args.warmup))
-        if stop_at is not None and args.decay_minutes:
-            lr_f *= min(1.0, max(0.1, (stop_at - time.monotonic()) / (args.decay_minutes * 60)))
-        for grp in opt.param_groups:
-            grp["lr"] = (args.lr if grp["name"] == "delta" else args.block_lr) * lr_f
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for g_ in groups.values() for p in g_], args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        st.step += 1
-        st.tokens += ids.numel()
-        st.train_s += time.perf_counter() - t0
-        bar.update(1)
-        now = time.monotonic()
-        if st.step == first + 1 or (args.save_every_min and now - last_line >= args.save_every_min * 60):
-            log(f"step {st.step} tokens {st.tokens} {st.tokens / max(st.train_s, 1e-9):.0f} tok/s "
-                + " ".join(f"{t.name}={k:.3f}/{c:.2f}" for t, k, c in zip(tiers, kls, ces)))
-            last_line = now
-        if st.step % args.eval_every == 0:
-            t_e = time.monotonic()
-            do_eval()
-            eval_s = time.monotonic() - t_e
-            save()
-            last_save = time.monotonic()
-            if args.patience and st.bad_evals >= args.patience:
-                reason = f"no held-out improvement in {args.patience} evaluations"
-                break
-        elif now - last_save >= args.save_every_min * 60:
-            save()
-            last_save = now
-    bar.close()
-    if st.history[-1]["step"] != st.step:
-        do_eval()
-    save()
-    log(f"stopped at step {st.step}: {reason}. Trained {st.tokens:,} tokens at "
-        f"{st.tokens / max(st.train_s, 1e-9):.0f} tokens/s; best held-out at step {st.best['step']} "
-        f"exported to {out}; wall {(time.monotonic() - t_start) / 60:.2f} min")
-    return 0
+    def state_dict(self, run: RunState) -> dict:
+        trainable = {k: v.detach().clone() for k, v in self.model.state_dict().items()
+                     if ".lora_" in k or k.startswith(("exit_blocks.", "exit_norms."))}
+        return {"trainable": trainable, "opt": self.opt.state_dict(), "st": run.as_dict(),
+                "ce_generator": self.gen.get_state()}
+
+    def load_state_dict(self, saved: dict) -> RunState:
+        self.model.load_state_dict(saved["trainable"], strict=False)
+        self.opt.load_state_dict(saved["opt"])
+        if "ce_generator" in saved:  # a checkpoint written before it was kept starts the positions anew
+            self.gen.set_state(saved["ce_generator"])
+        return RunState(**saved["st"])
 
 
-JOINT_SHARED = ("weights", "kl", "stop_after", "block_layers", "init", "init_from", "cache_tokens",
+def run(args) -> int:
+    budget = Budget(args.max_minutes)  # counted from here: model, data and answers included
+    opts = Options.of(args, "joint", eval_every=args.eval_every, patience=args.patience, reserve_s=args.reserve_s)
+    return Trainer(Joint(args, budget), opts, budget).run()
+
+
+JOINT_SHARED = ("weights", "kl", "block_layers", "init", "init_from", "cache_tokens",
                 "heldout_tokens", "heldout_answers",
                 "topk", "ce_frac", "eval_every", "patience", "decay_minutes")
 

@@ -68,45 +68,7 @@ def build_step(rows: list[PlanRow], num_segments: int, block_size: int,
     """rows must already be sorted by tier, highest first (see :func:`order_rows`). `exit_blocks`: the
     segments whose exit has a block (None: any may), the only ones whose exit tokens are selected."""
     assert all(rows[i].tier >= rows[i + 1].tier for i in range(len(rows) - 1)), "rows not tier-sorted"
-    ids: list[int] = []
-    pos: list[int] = []
-    q_lens = [len(r.token_ids) for r in rows]
-    ctx = [r.start_pos + len(r.token_ids) for r in rows]
-    for r in rows:
-        ids.extend(r.token_ids)
-        pos.extend(range(r.start_pos, r.start_pos + len(r.token_ids)))
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-
-    def slots_of(r: PlanRow, s: int) -> list[int]:
-        table = r.block_tables[s]
-        return [table[p // block_size] * block_size + p % block_size
-                for p in range(r.start_pos, r.start_pos + len(r.token_ids))]
-
-    def ltensor(xs: list[int]) -> torch.Tensor:
-        return torch.tensor(xs, dtype=torch.long, device=device)
-
-    def paged(s: int, which: list[int], **index) -> SegmentTensors:
-        """The paged-KV metadata in segment s's pool of rows `which`, their tokens in that order."""
-        slots: list[int] = []
-        max_b = max((len(rows[i].block_tables[s]) for i in which), default=1) or 1
-        padded: list[list[int]] = []  # the rows' tables, zero-padded: one tensor built, not one a row
-        qs = [0]
-        for i in which:
-            r, table = rows[i], rows[i].block_tables[s]
-            assert len(table) >= -(-ctx[i] // block_size), f"row {i} segment {s}: too few blocks"
-            padded.append([*table, *([0] * (max_b - len(table)))])
-            slots.extend(slots_of(r, s))
-            qs.append(qs[-1] + q_lens[i])
-        bt = torch.tensor(padded, dtype=torch.long).view(len(which), max_b)
-        return SegmentTensors(
-            num_rows=len(which), num_tokens=qs[-1], token_index=index.get("token_index"),
-            enter_index=index.get("enter_index"), enter_slots=index.get("enter_slots"),
-            slot_mapping=ltensor(slots), block_tables=bt.to(device), q_start_loc=ltensor(qs),
-            ctx_lens=ltensor([ctx[i] for i in which]), q_lens_host=[q_lens[i] for i in which],
-            ctx_lens_host=[ctx[i] for i in which])
-
+    lay = _Layout(rows, block_size, device)
     # Otherwise the active rows of a segment are a prefix (an exit fill runs no trunk layer).
     general = any(r.enter or r.exit_only for r in rows)
     segments = []
@@ -115,35 +77,88 @@ def build_step(rows: list[PlanRow], num_segments: int, block_size: int,
     exit_items: list[tuple[int, int]] = []  # (row, position within the row) per logit, exit order
     for s in range(num_segments):
         active = [i for i, r in enumerate(rows) if r.enter <= s <= r.tier and not r.exit_only]
-        token_index = enter_index = enter_slots = None
-        if general:
-            token_index = ltensor([t for i in active for t in range(starts[i], starts[i + 1])])
-            entering = [i for i in active if rows[i].enter == s and s > 0]
-            if entering:
-                enter_index = ltensor([t for i in entering for t in range(starts[i], starts[i + 1])])
-                enter_slots = ltensor([x for i in entering for x in slots_of(rows[i], s - 1)])
-        segments.append(paged(s, active, token_index=token_index, enter_index=enter_index,
-                              enter_slots=enter_slots))
+        segments.append(lay.segment(s, active, general))
         leaving = [i for i in active if rows[i].tier == s
                    and (rows[i].sample or rows[i].sample_all or rows[i].logits_all)]
-        # The exit reads the row's last token (every token for sample_all / logits_all): its index
-        # among the segment's active tokens, or (in the general layout) in the whole batch.
-        base = {i: starts[i] for i in active} if general else first_tokens(active, q_lens)
-        idx: list[int] = []
-        for i in leaving:
-            js = sampled_positions(rows[i])
-            exit_items.extend((i, j) for j in js)
-            idx.extend(base[i] + j for j in js)
-        exit_idx.append(ltensor(idx) if leaving else None)
-        exits.append(_exit_tensors(rows, s, active, q_lens, leaving, paged, slots_of, ltensor)
-                     if exit_blocks is None or s in exit_blocks else None)
+        exit_idx.append(lay.exit_index(active, leaving, general, exit_items))
+        exits.append(_exit_tensors(lay, s, active, leaving) if exit_blocks is None or s in exit_blocks else None)
     sampled_items = sorted(exit_items)  # row order, then position
     where = {item: k for k, item in enumerate(exit_items)}
     return StepTensors(
-        input_ids=ltensor(ids), positions=ltensor(pos), segments=segments, exit_token_index=exit_idx,
-        exit_to_row_order=ltensor([where[it] for it in sampled_items]),
+        input_ids=lay.tensor([t for r in rows for t in r.token_ids]),
+        positions=lay.tensor([p for r in rows for p in range(r.start_pos, r.start_pos + len(r.token_ids))]),
+        segments=segments, exit_token_index=exit_idx,
+        exit_to_row_order=lay.tensor([where[it] for it in sampled_items]),
         sampled_rows=[i for i, _ in sampled_items],
         general=general, exits=exits)
+
+
+class _Layout:
+    """A step's rows laid out as one batch: each row's tokens in row order, their lengths, context
+    lengths and KV slots, and the tensors built from them."""
+
+    def __init__(self, rows: list[PlanRow], block_size: int, device: torch.device | str):
+        self.rows, self.block_size, self.device = rows, block_size, device
+        self.q_lens = [len(r.token_ids) for r in rows]
+        self.ctx = [r.start_pos + len(r.token_ids) for r in rows]
+        self.starts = [0]  # row i's tokens are the batch's starts[i]..starts[i + 1] - 1
+        for n in self.q_lens:
+            self.starts.append(self.starts[-1] + n)
+
+    def tensor(self, xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=self.device)
+
+    def slots_of(self, r: PlanRow, s: int) -> list[int]:
+        """The KV slots of the row's tokens in segment s's pool."""
+        table, bs = r.block_tables[s], self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(r.start_pos, r.start_pos + len(r.token_ids))]
+
+    def paged(self, s: int, which: list[int], **index) -> SegmentTensors:
+        """The paged-KV metadata in segment s's pool of rows `which`, their tokens in that order."""
+        rows, q_lens, ctx = self.rows, self.q_lens, self.ctx
+        slots: list[int] = []
+        max_b = max((len(rows[i].block_tables[s]) for i in which), default=1) or 1
+        padded: list[list[int]] = []  # the rows' tables, zero-padded: one tensor built, not one a row
+        qs = [0]
+        for i in which:
+            r, table = rows[i], rows[i].block_tables[s]
+            assert len(table) >= -(-ctx[i] // self.block_size), f"row {i} segment {s}: too few blocks"
+            padded.append([*table, *([0] * (max_b - len(table)))])
+            slots.extend(self.slots_of(r, s))
+            qs.append(qs[-1] + q_lens[i])
+        bt = torch.tensor(padded, dtype=torch.long).view(len(which), max_b)
+        return SegmentTensors(
+            num_rows=len(which), num_tokens=qs[-1], token_index=index.get("token_index"),
+            enter_index=index.get("enter_index"), enter_slots=index.get("enter_slots"),
+            slot_mapping=self.tensor(slots), block_tables=bt.to(self.device), q_start_loc=self.tensor(qs),
+            ctx_lens=self.tensor([ctx[i] for i in which]), q_lens_host=[q_lens[i] for i in which],
+            ctx_lens_host=[ctx[i] for i in which])
+
+    def segment(self, s: int, active: list[int], general: bool) -> SegmentTensors:
+        """Segment s's tokens: the `active` rows'; in the general layout also where they sit in the batch,
+        and the tokens entering here with the slots of their stored trunk state (segment s - 1's pool)."""
+        token_index = enter_index = enter_slots = None
+        if general:
+            starts = self.starts
+            token_index = self.tensor([t for i in active for t in range(starts[i], starts[i + 1])])
+            entering = [i for i in active if self.rows[i].enter == s and s > 0]
+            if entering:
+                enter_index = self.tensor([t for i in entering for t in range(starts[i], starts[i + 1])])
+                enter_slots = self.tensor([x for i in entering for x in self.slots_of(self.rows[i], s - 1)])
+        return self.paged(s, active, token_index=token_index, enter_index=enter_index, enter_slots=enter_slots)
+
+    def exit_index(self, active: list[int], leaving: list[int], general: bool,
+                   exit_items: list[tuple[int, int]]) -> torch.Tensor | None:
+        """The tokens the exit reads, each leaving row's last (every token for sample_all / logits_all):
+        their indices among the segment's active tokens, or (in the general layout) in the whole batch;
+        None when no row leaves. Appends (row, position) of each to ``exit_items``."""
+        base = {i: self.starts[i] for i in active} if general else first_tokens(active, self.q_lens)
+        idx: list[int] = []
+        for i in leaving:
+            js = sampled_positions(self.rows[i])
+            exit_items.extend((i, j) for j in js)
+            idx.extend(base[i] + j for j in js)
+        return self.tensor(idx) if leaving else None
 
 
 def first_tokens(which: list[int], q_lens: list[int]) -> dict[int, int]:
@@ -162,11 +177,11 @@ def sampled_positions(r: PlanRow) -> range:
     return range(n) if r.sample_all or r.logits_all else range(n - 1, n)
 
 
-def _exit_tensors(rows: list[PlanRow], s: int, active: list[int], q_lens: list[int], leaving: list[int],
-                  paged, slots_of, ltensor) -> ExitTensors | None:
+def _exit_tensors(lay: _Layout, s: int, active: list[int], leaving: list[int]) -> ExitTensors | None:
     """Exit ``s``'s tokens: the active rows of tier s, the crossing rows whose ``exit_kv`` names s
     (every crossing row when it is None), and the exit fills of tier s. None when that is every active
     token (nothing to select: the common case without lazy exits)."""
+    rows, q_lens, ltensor = lay.rows, lay.q_lens, lay.tensor
     runs = [i for i in active if rows[i].tier == s or rows[i].exit_kv is None or s in rows[i].exit_kv]
     fills = [i for i, r in enumerate(rows) if r.exit_only and r.tier == s]
     if not fills and len(runs) == len(active):
@@ -177,7 +192,7 @@ def _exit_tensors(rows: list[PlanRow], s: int, active: list[int], q_lens: list[i
     n = sum(q_lens[i] for i in active)
     order = sorted(runs + fills)
     start = first_tokens(order, q_lens)  # among the exit's tokens
-    seg = paged(s, order)
+    seg = lay.paged(s, order)
     pos = [p for i in order for p in range(rows[i].start_pos, rows[i].start_pos + q_lens[i])]
     take_idx = [local[i] + j for i in runs for j in range(q_lens[i])]
     tail_from = None
@@ -185,7 +200,7 @@ def _exit_tensors(rows: list[PlanRow], s: int, active: list[int], q_lens: list[i
         tail_from = n - len(take_idx)  # the usual case: the tier's own rows, the segment's tail
     take = ltensor(take_idx) if runs and tail_from is None else None
     take_to = ltensor([start[i] + j for i in runs for j in range(q_lens[i])]) if take is not None and fills else None
-    enter_slots = ltensor([x for i in fills for x in slots_of(rows[i], s)]) if fills else None
+    enter_slots = ltensor([x for i in fills for x in lay.slots_of(rows[i], s)]) if fills else None
     enter_to = ltensor([start[i] + j for i in fills for j in range(q_lens[i])]) if fills else None
     sampled = [start[i] + j for i in leaving for j in sampled_positions(rows[i])]
     return ExitTensors(seg, ltensor(pos), take, take_to, tail_from, enter_slots, enter_to,

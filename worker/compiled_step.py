@@ -12,7 +12,7 @@ equal length share a graph; batch size and context length are dynamic (one recom
 its own graph; ``worker.execution.compiled_exits``) when its tokens are decode rows and some sample.
 Prefill chunks, verification rows, mixed steps and exit fills stay eager (their trunk layers; the int8
 head below is compiled in every step). A serving worker builds the graphs in the background while it
-serves eagerly (worker/execution_swap.py: ``ModelRunner.warm_up`` over a shadow of the model: the top
+serves eagerly (worker/background_compile.py: ``ModelRunner.warm_up`` over a shadow of the model: the top
 tier's, and each lower tier's whose block the graph serves), then swaps them in.
 
 With ``--compile`` the int8 LM head (49152 x 576 for SmolLM2: 28 of the 101 MB an int4 step streams) also

@@ -25,9 +25,9 @@ own length on the device, so any split count is exact, and no host value of the 
 Each bucket has two graphs, by the step's longest context: below ``2 * MIN_SPLIT_TOKENS`` the split count
 the eager path picks there (one), else the one it picks for the longest context the model serves.
 
-Graphs are recorded for every (segment, bucket, context class) when a runner's KV pools exist
-(:meth:`DecodeGraphs.capture_all`, from ``ModelRunner``: at its construction, or first thing in ``warm_up``
-when the path is swapped in after it), largest bucket first, from padding rows alone -- so no request's state
+Graphs are recorded for every (segment, bucket, context class) when the path that holds them is applied
+over a runner's KV pools (:meth:`DecodeGraphs.capture_all`, from ``worker.execution.CudaGraphDecode.apply``:
+at the runner's construction, at a swap, first thing in ``warm_up``), largest bucket first, from padding rows alone -- so no request's state
 is touched -- each after two eager warm-up runs on one side stream (Triton compiles then), all into one
 memory pool; nothing allocated inside a graph outlives it (outputs are copied to the static buffers), so
 replaying them in any order is safe. They hold the addresses of the KV pools (keyed by address, shape

@@ -2,11 +2,19 @@
 compiles its decode function around a plain model).
 
 :class:`worker.model.NestedModel` has one eager forward. Its serving forward asks ``model.execution``
-(None: eager) to run two things another way, and runs them eagerly where the path answers None:
+(None: eager) to run three things another way, and runs them eagerly where the path answers None:
 
 * ``segment(model, s, h, residual, pos, seg, kv)`` -- a segment's trunk layers over all-decode rows;
 * ``exit_block(model, s, blk, h, residual, pos, seg, kv)`` -- a tier's exit block over all-decode rows
-  (the caller takes the sampled rows after it).
+  (the caller takes the sampled rows after it);
+* ``head(model)`` -- the LM head module every step runs (the model's own, or the path's copy of it on
+  another kernel: the model's head object is never changed).
+
+A path owns its lifecycle: ``apply(model, kv)`` makes it the model's path from the next step on and,
+where its graphs hold the addresses of a runner's KV pools (CUDA graphs), records them over ``kv`` there,
+before any request waits; the path holds what it built. Nothing but ``model.execution`` changes, so a
+shallow copy of the model is a shadow to build a path on while the model serves eagerly
+(worker/background_compile.py).
 
 Three paths, one picked per model at load (:func:`pick`):
 
@@ -36,7 +44,7 @@ if TYPE_CHECKING:
     from worker.model import NestedModel
 
 # INDUCTOR_TRUNK: inductor's graphs for the trunk's segments while the exit blocks' are still building (a
-# serving worker swaps it in first, worker/execution_swap.py); exit blocks run eagerly under it
+# serving worker swaps it in first, worker/background_compile.py); exit blocks run eagerly under it
 EAGER, INDUCTOR_TRUNK, INDUCTOR, CUDA_GRAPHS = EXECUTION_PATHS
 
 
@@ -68,7 +76,7 @@ def compiled_path(model: "NestedModel") -> str:
 def compile_decode(model: "NestedModel", enable: bool = True) -> None:
     """All-decode steps through the model's compiled path (:func:`compiled_path`); ``enable=False``:
     back to eager. Graphs build lazily, on the first steps that need them (a serving worker builds them
-    in the background first: worker/execution_swap.py)."""
+    in the background first: worker/background_compile.py)."""
     eager(model)
     if not enable:
         return
@@ -80,9 +88,7 @@ def compile_decode(model: "NestedModel", enable: bool = True) -> None:
 
 
 def eager(model: "NestedModel") -> None:
-    """The model's decode steps back on its eager layers (what a compiled path changed, undone)."""
-    if model.execution is not None:
-        model.execution.undo(model)
+    """The model's decode steps back on its eager layers (a path changes nothing else on the model)."""
     model.execution = None
 
 
@@ -108,7 +114,8 @@ def compiled_exits(model: "NestedModel") -> frozenset[int]:
 
 
 class CudaGraphDecode:
-    """CUDA graphs of the all-decode segments (worker/decode_graphs.py); exit blocks stay eager."""
+    """CUDA graphs of the all-decode segments (worker/decode_graphs.py), held here and recorded over a
+    runner's KV pools when the path is applied there; exit blocks and the head stay eager."""
     name = CUDA_GRAPHS
 
     def __init__(self, graphs):
@@ -120,47 +127,58 @@ class CudaGraphDecode:
     def exit_block(self, model, s, blk, h, residual, pos, seg, kv):
         return None
 
-    def apply(self, model) -> None:
-        model.execution = self
+    def head(self, model):
+        return model.lm_head
 
-    def undo(self, model) -> None:
-        pass
+    def apply(self, model, kv=None) -> None:
+        """The model's all-decode segments through these graphs from its next step on. ``kv`` (a runner's
+        KV pools): every (segment, bucket) graph recorded over them now, largest first; None: recorded
+        lazily by the steps that need them (a step over other pools records again the same way)."""
+        if self.graphs.model is not model:
+            raise ValueError("these decode graphs belong to another model")
+        model.execution = self
+        if kv is not None:
+            self.graphs.capture_all(kv)
 
 
 class InductorDecode:
     """Each segment's trunk layers as one inductor graph over decode rows (worker/compiled_step.py),
-    exit blocks built as the trunk's layers through graphs of a second compiled function, and the int8 head's compiled kernel
-    where it pays (:func:`worker.compiled_step.compiled_head_kernel`)."""
+    exit blocks built as the trunk's layers through graphs of a second compiled function, and the int8
+    head's compiled kernel where it pays (:func:`worker.compiled_step.compiled_head_kernel`)."""
     def __init__(self, model: "NestedModel"):
         self.graph = compiled_decode_segment(model.cfg, list(model.layers))
         # an exit block whose layers are built as the trunk's (same modules, parameter shapes and dtypes)
         # runs through a graph of its own length; any other stays eager. The exit blocks' graphs are a
         # second compiled function (its own dynamo cache): a worker builds them on one thread while another
-        # serves the trunk's (worker/execution_swap.py)
+        # serves the trunk's (worker/background_compile.py)
         trunk = layer_signature(model.layers[0])
         self.exits = frozenset(int(k) for k, blk in model.exit_blocks.items()
                                if all(layer_signature(layer) == trunk for layer in blk))
         self.exit_graph = compiled_decode_segment(model.cfg, list(model.layers)) if self.exits else None
         self.name = INDUCTOR
         # an int8 head (worker/formats/int8.py: Int8Linear) where its scheme takes a compiled kernel; AVX-512
-        # only. Set on the model it is applied to, not here: a worker builds this path while it serves eagerly.
+        # only. The path runs its own copy of the head module on it (the tensors shared): the model's head
+        # keeps its kernel, so a worker builds this path while it serves eagerly.
         self.head_kernel = compiled_head_kernel() if rows_kernel_head(model) else None
+        self.head_of = model.lm_head
+        self._head = None if self.head_kernel is None else _on_kernel(model.lm_head, self.head_kernel)
 
     def trunk_only(self) -> "InductorDecode":
-        """This path with every exit block eager (``inductor-trunk``), sharing its graphs."""
+        """This path with every exit block eager (``inductor-trunk``), sharing its graphs and head."""
         out = copy.copy(self)
         out.exits, out.name = frozenset(), INDUCTOR_TRUNK
         return out
 
-    def apply(self, model) -> None:
-        """The model's all-decode steps through this path from its next step on (and its int8 head's kernel)."""
-        if self.head_kernel is not None:
-            model.lm_head.rows_kernel = self.head_kernel
+    def apply(self, model, kv=None) -> None:
+        """The model's all-decode steps (and every step's head) through this path from its next step on.
+        ``kv``, a runner's KV pools, asks nothing of this path: its graphs are dynamic in the pools' size
+        and address, so none is recorded for them."""
+        if model.lm_head is not self.head_of:
+            raise ValueError("this path was built for another model (its LM head differs)")
         model.execution = self
 
-    def undo(self, model) -> None:
-        if rows_kernel_head(model):  # whatever kernel the head was given under this path: its own again
-            model.lm_head.rows_kernel = None
+    def head(self, model):
+        return model.lm_head if self._head is None else self._head
 
     def segment(self, model, s, h, residual, pos, seg, kv):
         if residual is None:  # the model's first layer: h + 0 is h, so one graph serves it too
@@ -197,6 +215,13 @@ class InductorDecode:
                                          seg.ctx_lens.clone(), max(seg.ctx_lens_host), k_cache.shape[2])
         write_segment_kv(kp, vp, seg.slot_mapping, ks, vs)
         return h, residual
+
+
+def _on_kernel(head, kernel):
+    """A copy of the LM head module, its tensors shared, that runs ``kernel`` (its ``rows_kernel``)."""
+    out = copy.copy(head)
+    out.rows_kernel = kernel
+    return out
 
 
 COMPILE_CHOICES = ("auto", "on", "off")

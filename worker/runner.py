@@ -1,7 +1,9 @@
-"""The worker's side of a step: KV tensors, the group-batched forward, and sampling.
+"""The worker's side of a step (:class:`ModelRunner`): the KV tensors, the requests it is told of (one
+:class:`worker.request_state.RequestState` each), the group-batched forward, and what each row's logits
+become.
 
-The runner holds no scheduling state. It is told which requests are new (their sampling parameters
-and seeded generators live here, so a request samples the same sequence wherever it is batched),
+The runner holds no scheduling state. It is told which requests are new (their sampling parameters and
+seeded generators live in their records, so a request samples the same sequence wherever it is batched),
 which rows to compute, and which requests to forget.
 
 Two decisions are made here because they need the logits and must precede any token reaching a client:
@@ -15,33 +17,32 @@ Structured output is applied here too: a request with a grammar (``SamplingParam
 matcher (worker/grammar.py) advanced with every token it commits; its sampled rows are masked to what
 the matcher allows, after logit_bias and penalties, batched over the rows that have one. A re-planned
 request rebuilds its matcher from the output tokens it had produced (the tail of ``prompt_ids``).
-Speculation stays exact under a grammar: a draft row and each position of a verification row are
-masked as plain decoding would mask them there (the matcher advanced through the round's earlier
-drafts, then rolled back), so the drafts are checked against the mask.
 
 Log-probabilities are taken here too, from the raw logits of the row that produced each token (plain
 rows, and a verification row's positions: the target tier's), only for requests that ask; prompt
 log-probabilities (``logits_all`` rows) are gathered per position and handed out with the request's
 first token.
+
+The model's execution path (worker/execution.py) is the path's own business: the runner applies a path
+swapped in from another thread between two steps, over its KV pools, and names the path of each step.
 """
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from core.protocol import PlanRow, TokenLogprob
-from kernels.cpu_argmax import argmax_rows
 from worker.batch import build_step, order_rows
-from worker.execution import EAGER, compiled_exits, decode_graphs, path_name
+from worker.execution import EAGER, compiled_exits, path_name
 from worker.grammar import Grammars, mask_rows
 from worker.kv_tensors import SegmentedKVCache
 from worker.model import NestedModel
-from worker.sampling import (SamplingParams, accept_greedy, accept_sampled, confidences, draw,
-                             make_generator, probs_for, process_logits, sample, skip_draws, token_logprobs)
+from worker.request_state import RequestState
+from worker.sampling import (SamplingParams, confidences, make_generator, process_logits, sample, skip_draws,
+                             token_logprobs)
 
 
 @dataclass(slots=True)
@@ -85,33 +86,21 @@ class ModelRunner:
         self.block_size = block_size
         self.tier_map = tier_map  # global tier -> this model's tier (a standalone copy has one)
         self.keep_logits = keep_logits
-        self.sampling: dict[str, tuple[SamplingParams, torch.Generator | None]] = {}
-        # request -> {input position of a draft row: the distribution its draft was drawn from}
-        self.draft_probs: dict[str, dict[int, torch.Tensor]] = {}
-        # request -> the confidences of its latest sampled rows (cascade requests)
-        self.windows: dict[str, deque[float]] = {}
-        self.prompts: dict[str, list[int]] = {}  # requests that need their prompt (params.needs_prompt)
-        # request -> {prompt position: its token scored} until the first output token hands them out
-        self.prompt_scores: dict[str, dict[int, TokenLogprob]] = {}
-        # Requests with penalties: how often each token occurs in the output so far [V], and whether
-        # it occurs in the prompt or the output [V] (kept in step with the committed tokens).
-        self.counts: dict[str, torch.Tensor] = {}
-        self.seen: dict[str, torch.Tensor] = {}
-        self.matchers: dict[str, object] = {}  # requests with a grammar: their xgrammar matcher
+        self.requests: dict[str, RequestState] = {}
         self._pending = None  # an execution path built in the background, applied before the next step
         self.step_lock = threading.Lock()  # held by each step: the background build's one pause of it
-        self.record_graphs()
+        self._bind_path()
 
     def swap_in(self, path) -> None:
         """``path`` (worker/execution.py) serves from the next step on; safe from another thread: the step
-        loop applies it between two steps (worker/execution_swap.py)."""
+        loop applies it between two steps (worker/background_compile.py)."""
         self._pending = path
 
-    def record_graphs(self) -> int:
-        """With CUDA decode graphs on the model (``--compile`` on CUDA: worker/decode_graphs.py), records
-        them over this runner's KV pools now, before any request waits; returns how many."""
-        graphs = decode_graphs(self.model)
-        return graphs.capture_all(self.kv) if graphs is not None else 0
+    def _bind_path(self) -> None:
+        """The model's execution path, applied before this runner's pools existed, applied again over them
+        (CUDA graphs: recorded now, before any request waits)."""
+        if self.model.execution is not None:
+            self.model.execution.apply(self.model, self.kv)
 
     def add(self, request_id: str, params: SamplingParams, prompt_ids: list[int] | None = None,
             num_output: int = 0) -> None:
@@ -119,23 +108,25 @@ class ModelRunner:
         being output tokens it produced before a re-plan."""
         gen = make_generator(params)
         skip_draws(gen, num_output if params.spec_draft_tier is None else 0, self.model.cfg.vocab_size)
-        self.sampling[request_id] = (params, gen)
+        st = RequestState(params, gen)
         if params.needs_prompt:
             if not prompt_ids:
                 raise ValueError(f"request {request_id}: its parameters need the prompt's token ids")
-            self.prompts[request_id] = list(prompt_ids)
+            st.prompt = list(prompt_ids)
         if params.penalized:
             v = self.model.cfg.vocab_size
             ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
             out = ids[len(ids) - num_output:] if num_output else ids[:0]
-            self.counts[request_id] = torch.bincount(out, minlength=v).float()
-            self.seen[request_id] = torch.bincount(ids, minlength=v) > 0
+            st.counts = torch.bincount(out, minlength=v).float()
+            st.seen = torch.bincount(ids, minlength=v) > 0
         if params.grammar is not None:
-            m = self.grammars().matcher(params.grammar)
+            st.grammars = self.grammars()
+            m = st.grammars.matcher(params.grammar)
             for t in prompt_ids[len(prompt_ids) - num_output:] if num_output else []:
                 if not m.accept_token(t):
                     raise ValueError(f"request {request_id}: its output so far does not follow its grammar")
-            self.matchers[request_id] = m
+            st.matcher = m
+        self.requests[request_id] = st
 
     def warm_up(self, steps: int = 2, part: str = "all") -> float:
         """Runs throw-away requests so that compiled graphs (worker/execution.py) are built
@@ -155,7 +146,7 @@ class ModelRunner:
         if min(self.kv.num_blocks) < 2 * need:
             raise ValueError(f"warm_up needs {2 * need} KV blocks per segment; the pools have "
                              f"{min(self.kv.num_blocks)}")
-        self.record_graphs()  # CUDA graphs: every bucket, largest first, before the steps below use any
+        self._bind_path()  # CUDA graphs: every bucket, largest first, before the steps below use any
         if part not in ("all", "top", "exits"):
             raise ValueError(f"warm_up part {part!r}: expected all, top or exits")
         local = ([top] if part != "exits" else []) + (
@@ -197,24 +188,16 @@ class ModelRunner:
 
     def drop(self, request_ids) -> None:
         for rid in request_ids:
-            self.sampling.pop(rid, None)
-            self.draft_probs.pop(rid, None)
-            self.windows.pop(rid, None)
-            self.prompts.pop(rid, None)
-            self.prompt_scores.pop(rid, None)
-            self.counts.pop(rid, None)
-            self.seen.pop(rid, None)
-            self.matchers.pop(rid, None)
+            self.requests.pop(rid, None)
 
     def execute(self, rows: list[PlanRow]) -> StepOutput:
         with self.step_lock:
             return self._execute(rows)
 
     def _execute(self, rows: list[PlanRow]) -> StepOutput:
-        if self._pending is not None:
+        if self._pending is not None:  # a path built in the background: over this runner's pools from now on
             path, self._pending = self._pending, None
-            path.apply(self.model)
-            self.record_graphs()  # CUDA graphs over this runner's pools, before the step uses them
+            path.apply(self.model, self.kv)
         if self.tier_map is not None:  # copies: the caller keeps the global tiers (it streams them)
             rows = [replace(r, tier=self.tier_map[r.tier]) for r in rows]
         rows = [rows[i] for i in order_rows(rows)]
@@ -226,205 +209,101 @@ class ModelRunner:
         per_row: dict[int, list[int]] = {}
         for k, i in enumerate(batch.sampled_rows):
             per_row.setdefault(i, []).append(k)
-        plain: list[tuple[int, str]] = []    # (logits index, request) of rows sampling one token
-        watched: list[tuple[int, str, PlanRow]] = []  # the cascade requests among them
-        first: set[str] = set()              # requests sampling their first output token
+        plain, watched, first = self._route(rows, per_row, logits, out)
+        if watched:
+            escalating = self._escalations(watched, logits)
+            out.escalate = [rid for _, rid in plain if rid in escalating]
+            plain = [(k, rid) for k, rid in plain if rid not in escalating]
+        if plain:
+            self._sample(plain, logits, out)
+        for rid in first:
+            st = self.requests[rid]
+            if st.prompt_scores is not None and rid in out.tokens:
+                out.prompt_logprobs[rid] = st.take_prompt_logprobs(rid)
+        self._commit(out)
+        if self.keep_logits:
+            out.logits = {rid: logits[ks[-1]].clone() for i, ks in per_row.items()
+                          for rid in [rows[i].request_id] if rid in out.tokens}
+        return out
+
+    def _route(self, rows: list[PlanRow], per_row: dict[int, list[int]], logits: torch.Tensor,
+               out: StepOutput) -> tuple[list[tuple[int, str]], list[tuple[int, str, PlanRow]], set[str]]:
+        """Each sampled row's logits to what they are for: a verification row's round verified, a prompt's
+        positions scored, a draft row's draft drawn (all into ``out``); the rows sampling one token
+        returned as (plain rows: (logits index, request); the cascade requests among them, with their
+        row; the requests sampling their first output token)."""
+        plain: list[tuple[int, str]] = []
+        watched: list[tuple[int, str, PlanRow]] = []
+        first: set[str] = set()
         for i, ks in per_row.items():
             r = rows[i]
             rid = r.request_id
-            params = self.sampling[rid][0]
+            st = self.requests[rid]
             if r.sample_all:
                 lg = logits[ks[0]:ks[-1] + 1]
-                committed, k = self._verify(rid, r, lg)
+                committed, k = st.verify(rid, r, lg)
                 out.verified[rid], out.accepted[rid] = committed, k
-                if params.logprobs is not None:
+                if st.params.logprobs is not None:
                     out.logprobs[rid] = token_logprobs(lg[:len(committed)], committed,
-                                                       [params.logprobs] * len(committed))
+                                                       [st.params.logprobs] * len(committed))
                 continue
             if r.logits_all:
-                self._score_prompt(rid, r, logits[ks[0]:ks[-1] + 1])
+                st.score_prompt(r, logits[ks[0]:ks[-1] + 1])
                 if not r.sample:
                     continue
                 ks = ks[-1:]  # the last position samples
             if r.num_output == 0 and not r.draft:
                 first.add(rid)
             if r.draft:
-                out.drafts[rid] = self._draft(rid, r, logits[ks[0]])
-                if params.spec_stop_confidence > 0:
+                out.drafts[rid] = st.draft(r, logits[ks[0]])
+                if st.params.spec_stop_confidence > 0:
                     out.draft_conf[rid] = confidences(logits[ks[0]][None])[0]
                 continue
             plain.append((ks[0], rid))
-            if params.cascade_threshold is not None:
+            if st.params.cascade_threshold is not None:
                 watched.append((ks[0], rid, r))
-        if watched:
-            escalating = self._escalations(watched, logits)
-            out.escalate = [rid for _, rid in plain if rid in escalating]
-            plain = [(k, rid) for k, rid in plain if rid not in escalating]
-        if plain:
-            ks = [k for k, _ in plain]
-            if ks == list(range(ks[0], ks[0] + len(ks))):  # consecutive rows (every plain decode step): a view
-                sub = logits[ks[0]:ks[0] + len(ks)]
-            else:
-                sub = logits.index_select(0, torch.tensor(ks, dtype=torch.long, device=logits.device))
-            states = [self.sampling[rid] for _, rid in plain]
-            ps = [st[0] for st in states]
-            proc = process_logits(sub, ps, [self.counts.get(rid) for _, rid in plain],
-                                  [self.seen.get(rid) for _, rid in plain])
-            ruled = [j for j, (_, rid) in enumerate(plain) if rid in self.matchers]
-            if ruled:  # structured output: what each grammar allows next (raw logits kept for logprobs)
-                allowed = self.grammars().allowed([self.matchers[plain[j][1]] for j in ruled])
-                proc = mask_rows(proc, ruled, allowed)
-            toks = sample(proc, ps, [st[1] for st in states])
-            for j in ruled:
-                self._advance(plain[j][1], [toks[j]])
-            out.tokens.update(zip((rid for _, rid in plain), toks))
-            asked = [j for j, st in enumerate(states) if st[0].logprobs is not None]
-            if asked:
-                lps = token_logprobs(sub[asked], [toks[j] for j in asked], [states[j][0].logprobs for j in asked])
-                out.logprobs.update((plain[j][1], [lp]) for j, lp in zip(asked, lps))
-            for rid in first & self.prompt_scores.keys():
-                if rid in out.tokens:
-                    out.prompt_logprobs[rid] = self._prompt_logprobs(rid)
-        for rid in self.matchers.keys() & out.verified.keys():
-            self._advance(rid, out.verified[rid])
-        for rid in self.counts.keys() & (out.tokens.keys() | out.verified.keys()):
-            self._commit(rid, out.verified[rid] if rid in out.verified else [out.tokens[rid]])
-        if self.keep_logits:
-            out.logits = {rid: logits[ks[-1]].clone() for i, ks in per_row.items()
-                          for rid in [rows[i].request_id] if rid in out.tokens}
-        return out
+        return plain, watched, first
 
-    # ---- prompt log-probabilities ----------------------------------------------------------
-    def _score_prompt(self, rid: str, r: PlanRow, lg: torch.Tensor) -> None:
-        """lg [n, V]: logits at the row's positions; position p scores prompt token p + 1."""
-        prompt, k = self.prompts[rid], self.sampling[rid][0].prompt_logprobs
-        m = min(len(r.token_ids), len(prompt) - 1 - r.start_pos)  # positions with a prompt token after
-        if m <= 0:
-            return
-        a = r.start_pos
-        scored = token_logprobs(lg[:m], prompt[a + 1:a + 1 + m], [k] * m)
-        self.prompt_scores.setdefault(rid, {}).update(zip(range(a + 1, a + 1 + m), scored))
+    def _sample(self, plain: list[tuple[int, str]], logits: torch.Tensor, out: StepOutput) -> None:
+        """One token for each plain row (logits index, request), batched: logit_bias and penalties, the
+        grammars' masks, sampling; their log-probabilities where asked (from the raw logits)."""
+        ks = [k for k, _ in plain]
+        if ks == list(range(ks[0], ks[0] + len(ks))):  # consecutive rows (every plain decode step): a view
+            sub = logits[ks[0]:ks[0] + len(ks)]
+        else:
+            sub = logits.index_select(0, torch.tensor(ks, dtype=torch.long, device=logits.device))
+        states = [self.requests[rid] for _, rid in plain]
+        ps = [st.params for st in states]
+        proc = process_logits(sub, ps, [st.counts for st in states], [st.seen for st in states])
+        ruled = [j for j, st in enumerate(states) if st.matcher is not None]
+        if ruled:  # structured output: what each grammar allows next (raw logits kept for logprobs)
+            allowed = self.grammars().allowed([states[j].matcher for j in ruled])
+            proc = mask_rows(proc, ruled, allowed)
+        toks = sample(proc, ps, [st.gen for st in states])
+        for j in ruled:
+            states[j].advance(plain[j][1], [toks[j]])
+        out.tokens.update(zip((rid for _, rid in plain), toks))
+        asked = [j for j, st in enumerate(states) if st.params.logprobs is not None]
+        if asked:
+            lps = token_logprobs(sub[asked], [toks[j] for j in asked], [ps[j].logprobs for j in asked])
+            out.logprobs.update((plain[j][1], [lp]) for j, lp in zip(asked, lps))
 
-    def _prompt_logprobs(self, rid: str) -> list[TokenLogprob]:
-        scores, n = self.prompt_scores.pop(rid), len(self.prompts[rid])
-        assert len(scores) == n - 1, f"request {rid}: {len(scores)} of {n - 1} prompt tokens scored"
-        return [scores[p] for p in range(1, n)]
+    def _commit(self, out: StepOutput) -> None:
+        """The round's verified tokens into their grammars' matchers, and every committed token into its
+        request's penalty counts."""
+        for rid, toks in out.verified.items():
+            st = self.requests[rid]
+            if st.matcher is not None:
+                st.advance(rid, toks)
+        for rid in out.tokens.keys() | out.verified.keys():
+            st = self.requests[rid]
+            if st.counts is not None:
+                st.commit(out.verified[rid] if rid in out.verified else [out.tokens[rid]])
 
-    # ---- penalties --------------------------------------------------------------------------
-    def _commit(self, rid: str, toks: list[int]) -> None:
-        t = torch.tensor(toks, dtype=torch.long, device=self.device)
-        self.counts[rid].index_add_(0, t, torch.ones(len(toks), device=self.device))
-        self.seen[rid][t] = True
-
-    def _history(self, rid: str, extra: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(counts, seen) of a request whose output so far is followed by `extra` (a round's drafts)."""
-        c, sn = self.counts.get(rid), self.seen.get(rid)
-        if c is None or not extra:
-            return c, sn
-        t = torch.tensor(extra, dtype=torch.long, device=self.device)
-        c = c.index_add(0, t, torch.ones(len(extra), device=self.device))
-        sn = sn.clone()
-        sn[t] = True
-        return c, sn
-
-    def _processed(self, rid: str, lg: torch.Tensor, histories: list[list[int]]) -> torch.Tensor:
-        """lg [n, V]: logit_bias and penalties at n positions of one request, position i's history being
-        its output so far plus histories[i] (drafts): what plain decoding would apply there."""
-        params = self.sampling[rid][0]
-        if not params.processed:
-            return lg
-        hs = [self._history(rid, h) for h in histories]
-        return process_logits(lg, [params] * len(hs), [h[0] for h in hs], [h[1] for h in hs])
-
-    # ---- structured output ------------------------------------------------------------------
-    def _advance(self, rid: str, toks: list[int]) -> None:
-        """The request's matcher follows its committed tokens (none after the grammar's end: a round may
-        commit past an eos, which ends the request there)."""
-        m = self.matchers[rid]
-        for t in toks:
-            if m.is_terminated():
-                return
-            if not m.accept_token(t):
-                # the EOS Grammars.allowed gives a row its grammar left with no token: it ends there
-                assert t in self.grammars().stop_token_ids, f"request {rid}: token {t} outside its grammar"
-                return
-
-    def _masks_along(self, rid: str, path: list[int], n: int, last_only: bool = False) -> torch.Tensor | None:
-        """[n, V] bool: what the request's grammar allows at n positions, position i following its output
-        so far plus path[:i] (a round's drafts); None without a grammar (``last_only``: only position
-        n - 1 is filled). The matcher is advanced through the path and rolled back. Positions past the
-        grammar's end (an earlier draft was eos) or past a draft it refuses are left unconstrained: a
-        round never commits a token there (the request ends at the eos; a refused draft is rejected)."""
-        m = self.matchers.get(rid)
-        if m is None:
-            return None
-        g = self.grammars()
-        masks = torch.ones(n, g.vocab_size, dtype=torch.bool)
-        steps = 0
-        for i in range(n):
-            if i != steps or m.is_terminated():
-                break
-            if not last_only or i == n - 1:
-                masks[i] = g.allowed([m])[0]
-            if i < n - 1 and m.accept_token(path[i]):
-                steps += 1
-        if steps:
-            m.rollback(steps)
-        return masks
-
-    def _ruled(self, rid: str, lg: torch.Tensor, path: list[int], last_only: bool = False) -> torch.Tensor:
-        """lg [n, V] masked by the request's grammar along path (the identity without one)."""
-        mk = self._masks_along(rid, path, lg.shape[0], last_only)
-        return lg if mk is None else lg.masked_fill(~mk.to(lg.device), float("-inf"))
-
-    # ---- self-speculative decoding ----------------------------------------------------------
-    def _draft(self, rid: str, r: PlanRow, row_logits: torch.Tensor) -> int:
-        """A draft token: greedy, the draft tier's argmax; sampled, a draw from the draft tier's
-        distribution q, which is kept (per input position) for the verification that follows. Its
-        penalties count the round's earlier drafts (the row carries them)."""
-        params, gen = self.sampling[rid]
-        row_logits = self._processed(rid, row_logits[None], [r.drafts])
-        if rid in self.matchers:  # the mask at this draft's position: after the round's earlier drafts
-            row_logits = self._ruled(rid, row_logits.expand(len(r.drafts) + 1, -1), list(r.drafts), True)[-1:]
-        row_logits = row_logits[0]
-        if params.greedy:
-            return int(argmax_rows(row_logits[None])[0])
-        q = probs_for(row_logits.cpu(), params)
-        self.draft_probs.setdefault(rid, {})[r.start_pos + len(r.token_ids) - 1] = q.float()
-        return draw(q, gen)
-
-    def _verify(self, rid: str, r: PlanRow, lg: torch.Tensor) -> tuple[list[int], int]:
-        """lg [g, V]: the target's logits at the round's g positions; r.drafts the g drafts."""
-        params, gen = self.sampling[rid]
-        kept = self.draft_probs.pop(rid, {})  # this round's, and any stale ones: all dropped now
-        drafts = list(r.drafts)
-        if len(drafts) != lg.shape[0]:
-            raise ValueError(f"request {rid}: {len(drafts)} drafts for {lg.shape[0]} verified positions")
-        # position i follows the drafts before it: the same transforms plain decoding would apply there
-        lg = self._processed(rid, lg, [drafts[:i] for i in range(len(drafts))])
-        lg = self._ruled(rid, lg, drafts)  # and the grammar's mask there (the drafts are checked against it)
-        if params.greedy:
-            return accept_greedy(drafts, argmax_rows(lg).tolist())
-        p = torch.stack([probs_for(row, params) for row in lg.cpu()])
-        q = [kept.get(r.start_pos + i) for i in range(len(drafts))]
-        return accept_sampled(p, q, drafts, gen)
-
-    # ---- the confidence cascade -------------------------------------------------------------
     def _escalations(self, watched: list[tuple[int, str, PlanRow]], logits: torch.Tensor) -> set[str]:
-        """Adds each watched row's confidence to its request's window; the requests whose full window
-        averages below their threshold (and that have a tier above them) escalate, window reset."""
+        """Each watched row's confidence into its request's window; the requests whose full window averages
+        below their threshold (and that have a tier above them) escalate, window reset."""
         idx = torch.tensor([k for k, _, _ in watched], dtype=torch.long, device=logits.device)
         confs = confidences(logits.index_select(0, idx))
         top = self.model.num_segments - 1
-        out = set()
-        for (_, rid, r), c in zip(watched, confs):
-            params = self.sampling[rid][0]
-            win = self.windows.get(rid)
-            if win is None or win.maxlen != params.cascade_window:
-                win = self.windows[rid] = deque(maxlen=params.cascade_window)
-            win.append(c)
-            if (len(win) == win.maxlen and sum(win) / len(win) < params.cascade_threshold
-                    and r.tier < top):
-                win.clear()
-                out.add(rid)
-        return out
+        return {rid for (_, rid, r), c in zip(watched, confs) if self.requests[rid].escalates(c, r.tier < top)}

@@ -16,7 +16,7 @@ import torch
 from core import protocol as P
 from core.cli import add_args, from_args, opt
 from core.redisconn import RedisTarget, add_redis_args, connect, target_from_args
-from worker.execution_swap import BackgroundCompile
+from worker.background_compile import BackgroundCompile
 from worker.family import ModelArgs
 from worker.formats import FORMATS, may_quantize, quantize_model, resolve_mode, weights_why
 from worker.formats.fp32 import FORMAT as FP32
@@ -41,7 +41,7 @@ class WorkerConfig(ModelArgs):
                             "between its workers)")
     compile: Literal["auto", "on", "off"] = opt(
         "off", "all-decode steps as compiled graphs, built in the background while the worker serves on the "
-               "eager path, swapped in between two steps (worker/execution_swap.py): on CPU (the torch ops) "
+               "eager path, swapped in between two steps (worker/background_compile.py): on CPU (the torch ops) "
                "inductor's, cached under $MFS_CACHE/inductor (the trunk's graphs first, then the exit blocks'); on CUDA (the triton ops) CUDA graphs per "
                "batch-size bucket. auto: where they build (what `mfs up` and compose.yaml pass); on: refused "
                "where they cannot; off: eager")

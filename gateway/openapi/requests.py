@@ -1,12 +1,14 @@
-"""The request side of the gateway's OpenAPI document: the ``mfs`` extension (whose rules depend on
-``model``) and the chat and completion request bodies, exactly as ``gateway.openai_api`` and the modules
-beside it validate them."""
+"""The request bodies in the gateway's OpenAPI document: chat and completion requests, every field
+OpenAI defines (honoured, or refused unless off), exactly as ``gateway.openai_api`` and the modules beside
+it validate them; the ``mfs`` field's schema is gateway/openapi/multilevel.py's."""
 from __future__ import annotations
 
-from core.params import INT32_MAX, PARAMS, Param, body_params
-from core.sampling import MAX_BIAS, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, SamplingParams
-from gateway.openai_api import MAX_LOGPROBS, MAX_N, ROLES
-from gateway.openapi_base import Facts, nullable, obj, ref
+from core.params import INT32_MAX, PARAMS, body_params
+from core.sampling import MAX_BIAS, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
+from gateway.openai_api import MAX_N, ROLES
+from gateway.openapi.facts import Facts
+from gateway.openapi.multilevel import multilevel_schema, per_model
+from gateway.openapi.schema import bounds_schema, nullable, num, obj, param_schema, ref
 from gateway.refused import REFUSED
 from gateway.structured import MAX_CHOICES
 
@@ -24,109 +26,6 @@ def id_pattern(top: int) -> str:
             alts.append(f"{d[:i]}[{lo}-{int(c) - 1}]{rest}")
     alts.append(d)
     return "^(" + "|".join(alts) + ")$"
-
-
-# ---- the mfs extension ------------------------------------------------------------------------
-def _draft(f: Facts, top: int) -> dict:
-    """A reference to a tier with index 0..top: its name, its model id, its index, or the index as
-    a string of at most 5 ASCII digits (how ``Service.resolve_tier`` reads it)."""
-    refs = [f.tier_names[i] for i in range(top + 1)] + [f.tier_ids[i] for i in range(top + 1)]
-    alts = [{"type": "string", "enum": list(dict.fromkeys(refs))},
-            {"type": "integer", "minimum": 0, "maximum": top}]
-    if top <= 9:
-        alts.append({"type": "string", "pattern": f"^0{{0,4}}[0-{top}]$"})
-    return {"anyOf": alts, "description": "A tier below the request's: its name ("
-            + ", ".join(f.tier_names[:top + 1]) + "), model id or index."}
-
-
-def _speculative(f: Facts, top: int | None) -> dict:
-    """``mfs.speculative`` for a request whose possible drafts are tiers 0..top (None: none)."""
-    gamma = nullable(at_path("spec_gamma", f"Draft tokens per verification round (server default "
-                                           f"{f.default_gamma})."))
-    has_default = f.default_draft is not None
-    values: list = [None, False] + ([True] if has_default else [])
-    alts: list[dict] = [{"enum": values}]
-    if top is not None or has_default:
-        if top is None:
-            draft = {"type": "null"}
-        else:
-            draft = nullable(_draft(f, top)) if has_default else _draft(f, top)
-        stop = nullable(at_path("spec_stop_confidence", "A round ends before 'gamma' drafts when the draft "
-                                "tier's top-token probability for its latest draft falls below this (0: "
-                                f"always 'gamma'; default {SamplingParams().spec_stop_confidence})."))
-        alts.append(obj({"draft": draft, "gamma": gamma, "stop_confidence": stop},
-                         [] if has_default else ["draft"]))
-    default = (f"true: the server's defaults (draft tier '{f.tier_names[f.default_draft]}')" if has_default
-               else "this server has no default draft tier: 'draft' is required")
-    return {"anyOf": alts, "description": "Self-speculative decoding: a lower tier drafts, the request's tier "
-            f"verifies. {default}; false: off."}
-
-
-def _cascade(f: Facts) -> dict:
-    has_default = f.default_threshold is not None
-    threshold = at_path("cascade_threshold", "Escalate one tier up when the mean top-token probability of "
-                        "the last 'window' tokens falls below it (1: at the end of every window; 0: never).")
-    window = nullable(at_path("cascade_window", f"Tokens the confidence is averaged over (server default "
-                                                f"{f.default_window})."))
-    asked = obj({"threshold": nullable(threshold) if has_default else threshold, "window": window},
-                 [] if has_default else ["threshold"])
-    default = (f"true: the server's defaults (threshold {f.default_threshold:g})" if has_default
-               else "this server has no default threshold: 'threshold' is required")
-    return {"anyOf": [{"enum": [None, False] + ([True] if has_default else [])}, asked],
-            "description": "Confidence cascade from the scored tier up; only for the family id or 'auto'. "
-                           f"{default}; false: off."}
-
-
-_ASKS = {"anyOf": [{"const": True}, {"type": "object"}]}
-
-
-def _multilevel(spec: dict, cascade: dict) -> dict:
-    return nullable(obj(
-        {"speculative": spec, "cascade": cascade},
-        # asking for both explicitly is a 400 ('mfs')
-        **{"not": {"required": ["speculative", "cascade"],
-                   "properties": {"speculative": _ASKS, "cascade": _ASKS}}},
-        description="MFS multi-level sampling (see the gateway README): self-speculative decoding or a "
-                    "confidence cascade, not both. null or a missing field: the server's default."))
-
-
-def _per_model(f: Facts) -> list[dict]:
-    """The ``mfs`` rules depend on ``model``: a tier model id takes no cascade and only drafts below it;
-    the family id / ``auto`` takes either (its draft is checked against the scored tier later)."""
-    no_cascade = {"enum": [None, False]}
-    alts = [{"properties": {"model": {"enum": [f.family, "auto"]}, "mfs": ref("MultiLevel")},
-             "description": "The family id: the gateway picks the tier; either kind of 'mfs'."}]
-    for k, tid in enumerate(f.tier_ids):
-        below = f"drafts from {', '.join(f.tier_names[:k])}" if k else "no draft"
-        alts.append({"properties": {"model": {"const": tid},
-                                    "mfs": _multilevel(_speculative(f, k - 1 if k else None), no_cascade)},
-                     "description": f"Tier '{f.tier_names[k]}': no cascade, {below}."})
-    return alts
-
-
-# ---- requests ---------------------------------------------------------------------------------
-def param_schema(p: Param) -> dict:
-    """A declared parameter (core/params.py) as the parser reads it: its type and bounds, or null."""
-    return nullable({**bounds_schema(p), "description": p.doc})
-
-
-def bounds_schema(p: Param) -> dict:
-    """A declared parameter's type and bounds (null aside)."""
-    s: dict = {"type": p.json_type}
-    if p.lo is not None:
-        s["exclusiveMinimum" if p.lo_open else "minimum"] = _num(p.lo)
-    if p.hi is not None:
-        s["exclusiveMaximum" if p.hi_open else "maximum"] = _num(p.hi)
-    return s
-
-
-def at_path(name: str, description: str) -> dict:
-    """The declared parameter a body carries at its path (``mfs.*``), described for that place."""
-    return {**bounds_schema(PARAMS[name]), "description": description}
-
-
-def _num(x: float) -> int | float:
-    return int(x) if float(x).is_integer() else x  # 2, not 2.0, in the document
 
 
 def _declared(endpoint: str) -> dict:
@@ -166,8 +65,8 @@ def _common_params(f: Facts) -> dict:
         "best_of": {"enum": [None, 1], "description": "Only 1."},
         "logit_bias": nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
                                  "propertyNames": {"pattern": id_pattern(f.vocab - 1)},
-                                 "additionalProperties": {"type": "number", "minimum": _num(-MAX_BIAS),
-                                                           "maximum": _num(MAX_BIAS)},
+                                 "additionalProperties": {"type": "number", "minimum": num(-MAX_BIAS),
+                                                           "maximum": num(MAX_BIAS)},
                                  "description": "Token id (a decimal string) -> a bias added to its logit before "
                                                 "penalties and sampling."}),
         **_structured(),
@@ -268,7 +167,7 @@ def _request(f: Facts, endpoint: str, required: str, first: dict, description: s
     props = {"model": ref("ModelId"), required: first, **_common_params(f), **_declared(endpoint), **extra}
     # Every OpenAI field is described (honoured, or refused unless off); a field the description does not
     # name is not read (the object stays open, as before: clients and SDKs add their own)
-    return obj(props, ["model", required], closed=False, anyOf=_per_model(f), description=description,
+    return obj(props, ["model", required], closed=False, anyOf=per_model(f), description=description,
                 **rules)
 
 
@@ -302,10 +201,13 @@ def _completion_request(f: Facts) -> dict:
 
 
 def request_schemas(f: Facts) -> dict:
-    """The components' schemas of the requests: the ``mfs`` extension and the two bodies."""
+    """The components' schemas of the requests: the model id they name, the ``mfs`` extension and the two
+    bodies."""
     return {
-        "MultiLevel": _multilevel(_speculative(f, len(f.tier_ids) - 2 if len(f.tier_ids) > 1 else None),
-                                  _cascade(f)),
+        "ModelId": {"enum": f.tier_ids + [f.family, "auto"],
+                    "description": f"A tier of the {f.family} family, or '{f.family}' / 'auto': the gateway "
+                                   "picks the tier from the prompt."},
+        "MultiLevel": multilevel_schema(f),
         "ChatCompletionRequest": _chat_request(f),
         "CompletionRequest": _completion_request(f),
     }

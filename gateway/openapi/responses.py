@@ -1,19 +1,19 @@
-"""The components of the gateway's OpenAPI document: every schema (the request bodies from
-``gateway.openapi_requests``, the responses, chunks, models, health and errors as the gateway writes them),
-the shared error responses and the headers."""
+"""What the gateway answers, in its OpenAPI document: completions and their stream chunks, usage, the
+``mfs`` served-by record, log-probabilities, models and health, as the gateway writes them; and the
+headers it sends."""
 from __future__ import annotations
 
 from core.protocol import EXECUTION_PATHS
 from gateway.openai_api import MAX_LOGPROBS, MAX_N
-from gateway.openapi_base import Facts, nullable, obj, ref
-from gateway.openapi_requests import request_schemas
+from gateway.openapi.facts import Facts
+from gateway.openapi.schema import nullable, obj, ref
 
-ERROR_TYPES = ["invalid_request_error", "authentication_error", "permission_error", "not_found_error",
-               "timeout_error", "rate_limit_error", "service_unavailable", "server_error"]
 FINISH_REASONS = ["stop", "length"]
 
 
-def component_schemas(f: Facts) -> dict:
+def response_schemas(f: Facts) -> dict:
+    """The components' schemas of what the gateway answers: completions, stream chunks, usage, models and
+    health (errors: gateway/openapi/errors.py)."""
     count = {"type": "integer", "minimum": 0}
     tier = ref("TierModelId")
     usage = obj({
@@ -77,11 +77,7 @@ def component_schemas(f: Facts) -> dict:
                    "created": {"type": "integer"}, "owned_by": {"type": "string"}},
                   ["id", "object", "created", "owned_by"])
     return {
-        "ModelId": {"enum": f.tier_ids + [f.family, "auto"],
-                    "description": f"A tier of the {f.family} family, or '{f.family}' / 'auto': the gateway "
-                                   "picks the tier from the prompt."},
         "TierModelId": {"enum": list(f.tier_ids)},
-        **request_schemas(f),
         "Usage": usage,
         "Served": served,
         "ChatCompletion": obj({
@@ -119,52 +115,11 @@ def component_schemas(f: Facts) -> dict:
                  ["status", "workers", "gateway_id"]),
             obj({"status": {"const": "error"}, "workers": {"const": 0}, "error": {"type": "string"}},
                  ["status", "workers", "error"])]},
-        "Error": obj({"message": {"type": "string", "minLength": 1},
-                       "type": {"enum": ERROR_TYPES},
-                       "param": {"type": ["string", "null"],
-                                 "description": "The request field at fault, e.g. 'max_tokens', "
-                                                "'messages[0].role', 'mfs.speculative.draft'."},
-                       "code": {"type": ["string", "null"],
-                                "description": "e.g. context_length_exceeded, unsupported_parameter, "
-                                               "model_not_found, invalid_api_key, rate_limit_exceeded, "
-                                               "backend_unavailable, timeout."}},
-                      ["message", "type", "param", "code"]),
-        "ErrorResponse": obj({"error": ref("Error")}, ["error"], description="OpenAI's error shape."),
     }
 
 
-def _error(description: str, *headers: str) -> dict:
-    out = {"description": description, "content": {"application/json": {"schema": ref("ErrorResponse")}}}
-    if headers:
-        out["headers"] = {h: {"$ref": f"#/components/headers/{h}"} for h in headers}
-    return out
-
-
-def component_responses(f: Facts) -> dict:
-    return {
-        "BadRequest": _error(
-            "Malformed JSON or an invalid, unsupported or out-of-bounds parameter ('param' names it); also "
-            "a prompt over the context (context_length_exceeded) or over the prompt bounds (prompt_too_long)."),
-        "Unauthorized": _error("API keys are configured and the request has none or a wrong one "
-                               "(invalid_api_key).", "WWW-Authenticate"),
-        "NotFound": _error("Unknown model (model_not_found) or unknown path."),
-        "PayloadTooLarge": _error(f"The body is over {f.max_body_bytes} bytes (request_too_large)."),
-        "RateLimited": _error(f"Over this key's requests or tokens per minute (rate_limit_exceeded), the "
-                              f"gateway's queue full: its --max-waiting / --max-waiting-per-tier bound or an "
-                              f"expected wait past --max-queue-wait (queue_full), or {f.max_inflight} requests in "
-                              f"flight on this gateway (too_many_requests). Retry-After says when to retry.",
-                              "Retry-After"),
-        "Unavailable": _error("No live worker (no_live_worker), Redis unreachable (backend_unavailable), the "
-                              "token stream broke (stream_interrupted, redis_interrupted), the request's worker "
-                              "was lost with no other to take it (worker_lost), or this gateway lost Redis "
-                              "long enough for the scheduler to cancel its requests (gateway_lost): retry.",
-                              "Retry-After"),
-        "Timeout": _error(f"The request did not finish within {f.request_timeout_s:g} s (timeout)."),
-        "ServerError": _error("Any other failure, in the same shape."),
-    }
-
-
-def component_headers() -> dict:
+def response_headers() -> dict:
+    """The components' headers: retry and auth hints, the request id and the rate limits."""
     def h(desc: str) -> dict:
         return {"description": desc, "schema": {"type": "string"}}
     return {
@@ -174,11 +129,3 @@ def component_headers() -> dict:
         **{f"x-ratelimit-{what}-{unit}": h(f"{what} of this key's {unit} per minute (with --rpm / --tpm).")
            for what in ("limit", "remaining", "reset") for unit in ("requests", "tokens")},
     }
-
-
-def err_refs(*statuses: int) -> dict:
-    names = {400: "BadRequest", 401: "Unauthorized", 404: "NotFound", 413: "PayloadTooLarge",
-             429: "RateLimited", 503: "Unavailable", 504: "Timeout"}
-    out = {str(s): {"$ref": f"#/components/responses/{names[s]}"} for s in statuses}
-    out["default"] = {"$ref": "#/components/responses/ServerError"}
-    return out

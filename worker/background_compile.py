@@ -1,4 +1,5 @@
-"""A worker that serves before its compiled decode graphs exist: a start nobody waits on.
+"""The background build of a serving worker's compiled decode path (:class:`BackgroundCompile`), swapped in
+when built: the worker serves eagerly meanwhile, a start nobody waits on.
 
 The worker registers at once and serves on the eager path. A background thread builds the compiled path
 meanwhile and hands it to the runner, which applies it between two steps (``ModelRunner.swap_in``); each
@@ -10,12 +11,12 @@ six graphs for the default family, the largest ones); the top tier's requests co
 both.
 
 Inductor's graphs are built by running throw-away requests (``ModelRunner.warm_up``) through a *shadow*
-of the model -- the same modules and weights, its own ``execution`` and its own copy of the LM head
-module (whose kernel the compiled path changes) -- over a scratch runner's own small KV pools, so the
-serving runner's model, pools and requests are never touched until the swap. The graphs are dynamic in
-the batch, the context and the pools' size, so the serving pools reuse them (tests/test_execution.py
+of the model -- a shallow copy: the same modules and weights under an ``execution`` of its own (a path
+changes nothing else on a model, worker/execution.py) -- over a scratch runner's own small KV pools, so
+the serving runner's model, pools and requests are never touched until the swap. The graphs are dynamic
+in the batch, the context and the pools' size, so the serving pools reuse them (tests/test_execution.py
 checks that no step recompiles after the swap). CUDA graphs bind the serving pools' addresses, so they
-are recorded at the swap, by the step loop (``record_graphs``: seconds on a GPU).
+are recorded at the swap, by the path's ``apply`` over the serving runner's pools (seconds on a GPU).
 """
 from __future__ import annotations
 
@@ -34,11 +35,9 @@ SCRATCH_BLOCKS = 8  # per segment: the warm-up's two requests of two blocks each
 
 
 def shadow(model):
-    """The model's modules and weights under another ``execution``, with its own LM head module object
-    (sharing the head's tensors) so the compiled head kernel set on it leaves the served model's alone."""
+    """The model's modules and weights (the same objects) under an ``execution`` of its own, eager: a path
+    applied to it leaves the served model's alone."""
     sh = copy.copy(model)
-    sh._modules = dict(model._modules)
-    sh._modules["lm_head"] = copy.copy(model.lm_head)
     sh.execution = None
     return sh
 

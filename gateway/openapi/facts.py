@@ -1,27 +1,7 @@
-"""The building blocks of the gateway's OpenAPI document (``gateway.openapi``): schema helpers and
-:class:`Facts`, what the document depends on, read from the gateway's Service and config."""
+"""What the gateway's OpenAPI document depends on (:class:`Facts`), read from its Service and config."""
 from __future__ import annotations
 
 from gateway.openai_api import Limits
-
-
-def ref(name: str) -> dict:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def nullable(schema: dict) -> dict:
-    """``schema`` or JSON null (the validator reads a null field as "not given")."""
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def obj(props: dict, required: list[str] | tuple[str, ...] = (), closed: bool = True, **kw) -> dict:
-    out = {"type": "object", "properties": props}
-    if required:
-        out["required"] = list(required)
-    if closed:
-        out["additionalProperties"] = False
-    out.update(kw)
-    return out
 
 
 class Facts:

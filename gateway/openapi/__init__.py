@@ -1,4 +1,7 @@
-"""The gateway's OpenAPI 3.1 description, served at ``GET /openapi.json`` (no API key needed, like /health).
+"""The gateway's OpenAPI 3.1 description, served at ``GET /openapi.json`` (no API key needed, like /health):
+the document, its paths and operations. Its parts: ``requests`` (the request bodies), ``multilevel`` (the
+``mfs`` extension), ``responses`` (what the gateway answers, and its headers), ``errors``, ``schema`` (JSON
+Schema helpers, declared parameters as schemas) and ``facts`` (what the document is built from).
 
 The document is built per gateway, from what it serves and how it is configured: model names are an
 enum of the family's tier model ids (plus the family id and ``auto``), the bounds come from its
@@ -28,8 +31,11 @@ from __future__ import annotations
 
 from importlib import metadata
 
-from gateway.openapi_base import Facts, ref
-from gateway.openapi_components import component_headers, component_responses, component_schemas, err_refs
+from gateway.openapi.errors import err_refs, error_responses, error_schemas
+from gateway.openapi.facts import Facts
+from gateway.openapi.requests import request_schemas
+from gateway.openapi.responses import response_headers, response_schemas
+from gateway.openapi.schema import ref
 
 PATH = "/openapi.json"
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -130,9 +136,9 @@ def build(svc, cfg, *, auth: bool) -> dict:
                                       "content": {"application/json": {"schema": {"type": "object"}}}}}}},
         },
         "components": {
-            "schemas": component_schemas(f),
-            "responses": component_responses(f),
-            "headers": component_headers(),
+            "schemas": {**request_schemas(f), **response_schemas(f), **error_schemas()},
+            "responses": error_responses(f),
+            "headers": response_headers(),
             "securitySchemes": {"bearerAuth": {
                 "type": "http", "scheme": "bearer",
                 "description": "An API key ('Authorization: Bearer <key>'); needed only when the gateway "
