@@ -24,6 +24,7 @@ import os
 import random
 import time
 from collections import defaultdict
+from dataclasses import replace
 from datetime import datetime, timezone
 
 from benches.load import TOPICS, machine
@@ -102,14 +103,16 @@ def throughput(model, prompts: list[list[int]], streams: int, tokens: int) -> tu
 
 
 def cost(model, prompts, tokens: int, repeats: int) -> dict:
+    from kernels import switches  # noqa: PLC0415
     res: dict = {}
+    base = switches.current()
     for streams in (1, 16):
         det, non = [], []
         for _ in range(repeats):  # alternated, so drift in the machine's load hits both
-            for flag, into in (("0", det), ("1", non)):
-                os.environ["MFS_NONDETERMINISTIC"] = flag
+            for nondeterministic, into in ((False, det), (True, non)):
+                switches.use(replace(base, nondeterministic=nondeterministic))
                 into.append(throughput(model, prompts, streams, tokens))
-        os.environ.pop("MFS_NONDETERMINISTIC", None)
+        switches.use(replace(base, nondeterministic=False))
         d, nd = max(w for w, _ in det), max(w for w, _ in non)
         dc, ndc = max(c for _, c in det), max(c for _, c in non)
         res[f"{streams}_streams"] = {"deterministic_tok_s": round(d, 1), "nondeterministic_tok_s": round(nd, 1),
@@ -123,12 +126,13 @@ def run(args) -> int:
     import torch  # noqa: PLC0415
 
     from engine.prompts import encode_prompt  # noqa: PLC0415
+    from kernels import switches  # noqa: PLC0415
     from worker.execution import compile_decode  # noqa: PLC0415
     from worker.family import load_family  # noqa: PLC0415
     if min(args.prompts, args.runs, args.tokens) < 1:
         raise ValueError("--prompts, --runs and --tokens must be >= 1")
     torch.set_num_threads(args.threads)
-    os.environ.pop("MFS_NONDETERMINISTIC", None)
+    switches.use(replace(switches.current(), nondeterministic=False))  # the served default, whatever the environment says
     fam = load_family(args.model, tiers=args.tiers, weights=args.weights)
     model, rng = fam.model, random.Random(args.seed)
     tiers = len(model.tiers)

@@ -27,6 +27,8 @@ from tqdm import tqdm
 
 from engine import Engine
 from worker.execution import compile_decode
+from worker.formats import may_quantize, quantize_model
+from worker.formats.fp32 import FORMAT as FP32
 from worker.model import standalone_tier, weight_bytes
 from worker.sampling import SamplingParams
 from engine.runtime import write_json
@@ -266,7 +268,7 @@ def run(args) -> int:
         raise ValueError("--num, --decode-num and --repeats must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    weights, args.weights = args.weights, "fp32"
+    weights, args.weights = args.weights, FP32.name
     fam = load_from_args(args)  # fp32 first: the standalone copies are cut from it, then quantized
     model = fam.model
     n = len(model.tiers)
@@ -276,8 +278,7 @@ def run(args) -> int:
                         _pair(args.decode_prompt_len, "--decode-prompt-len"),
                         _pair(args.decode_output_len, "--decode-output-len"))}
     copies = [standalone_tier(model, k) for k in range(n)]
-    if weights != "fp32":  # both layouts quantized alike
-        from worker.formats import quantize_model  # noqa: PLC0415
+    if may_quantize(weights):  # both layouts quantized alike
         for m in [model, *copies]:
             quantize_model(m, weights, gguf_path=fam.base.source, device=args.device,
                            load_tokenizer=lambda: fam.tokenizer)

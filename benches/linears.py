@@ -47,9 +47,9 @@ def _ours_build() -> bool:
 
 def _formats(group: int) -> dict:
     """The formats to time: each registered format that runs on this CPU (a format whose needs this
-    machine lacks, e.g. w4a8 without our operators, is left out and said), by ``--weights`` name
-    (int4 as ``int4-g{group}``); where our operators build, the other int8 kernel beside serving's
-    (``int8-torch`` or ``int8-mfs``). Each maker takes (weight, is_head)."""
+    machine lacks, e.g. w4a8 without our operators, is left out and said), by ``--weights`` name (with
+    ``-g{group}`` where its scales go per ``--group``, as int4's); where our operators build, the other
+    int8 kernel beside serving's (``int8-torch`` or ``int8-mfs``). Each maker takes (weight, is_head)."""
     fmts = {}
     for name in FORMATS:
         try:
@@ -57,7 +57,7 @@ def _formats(group: int) -> dict:
         except ValueError as e:
             print(f"bench linears: {name} left out: {e}")
             continue
-        fmts[f"int4-g{group}" if name == "int4" else name] = _packer(cfg)
+        fmts[f"{name}-g{group}" if FORMATS[name].takes_group else name] = _packer(cfg)
     if _ours_build():
         fmts["int8-torch" if int8_gemv_kernel() is not None else "int8-mfs"] = \
             _int8_on(_torch_int8 if int8_gemv_kernel() is not None else torch.ops.mfs.int8_gemv)

@@ -269,8 +269,8 @@ def add_parser(sub) -> None:
                    help="default-raw: the GGUF as shipped, the weights every contender can serve")
     p.add_argument("--modes", default="api",
                    help="what MFS contenders to run: 'api' is `mfs up --model M` with its defaults, measured "
-                        "through HTTP (gateway -> Redis -> worker); a --weights mode (fp32, int8, int4, w8a8, "
-                        "w4a8) runs in-process; MODE+compile adds the compiled decode segments (CPU), compiled "
+                        "through HTTP (gateway -> Redis -> worker); a --weights format (mfs up --help lists them) "
+                        "runs in-process; MODE+compile adds the compiled decode segments (CPU), compiled "
                         "in an untimed warm-up")
     p.add_argument("--build-llama-cpp", action="store_true",
                    help="when llama-cpp-python is missing or its build crashes on this CPU, build it here with "
@@ -304,9 +304,11 @@ def run(args) -> int:
         return 2
     modes = args.modes.split(",")
     from worker.formats import FORMATS  # noqa: PLC0415  (the registry: a new format is a mode here too)
-    bad = [m for m in modes if m != "api" and (m.removesuffix("+compile") not in FORMATS or m == "w8a8+compile")]
+    bad = [m for m in modes if m != "api" and (m.removesuffix("+compile") not in FORMATS or (
+        m.endswith("+compile") and FORMATS[m.removesuffix("+compile")].uncompilable()))]
     if bad:
-        print(f"--modes: unknown {', '.join(bad)} (api; {', '.join(FORMATS)}, all but w8a8 optionally +compile)",
+        compiled = ", ".join(f for f, fmt in FORMATS.items() if not fmt.uncompilable())
+        print(f"--modes: unknown {', '.join(bad)} (api; {', '.join(FORMATS)}; +compile after {compiled})",
               file=sys.stderr)
         return 2
     if args.repeats < 1:

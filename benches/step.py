@@ -28,7 +28,7 @@ def measure(model: str, weights: str, batch: int, steps: int, tier: int | None, 
     from engine import Engine  # noqa: PLC0415
     from worker.execution import compile_decode  # noqa: PLC0415
     from worker.family import load_family  # noqa: PLC0415
-    from worker.formats import linear_bytes_per_step  # noqa: PLC0415
+    from worker.formats import FORMATS, linear_bytes_per_step  # noqa: PLC0415
     from worker.sampling import SamplingParams  # noqa: PLC0415
     fam = load_family(model, weights=weights, fuse=fuse)
     if len(exit_kv) > 1 and not fam.model.exit_block_segments:
@@ -71,7 +71,7 @@ def measure(model: str, weights: str, batch: int, steps: int, tier: int | None, 
     for mode, ts in times.items():
         ts.sort()
         med = statistics.median(ts)
-        points.append({"weights": weights, "fused": fuse and weights != "fp32", "compiled": compile,
+        points.append({"weights": weights, "fused": fuse and FORMATS[weights].quantizes, "compiled": compile,
                        "exit_kv": mode, "warmup_s": round(warm_s[mode], 2), "batch": batch, "tier": tier,
                        "steps": steps, "median_ms": round(med * 1e3, 2),
                        "p10_ms": round(ts[max(0, len(ts) // 10 - 1)] * 1e3, 2), "tokens_per_s": round(batch / med, 1),
@@ -82,7 +82,7 @@ def measure(model: str, weights: str, batch: int, steps: int, tier: int | None, 
 def add_parser(sub) -> None:
     p = sub.add_parser("step", help="median time of one decode step per weight format and batch size")
     p.add_argument("--model", default="default-raw")
-    p.add_argument("--weights", default="fp32,int8,int4", help="comma list of fp32, int8, int4, w8a8, w4a8")
+    p.add_argument("--weights", default="fp32,int8,int4", help="comma list of weight formats (mfs up --help lists them)")
     p.add_argument("--batch", default="1,16", help="comma list of batch sizes (requests decoding together)")
     p.add_argument("--tier", type=int, default=None, help="the requests' tier (default: the top tier)")
     p.add_argument("--steps", type=int, default=40, help="decode steps timed per point")
@@ -99,9 +99,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from worker.formats import FORMATS  # noqa: PLC0415
     weights = [w.strip() for w in args.weights.split(",") if w.strip()]
-    if not weights or any(w not in ("fp32", "int8", "int4", "w8a8", "w4a8") for w in weights):
-        raise ValueError(f"--weights: a comma list of fp32, int8, int4, w8a8, w4a8, got {args.weights!r}")
+    if not weights or any(w not in FORMATS for w in weights):
+        raise ValueError(f"--weights: a comma list of {', '.join(FORMATS)}, got {args.weights!r}")
     try:
         batches = [int(b) for b in args.batch.split(",")]
     except ValueError:

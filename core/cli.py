@@ -7,7 +7,8 @@ annotation (int, float, str, ``X | None``, ``Literal[...]`` as choices), its def
 default (or default factory). A bool field is a switch: ``--x`` (store_true) when it defaults to False,
 ``--no-x`` (store_false) when it defaults to True. The rest is per-field metadata, given with :func:`opt`:
 
-- ``help``: the flag's help text;
+- ``help``: the flag's help text, or a function returning it when the parser is built (a list that
+  grows at run time, as the registered weight formats);
 - ``flag``: another flag name (``--request-timeout`` for ``request_timeout_s``);
 - ``parse``: turns the flag's string into the field's value (a ValueError becomes an argparse error
   that shows its message);
@@ -24,7 +25,7 @@ import typing
 from typing import Any, Callable, Literal
 
 
-def opt(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,  # noqa: A002
+def opt(default: Any = dataclasses.MISSING, help: str | Callable[[], str] = "", *, flag: str | None = None,  # noqa: A002
         parse: Callable[[str], Any] | None = None, group: str | None = None, cli: bool = True,
         default_factory: Any = dataclasses.MISSING) -> Any:
     """A dataclass field with its command-line metadata (see the module docstring)."""
@@ -87,7 +88,8 @@ def add_args(p: argparse.ArgumentParser, cls: type, groups: dict[str, Any] | Non
         target = (groups or {}).get(meta["group"], p) if meta["group"] else p
         default, tp = _default(f), hints[f.name]
         is_bool = tp is bool
-        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": meta["help"] or None}
+        text = meta["help"]() if callable(meta["help"]) else meta["help"]
+        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": text or None}
         if is_bool:
             kw["action"] = "store_false" if default else "store_true"
         else:

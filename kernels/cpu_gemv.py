@@ -50,6 +50,8 @@ from typing import Callable
 import structlog
 import torch
 
+from kernels import switches
+
 log = structlog.get_logger(__name__)
 
 _HERE = Path(__file__).parent
@@ -74,9 +76,7 @@ def cpu_flags() -> set[str]:
 def isa() -> str:
     """The instruction set the operators are built for: ``avx512-vnni`` where the CPU has it, else
     ``avx2``; ``MFS_CPU_GEMV_ISA=avx2`` asks for the AVX2 build anyway (to compare the two)."""
-    want = os.environ.get("MFS_CPU_GEMV_ISA", "")
-    if want not in ("", "avx2", "avx512-vnni"):
-        raise ValueError(f"MFS_CPU_GEMV_ISA must be avx2 or avx512-vnni, got {want!r}")
+    want = switches.current().cpu_gemv_isa
     if want == "avx512-vnni" and not VNNI <= cpu_flags():
         raise ValueError("MFS_CPU_GEMV_ISA=avx512-vnni, but this CPU lacks " + ", ".join(sorted(VNNI - cpu_flags())))
     if want:
@@ -164,13 +164,14 @@ def build(sources: Path | Sequence[Path] = SOURCES, cxx: str | None = None,
 _background: dict[tuple, threading.Thread] = {}
 
 
-def build_in_background(sources: Sequence[Path] = SOURCES, env: str = "MFS_CPU_GEMV") -> threading.Thread | None:
+def build_in_background(sources: Sequence[Path] = SOURCES, switch: str = "MFS_CPU_GEMV") -> threading.Thread | None:
     """Starts :func:`build` of ``sources`` on a thread (once per process) where :func:`pick_operator`
-    would load them (a CPU with AVX2 or AVX-512, ``env`` not 0), so a cold start's compile (~10 s)
-    overlaps the work before their first use (reading and dequantizing the weights). Best effort: a
-    failure is left for the loader, which builds again (after this thread, by the cache's lock) and
-    reports it."""
-    if os.environ.get(env, "1") == "0" or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    would load them (a CPU with AVX2 or AVX-512, ``switch`` not 0: kernels/switches.py), so a cold
+    start's compile (~10 s) overlaps the work before their first use (reading and dequantizing the
+    weights). Best effort: a failure is left for the loader, which builds again (after this thread, by
+    the cache's lock) and reports it."""
+    if not switches.current().operator_on(switch) or \
+            torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     key = tuple(sorted(str(p) for p in sources))
     if key in _background:
@@ -325,18 +326,19 @@ def load_once(loaded: list, source: Path, register: Callable[[], None]) -> None:
 unavailable: dict[str, str] = {}
 
 
-def pick_operator(cache: list, env: str, load_lib: Callable[[], None], name: str, what: str, fallback: str,
+def pick_operator(cache: list, switch: str, load_lib: Callable[[], None], name: str, what: str, fallback: str,
                   detail: str = "") -> Callable | None:
     """``torch.ops.mfs.<name>`` (``load_lib()`` builds and loads its library) on a CPU where torch reports
-    AVX2 or AVX512, unless ``env`` is 0 or the build fails: then None, and the caller's ``fallback``
-    serves. Decided once per process into ``cache`` (a list, empty until then) and logged as ``what``."""
+    AVX2 or AVX512, unless ``switch`` (kernels/switches.py) is 0 or the build fails: then None, and the
+    caller's ``fallback`` serves. Decided once per process into ``cache`` (a list, empty until then) and
+    logged as ``what``."""
     if cache:
         return cache[0]
     cap = torch.backends.cpu.get_cpu_capability()
     unavailable.pop(name, None)
     kernel, why = None, None
-    if os.environ.get(env, "1") == "0":
-        why = f"{env}=0"
+    if not switches.current().operator_on(switch):
+        why = f"{switch}=0"
     elif cap not in ("AVX2", "AVX512"):
         why = f"cpu capability {cap} (the operators need AVX2)"
     else:

@@ -19,13 +19,13 @@ SDPA everywhere. The choice is logged once per process.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from kernels import switches
 from kernels.cpu_attention import decode_attention_kernel
 from kernels.cpu_gemv import load_once, pick_operator
 from kernels.paged_attention import gather_index, paged_attention_torch
@@ -61,7 +61,7 @@ def load() -> None:
 
 def deterministic() -> bool:
     """False where ``MFS_NONDETERMINISTIC=1`` opts out of the per-row operators."""
-    return os.environ.get("MFS_NONDETERMINISTIC", "0") != "1"
+    return not switches.current().nondeterministic
 
 
 def rows_kernel() -> bool:

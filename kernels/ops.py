@@ -5,10 +5,9 @@ back to its reference. Choose with :func:`select_backend`.
 """
 from __future__ import annotations
 
-import os
-
 import structlog
 
+from kernels import switches
 from kernels.kernel_ops import TORCH_OPS, KernelOps
 
 log = structlog.get_logger(__name__)
@@ -21,10 +20,11 @@ def _triton_ops() -> KernelOps:
 
 
 def select_backend(requested: str | None = None, device: str = "cpu") -> KernelOps:
-    """'auto' (default, or $MFS_KERNELS): Triton on CUDA, torch elsewhere. 'torch' / 'triton' force."""
-    choice = (requested or os.environ.get("MFS_KERNELS") or "auto").lower()
-    if choice not in {"auto", "torch", "triton"}:
-        raise ValueError(f"unknown kernel backend {choice!r}: expected auto, torch or triton")
+    """'auto' (default, or ``MFS_KERNELS``: kernels/switches.py): Triton on CUDA, torch elsewhere.
+    'torch' / 'triton' force."""
+    if requested is not None and requested not in switches.KERNELS:
+        raise ValueError(f"unknown kernel backend {requested!r}: expected {', '.join(switches.KERNELS)}")
+    choice = requested or switches.current().kernels
     if choice == "auto":
         choice = "triton" if str(device).startswith("cuda") else "torch"
     ops = TORCH_OPS

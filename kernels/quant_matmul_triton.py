@@ -29,13 +29,13 @@ language module on each, most of a call's time.)
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import switches
 from kernels.common_triton import (check_device, check_float, check_last_dim_contiguous, interpreted,
                                    needs_autograd, require, round_to)
 from kernels.quant_matmul import BITS, quant_matmul_torch
@@ -204,7 +204,7 @@ def _pick_config(key: tuple, args: tuple, interp: bool) -> Config:
     if cfg is not None:
         return cfg
     cfg = interpreter_config(key[0]) if interp else DEFAULT
-    if not interp and os.environ.get("MFS_QMM_TUNE", "1") != "0" and \
+    if not interp and switches.current().qmm_tune and \
             not torch.cuda.is_current_stream_capturing():
         cfg = _time_candidates(*args)
     _CHOSEN[key] = cfg

@@ -67,6 +67,23 @@ def default_family():
     from worker.family import load_family
     return load_family("default")
 
+
+@pytest.fixture
+def switch_env(monkeypatch):
+    """``switch_env(MFS_X="0", MFS_Y=None)``: sets (None: unsets) ``MFS_*`` switches for one test and has
+    the process read them again (kernels/switches.py reads them once); both undone after the test."""
+    from kernels import switches
+    monkeypatch.setattr(switches, "_current", [])
+
+    def set_switches(**env: str | None) -> None:
+        for name, value in env.items():
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        switches.use(None)
+    return set_switches
+
 # Triton fixes its library functions to GPU or interpreter mode when it is first imported: make every
 # test process use the CPU interpreter unless a GPU run asks otherwise.
 if not os.environ.get("MFS_TEST_GPU"):

@@ -120,10 +120,10 @@ def test_the_avx2_build_matches_the_reference_too(tmp_path):
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 
-def test_the_kernel_choice_can_be_turned_off(monkeypatch):
+def test_the_kernel_choice_can_be_turned_off(monkeypatch, switch_env):
     monkeypatch.setattr(cpu_attention, "_choice", [])
-    monkeypatch.setenv("MFS_CPU_ATTENTION", "0")
+    switch_env(MFS_CPU_ATTENTION="0")
     assert cpu_attention.decode_attention_kernel() is None
     monkeypatch.setattr(cpu_attention, "_choice", [])
-    monkeypatch.delenv("MFS_CPU_ATTENTION")
+    switch_env(MFS_CPU_ATTENTION=None)
     assert cpu_attention.decode_attention_kernel() is torch.ops.mfs.decode_attention

@@ -90,11 +90,10 @@ def test_it_traces_into_a_compiled_graph(op):
 
 @pytest.mark.parametrize("capability,env,takes", [("AVX2", None, True), ("AVX512", None, True),
                                                   ("DEFAULT", None, False), ("AVX2", "0", False)])
-def test_the_kernel_is_chosen_by_capability(monkeypatch, capability, env, takes):
+def test_the_kernel_is_chosen_by_capability(monkeypatch, switch_env, capability, env, takes):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(cpu_gemv, "_choice", [])
-    if env is not None:
-        monkeypatch.setenv("MFS_CPU_GEMV", env)
+    switch_env(MFS_CPU_GEMV=env)
     assert (cpu_gemv.int8_gemv_kernel() is torch.ops.mfs.int8_gemv) is takes
 
 
@@ -106,7 +105,7 @@ def test_a_failed_build_says_why(tmp_path, monkeypatch):
         cpu_gemv.build(src)
 
 
-def test_a_background_build_fills_the_cache_once_and_leaves_failures_to_the_loader(tmp_path, monkeypatch):
+def test_a_background_build_fills_the_cache_once_and_leaves_failures_to_the_loader(tmp_path, monkeypatch, switch_env):
     """build_in_background: the library in the cache when its thread ends, one thread per set of sources,
     none where the operators would not be loaded; a source that fails leaves the error to build()."""
     monkeypatch.setenv("MFS_CACHE", str(tmp_path / "cache"))
@@ -115,18 +114,18 @@ def test_a_background_build_fills_the_cache_once_and_leaves_failures_to_the_load
     good, bad = tmp_path / "good.cpp", tmp_path / "bad.cpp"
     good.write_text("extern \"C\" int mfs_probe() { return 1; }\n")
     bad.write_text("this is not C++\n")
-    t = cpu_gemv.build_in_background([good], "MFS_PROBE_OP")
-    assert cpu_gemv.build_in_background([good], "MFS_PROBE_OP") is t
+    t = cpu_gemv.build_in_background([good], "MFS_CPU_ROWS")
+    assert cpu_gemv.build_in_background([good], "MFS_CPU_ROWS") is t
     t.join(120)
     assert list((tmp_path / "cache" / "kernels").glob("*/libmfs_cpu_gemv.so"))
-    cpu_gemv.build_in_background([bad], "MFS_PROBE_OP").join(120)  # no exception escapes the thread
+    cpu_gemv.build_in_background([bad], "MFS_CPU_ROWS").join(120)  # no exception escapes the thread
     with pytest.raises(RuntimeError, match="failed on bad.cpp"):
         cpu_gemv.build(bad)
-    monkeypatch.setenv("MFS_PROBE_OP", "0")
-    assert cpu_gemv.build_in_background([tmp_path / "other.cpp"], "MFS_PROBE_OP") is None
-    monkeypatch.delenv("MFS_PROBE_OP")
+    switch_env(MFS_CPU_ROWS="0")
+    assert cpu_gemv.build_in_background([tmp_path / "other.cpp"], "MFS_CPU_ROWS") is None
+    switch_env(MFS_CPU_ROWS=None)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    assert cpu_gemv.build_in_background([tmp_path / "other.cpp"], "MFS_PROBE_OP") is None
+    assert cpu_gemv.build_in_background([tmp_path / "other.cpp"], "MFS_CPU_ROWS") is None
 
 
 def test_an_int8_linear_on_avx2_runs_it(monkeypatch):

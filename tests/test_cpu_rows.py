@@ -69,7 +69,7 @@ def test_attention_matches_sdpa_and_a_query_is_the_same_alone_or_in_any_step():
             assert torch.equal(one, got[i:i + 1]), (r, i)
 
 
-def test_opting_out_serves_the_torch_references(monkeypatch):
-    monkeypatch.setenv("MFS_NONDETERMINISTIC", "1")
+def test_opting_out_serves_the_torch_references(switch_env):
+    switch_env(MFS_NONDETERMINISTIC="1")
     x, w = torch.randn(3, 64), torch.randn(64)
     assert torch.equal(cpu_rows.rms_norm(x, w, 1e-5), rms_norm_torch(x, w, 1e-5))

@@ -397,11 +397,12 @@ def test_w4a8_from_float_is_q4_1s_recipe():
     assert lin.dm.dtype == torch.float16 and lin.tiled and lin.qweight.shape == (3, 2, 4, 16, 4)  # 48 rows: three tiles
 
 
-def test_w4a8_tiles_where_the_rows_come_in_sixteens_and_the_row_layout_elsewhere(monkeypatch):
+def test_w4a8_tiles_where_the_rows_come_in_sixteens_and_the_row_layout_elsewhere(switch_env):
     from worker.formats import Q4A8Linear
+    switch_env(MFS_W4A8_TILES=None)
     w = torch.randn(48, 64, generator=torch.Generator().manual_seed(2))
     tiled, rows = Q4A8Linear.from_float(w), Q4A8Linear.from_float(w[:40])
-    monkeypatch.setenv("MFS_W4A8_TILES", "0")
+    switch_env(MFS_W4A8_TILES="0")
     off = Q4A8Linear.from_float(w)
     assert tiled.tiled and not rows.tiled and not off.tiled
     assert torch.equal(tiled.dequantize(), off.dequantize()) and torch.equal(rows.dequantize(), off.dequantize()[:40])

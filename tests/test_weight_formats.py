@@ -1,23 +1,40 @@
-"""The weight-format package (worker/formats/): a format added in one place (a scheme and a registry
-line) is loaded, fused, counted, served and benched through the public path; every invalid combination
-is refused by the registry with a message that says what; the schemes answer what the execution layer
-asks (compilable, graphable, a swappable head kernel); the MFS_* switches are read and checked once."""
+"""The weight-format package (worker/formats/): a format added in one place (its own module and one
+registry line) is listed by `mfs` (the flag's help, the start line), loaded, fused, counted, served and
+benched through the public path; every invalid combination is refused by the registry with a message
+that says what; the schemes answer what the execution layer asks (compilable, graphable, a swappable
+head kernel)."""
 from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from types import ModuleType
 
 import pytest
 import torch
 from torch import nn
 
-from worker.formats import (FORMATS, Int8DynamicLinear, Int8Embedding, Layout, Scheme, Switches, WeightConfig,
-                            WeightFormat, linear_bytes_per_step, names, quantize_model, register, resolve,
-                            rows_kernel_head, uncompilable, ungraphable)
+from worker.formats import (FORMATS, Int8DynamicLinear, Int8Embedding, linear_bytes_per_step, names,
+                            quantize_model, register, resolve, rows_kernel_head, uncompilable, ungraphable)
+from worker.family import ModelArgs  # noqa: F401 (the model flags exist before a format is added)
+
+# A new format's whole module, as a file of its own in a package outside the tree: its scheme (class
+# answers, ``supports`` / ``load``, a forward; ``concat`` and ``step_bytes`` from the base) and its
+# ``FORMAT``. The counter says the served model ran it.
+HALF16_MODULE = '''"""``--weights half16``: the weights in fp16, applied in fp32 (a toy format)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.formats.scheme import Scheme, WeightConfig
+from worker.formats.weightformat import Layout, WeightFormat
 
 
 class Half16Linear(Scheme):
-    """A toy format: the weights in fp16, applied in fp32 (what a real new format's module looks like:
-    class answers, ``supports`` / ``load``, a forward; ``concat`` and ``step_bytes`` from the base)."""
     name, backend, graphable = "half16", "any", True
     row_tensors = ("qweight",)
+    calls = 0  # forwards run, over every instance
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -30,18 +47,29 @@ class Half16Linear(Scheme):
         return cls(mod.weight, mod.bias), False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
         return nn.functional.linear(x, self.qweight.float(), self.bias)
 
 
-HALF16 = WeightFormat("half16", "fp16 weights (a test's toy)", ("cpu",), layouts={
-    "cpu": Layout((Half16Linear,), (Half16Linear,), embedding=())})
+FORMAT = WeightFormat("half16", "fp16 weights (a test's toy)", ("cpu",),
+                      layouts={"cpu": Layout((Half16Linear,), (Half16Linear,))})
+'''
 
 
 @pytest.fixture
-def half16():
-    register(HALF16)  # the one registry line a new format adds
-    yield HALF16
+def half16(tmp_path, monkeypatch) -> ModuleType:
+    """The toy format's module, written into a package of its own, imported, and registered."""
+    pkg = tmp_path / "toyformats"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "half16.py").write_text(HALF16_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("toyformats.half16")
+    register(module.FORMAT)  # the one registry line a new format adds
+    yield module
     del FORMATS["half16"]
+    for name in ("toyformats.half16", "toyformats"):
+        sys.modules.pop(name, None)
 
 
 def _model(llama_dir):
@@ -57,7 +85,7 @@ def test_a_format_added_in_one_place_loads_fuses_counts_and_serves(llama_dir, ha
     report = quantize_model(model, "half16")
     assert report.schemes == {"half16": len(report.from_float)} and report.fused == 2 * len(model.layers)
     layer, ref_layer = model.layers[0], fp32.layers[0]
-    assert isinstance(layer.qkv_proj, Half16Linear) and isinstance(model.lm_head, Half16Linear)
+    assert isinstance(layer.qkv_proj, half16.Half16Linear) and isinstance(model.lm_head, half16.Half16Linear)
     x = torch.randn(3, layer.qkv_proj.in_features)
     want = torch.cat([ref_layer.q_proj(x), ref_layer.k_proj(x), ref_layer.v_proj(x)], -1)
     torch.testing.assert_close(layer.qkv_proj(x), want, rtol=0, atol=1e-3)  # fp16's rounding, fused by the base concat
@@ -68,18 +96,37 @@ def test_a_format_added_in_one_place_loads_fuses_counts_and_serves(llama_dir, ha
     assert len(out[0]) == 4 and all(0 <= t < model.cfg.vocab_size for t in out[0])
 
 
-def test_a_format_added_in_one_place_is_a_flag_and_a_bench_column(llama_dir, half16):
-    from benches.linears import measure
-    from worker.family import ModelArgs, load_family
-    import argparse
-    from core.cli import add_args
-    p = argparse.ArgumentParser()
-    add_args(p, ModelArgs)
-    assert p.parse_args(["--weights", "half16"]).weights == "half16"
+def test_a_format_added_in_one_place_is_listed_loaded_and_served_by_mfs(tmp_path, frontend, half16, capsys):
+    """The real `mfs` command line: `mfs up --help` lists the format with its help, `mfs up`'s start
+    line names it, a bad name is refused, and `mfs generate --weights half16` serves a tiny model
+    through the toy format's modules."""
+    from family.manifest import manifest_for
+    from mfs.cli import build_parser, main
+    from mfs.commands import chosen, compile_choice
+    from tests.support.factories import tiny_llama_with_tokenizer
+    parser = build_parser()
+    up = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["up"]
+    assert "half16 = fp16 weights (a test's toy)" in " ".join(up.format_help().split())
+    args = parser.parse_args(["up", "--weights", "half16", "--device", "cpu"])
+    args.compile = compile_choice(args)
+    assert "weights half16 (--weights half16)" in chosen(args, 1)
     with pytest.raises(SystemExit):
-        p.parse_args(["--weights", "int3"])
+        parser.parse_args(["up", "--weights", "half17"])
+    assert "--weights 'half17': expected one of auto, fp32, int8, int4, w8a8, w4a8, half16" in capsys.readouterr().err
+    family = tiny_llama_with_tokenizer(tmp_path / "fam", frontend.tokenizer)
+    tier = manifest_for(str(family))[0].tiers[-1].name
+    half16.Half16Linear.calls = 0
+    assert main(["generate", "--model", str(family), "--weights", "half16", "--device", "cpu", "--tier", tier,
+                 "--max-tokens", "3", "--seed", "1", "hello"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert half16.Half16Linear.calls > 0  # the served linears were the toy format's
+
+
+def test_a_format_added_in_one_place_is_a_bench_column(llama_dir, half16):
+    from benches.linears import measure
+    from worker.family import load_family
     assert isinstance(load_family(str(llama_dir), tiers="2,4,6", dtype="float32",
-                                  weights="half16").model.lm_head, Half16Linear)
+                                  weights="half16").model.lm_head, half16.Half16Linear)
     rows, steps = measure(shapes=[("q 64->32", 64, 32, 2), ("head 64->128", 64, 128, 1)], batches=(1,), reps=1)
     assert {"fp32_us", "int8_us", "w8a8_us", "half16_us"} <= set(rows[0]) and "half16" in steps["1"]
 
@@ -117,15 +164,3 @@ def test_the_execution_layer_asks_the_schemes(llama_dir):
     int8 = _model(llama_dir)
     quantize_model(int8, "int8")
     assert uncompilable(int8) == [] and rows_kernel_head(int8) and isinstance(int8.embed_tokens, Int8Embedding)
-
-
-def test_the_switches_are_read_and_checked_once(monkeypatch):
-    monkeypatch.setenv("MFS_W4A8_TILES", "0")
-    assert resolve("int8").switches == Switches.from_env() and not resolve("int8").tiles
-    monkeypatch.setenv("MFS_W4A8_TILES", "yes")
-    with pytest.raises(ValueError, match="MFS_W4A8_TILES='yes'"):
-        resolve("int8")
-    monkeypatch.setenv("MFS_W4A8_TILES", "1")
-    monkeypatch.setenv("MFS_KERNELS", "cuda")
-    with pytest.raises(ValueError, match="MFS_KERNELS"):
-        Switches.from_env()

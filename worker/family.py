@@ -13,7 +13,8 @@ from family.manifest import Manifest, TierSpec, manifest_for, parse_tiers, resol
 from kernels import KernelOps, select_backend
 from worker.arch import to_llama_layout
 from worker.config import ModelConfig
-from worker.formats import FORMATS, parse_weights
+from worker.formats import FORMATS, may_quantize, parse_weights
+from worker.formats.fp32 import FORMAT as FP32
 from family.loader import BaseWeights, load_base
 from worker.model import NestedModel, Tier, skeleton
 
@@ -56,14 +57,15 @@ def build_model(base: BaseWeights, tiers: list[TierSpec], dtype: torch.dtype = t
 
 def load_family(model: str = "default", tiers: str | None = None, dtype: str | None = None,
                 device: str = "cpu", max_positions: int | None = 4096,
-                kernels: str | None = None, weights: str = "fp32", fuse: bool = True) -> LoadedFamily:
+                kernels: str | None = None, weights: str = FP32.name, fuse: bool = True) -> LoadedFamily:
     """``weights``: a format of :data:`worker.formats.FORMATS` or auto: see :func:`worker.formats.quantize_model`
     (``fuse``: its q/k/v and gate/up fusion; off only to measure it)."""
     manifest, mdir = manifest_for(model, tiers)
     if tiers and mdir is not None:
         manifest.tiers = parse_tiers(tiers, max(t.layers for t in manifest.tiers))
         manifest.weights = None if manifest.weights and manifest.weights.get("kind") == "delta" else manifest.weights
-    if weights != "fp32" and device == "cpu":  # our CPU operators compile while the weights are read
+    quantizes = may_quantize(weights)  # a bad name is refused before the load
+    if quantizes and device == "cpu":  # our CPU operators compile while the weights are read
         from kernels.cpu_gemv import build_in_background  # noqa: PLC0415
         build_in_background()
     base = load_base(resolve_base(manifest.base, mdir))
@@ -74,7 +76,7 @@ def load_family(model: str = "default", tiers: str | None = None, dtype: str | N
     if manifest.weights and mdir is not None:
         from worker.checkpoint import apply_weights  # noqa: PLC0415
         apply_weights(nm, mdir / manifest.weights["file"], manifest.weights["kind"])
-    if weights != "fp32":  # after any delta: quantize the weights that will be served
+    if quantizes:  # after any delta: quantize the weights that will be served
         from worker.formats import quantize_model  # noqa: PLC0415
         quantize_model(nm, weights, gguf_path=base.source, device=device, fuse=fuse,
                        load_tokenizer=lambda: base.tokenizer)
@@ -90,8 +92,8 @@ class ModelArgs:
     dtype: Literal["float32", "bfloat16", "float16", "float64"] | None = None
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     kernels: Literal["auto", "torch", "triton"] | None = None
-    weights: str = opt("fp32", "serve weights quantized: " + "; ".join(f"{f.name} = {f.help}" for f in FORMATS.values())
-                       + "; auto picks by the device and CPU", parse=parse_weights)
+    weights: str = opt(FP32.name, lambda: "serve weights quantized: " + "; ".join(
+        f"{f.name} = {f.help}" for f in FORMATS.values()) + "; auto picks by the device and CPU", parse=parse_weights)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -100,4 +102,4 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def load_from_args(args):
     return load_family(args.model, tiers=args.tiers, dtype=args.dtype, device=args.device,
-                       kernels=args.kernels, weights=getattr(args, "weights", "fp32"))
+                       kernels=args.kernels, weights=getattr(args, "weights", FP32.name))

@@ -18,6 +18,8 @@ from core.cli import add_args, from_args, opt
 from core.redisconn import RedisTarget, add_redis_args, connect, target_from_args
 from worker.background_compile import BackgroundCompile
 from worker.family import ModelArgs
+from worker.formats import FORMATS, may_quantize, quantize_model, resolve_mode, weights_why
+from worker.formats.fp32 import FORMAT as FP32
 from worker.loop import WorkerLoop, WorkerSpec
 from worker.runner import ModelRunner
 
@@ -55,14 +57,13 @@ class WorkerService(WorkerLoop):
         if str(cfg.device).startswith("cpu"):  # a cold start compiles our operators while it reads the weights
             from kernels import cpu_argmax, cpu_attention, cpu_gemv  # noqa: PLC0415
             cpu_gemv.build_in_background([cpu_argmax.SOURCE], "MFS_CPU_ARGMAX")  # greedy sampling's
-            if cfg.weights != "fp32":
+            if may_quantize(cfg.weights):
                 cpu_gemv.build_in_background()
             if cfg.compile != "off":
                 cpu_gemv.build_in_background([cpu_attention.SOURCE], "MFS_CPU_ATTENTION")
-        from worker.formats import resolve_mode, weights_why  # noqa: PLC0415
-        # A standalone tier is cut from the fp32 family, then quantized like the nested one.
+        # A standalone tier is cut from the family as loaded, then quantized like the nested one.
         fam = load_family(cfg.model, tiers=cfg.tiers, dtype=cfg.dtype, device=cfg.device,
-                          kernels=cfg.kernels, weights="fp32" if standalone else cfg.weights)
+                          kernels=cfg.kernels, weights=FP32.name if standalone else cfg.weights)
         # after the load: resolving auto waits for our operators (it asks whether they serve), which
         # compile while the weights are read (a bad --weights is refused by the load's quantization first)
         self.weights = resolve_mode(cfg.weights, cfg.device)
@@ -76,8 +77,7 @@ class WorkerService(WorkerLoop):
             source = base.source
             del fam  # the rest of the family is not this worker's: give its memory back
             _release_memory()
-            if self.weights != "fp32":
-                from worker.formats import quantize_model  # noqa: PLC0415
+            if FORMATS[self.weights].quantizes:
                 quantize_model(model, self.weights, gguf_path=source, device=cfg.device,
                                load_tokenizer=lambda: base.tokenizer)
         else:

@@ -2,13 +2,17 @@
 run by ``torch._weight_int4pack_mm_for_cpu`` on bf16 activations (its only vectorized form). The
 kernel dequantizes ``w = fma(q - 8, scale, zero)`` (checked in tests against its own output). A GGUF's
 Q4_1 blocks load as they ship: Q4_1's ``d * q + m`` becomes ``scale = d, zero = m + 8 d``, which the
-kernel dequantizes bit for bit to what transformers' GGUF loader produces."""
+kernel dequantizes bit for bit to what transformers' GGUF loader produces. ``FORMAT`` declares it (its
+LM head int8; on CUDA the Triton kernel's groups: worker/formats/groups.py)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from worker.formats.groups import Group4Linear, GroupQuantLinear
+from worker.formats.int8 import Int8Embedding, Int8Linear
 from worker.formats.scheme import GGUF_BLOCK, Scheme, WeightConfig, found_kind
+from worker.formats.weightformat import TWO_DEVICES, Layout, WeightFormat
 
 _INT4_PACK_ROWS = 64  # _convert_weight_to_int4pack_for_cpu lays rows out in blocks of this many
 
@@ -97,4 +101,9 @@ def q4_1_to_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
     return Int4Linear(q, d, zero, GGUF_BLOCK, bias, exact)
 
 
-__all__ = ["Int4Linear", "q4_1_to_int4"]
+FORMAT = WeightFormat("int4", "int4 in groups of 32 (a GGUF's own Q4_1 blocks where they match)", TWO_DEVICES,
+                      layouts={"cpu": Layout((Int4Linear, Int8Linear), (Int8Linear,), (Int8Embedding,)),
+                               "groups": Layout((Group4Linear,), (GroupQuantLinear,), (Int8Embedding,))},
+                      takes_group=True)
+
+__all__ = ["FORMAT", "Int4Linear", "q4_1_to_int4"]

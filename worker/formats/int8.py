@@ -1,6 +1,7 @@
 """int8 weights on CPU: :class:`Int8Linear` (per output channel; our ``mfs::int8_gemv`` on AVX2 / AVX-512,
 else torch's ``_weight_int8pack_mm``), :class:`Int8A8Linear` (w4a8's LM head: the same weights times
-8-bit activations) and :class:`Int8Embedding` (GGUF's Q8_0 layout, every format's embedding).
+8-bit activations) and :class:`Int8Embedding` (GGUF's Q8_0 layout, every quantized format's embedding);
+``FORMAT``, ``--weights int8`` (on CUDA the Triton kernel's groups: worker/formats/groups.py).
 
 torch's int8 kernel is vectorized only for bf16 activations (torch 2.13 CPU): with fp32 activations it
 runs a scalar loop 10-60x slower than fp32 ``F.linear`` (``mfs bench linears``), so it is fed bf16
@@ -10,14 +11,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import switches
 from kernels.cpu_gemv import int8_gemv_kernel, load as load_cpu_gemv, tile_int8_rows, untile_int8_rows
-from worker.formats.scheme import GGUF_BLOCK, Scheme, Switches, WeightConfig, found_kind
+from worker.formats.groups import GroupQuantLinear
+from worker.formats.scheme import GGUF_BLOCK, Scheme, WeightConfig, found_kind
+from worker.formats.weightformat import TWO_DEVICES, Layout, WeightFormat
 
 
 def tiles(out_features: int, tiled: bool | None = None) -> bool:
     """w4a8's linears and head in tiles of 16 rows: where N % 16 == 0, unless the config (or, for a
     module built directly, MFS_W4A8_TILES=0) says rows."""
-    want = Switches.from_env().w4a8_tiles if tiled is None else tiled
+    want = switches.current().w4a8_tiles if tiled is None else tiled
     return out_features % 16 == 0 and want
 
 
@@ -176,4 +180,8 @@ class Int8Embedding(Scheme):
         return self.forward(torch.arange(self.num_embeddings, device=self.qweight.device))
 
 
-__all__ = ["Int8A8Linear", "Int8Embedding", "Int8Linear", "tiles"]
+FORMAT = WeightFormat("int8", "int8 per channel", TWO_DEVICES, layouts={
+    "cpu": Layout((Int8Linear,), (Int8Linear,), (Int8Embedding,)),
+    "groups": Layout((GroupQuantLinear,), (GroupQuantLinear,), (Int8Embedding,))})
+
+__all__ = ["FORMAT", "Int8A8Linear", "Int8Embedding", "Int8Linear", "tiles"]

@@ -1,90 +1,31 @@
 """The weight formats by ``--weights`` name, ``auto`` resolved, and every invalid combination refused:
 all in :func:`resolve`, the one place.
 
-A :class:`WeightFormat` says, per layout ("cpu": torch's and our CPU packs; "groups": the Triton
-kernel's), which schemes (worker/formats/scheme.py) hold a model's linears, its LM head and its
-embedding, each list tried in order (the first whose ``supports`` holds takes the module); on which
-devices it runs; what it needs there; and what it does to the model before packing (w8a8 smooths).
-
-Adding a format: a module declaring its scheme(s) and a ``WeightFormat``, and one line in
-:data:`FORMATS` (or :func:`register` at run time: tests/test_weight_formats.py)."""
+Each format's module declares its :class:`~worker.formats.weightformat.WeightFormat` (``FORMAT``);
+adding one is that module and one :func:`register` line at the end of this file (or a call at run time:
+tests/test_weight_formats.py). ``--weights`` lists them in the order they are registered."""
 from __future__ import annotations
-
-from dataclasses import dataclass, field
-from typing import Callable
 
 import structlog
 import torch
-from torch import nn
 
 from kernels import cpu_gemv
-from kernels.cpu_gemv import int8_gemv_kernel, load as load_cpu_gemv
-from worker.formats.groups import Group4Linear, GroupQuantLinear
-from worker.formats.int4 import Int4Linear
-from worker.formats.int8 import Int8A8Linear, Int8Embedding, Int8Linear
-from worker.formats.scheme import GGUF_BLOCK, Scheme, Switches, WeightConfig
-from worker.formats.w4a8 import Q4A8Linear
-from worker.formats.w8a8 import Int8DynamicLinear
+from kernels.cpu_gemv import int8_gemv_kernel
+from worker.formats import (  # the formats' modules, one a line
+    fp32,
+    int4,
+    int8,
+    w4a8,
+    w8a8,
+)
+from kernels.switches import Switches, current as current_switches
+from worker.formats.scheme import GGUF_BLOCK, WeightConfig
+from worker.formats.weightformat import WeightFormat
 
 log = structlog.get_logger(__name__)
 
 AUTO = "auto"
-_TWO_DEVICES = ("cpu", "cuda")
-
-
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """The schemes of one layout, each list tried in order."""
-    linear: tuple[type[Scheme], ...]
-    head: tuple[type[Scheme], ...]
-    embedding: tuple[type[Scheme], ...] = (Int8Embedding,)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class WeightFormat:
-    name: str
-    help: str
-    devices: tuple[str, ...] = ()  # device types it serves; () any (fp32)
-    device_note: str = "quantized kernels exist for CPU and CUDA"  # said when the device is not one of them
-    layouts: dict[str, Layout] = field(default_factory=dict)  # {}: nothing is swapped (fp32)
-    group: int | None = None  # the only group it takes (w4a8: Q4_1's 32); None: any
-    requires: Callable[[WeightConfig], None] | None = None  # raises ValueError saying what is missing here
-    # before packing (w8a8: smoothing): (model, config, load_tokenizer) -> how many linears it changed
-    prepare: Callable[[nn.Module, WeightConfig, Callable | None], int] | None = None
-
-
-def _needs_cpu_operators(cfg: WeightConfig) -> None:
-    try:
-        load_cpu_gemv()
-    except (RuntimeError, OSError) as e:
-        raise ValueError(f"--weights {cfg.weights} needs our CPU operators (kernels/cpu_gemv.py), which did not "
-                         f"build here: {e}") from e
-
-
-def _smooth(model: nn.Module, cfg: WeightConfig, load_tokenizer: Callable | None) -> int:
-    """w8a8 first folds its activations' range into the weights, calibrated on text in the model's
-    tokenizer (worker/smoothing.py): it runs a nested model's tiers."""
-    from worker.smoothing import calibration_windows, input_amax, smooth  # noqa: PLC0415
-    if not hasattr(model, "exit_hidden"):
-        raise ValueError(f"--weights w8a8 smooths a nested model's activations; got {type(model).__name__}")
-    windows = calibration_windows(load_tokenizer() if load_tokenizer else None, model.cfg.vocab_size)
-    return smooth(model, input_amax(model, windows))
-
-
-FP32 = WeightFormat("fp32", "as loaded")
-INT8 = WeightFormat("int8", "int8 per channel", _TWO_DEVICES, layouts={
-    "cpu": Layout((Int8Linear,), (Int8Linear,)), "groups": Layout((GroupQuantLinear,), (GroupQuantLinear,))})
-INT4 = WeightFormat("int4", "int4 in groups of 32 (a GGUF's own Q4_1 blocks where they match)", _TWO_DEVICES, layouts={
-    "cpu": Layout((Int4Linear, Int8Linear), (Int8Linear,)), "groups": Layout((Group4Linear,), (GroupQuantLinear,))})
-W8A8 = WeightFormat("w8a8", "int8 weights times int8 activations (fbgemm: cheap extra rows, for batches)",
-                    ("cpu",), "fbgemm's int8 kernels are CPU only",
-                    {"cpu": Layout((Int8DynamicLinear,), (Int8DynamicLinear,))}, prepare=_smooth)
-W4A8 = WeightFormat("w4a8", "Q4_1 blocks times activations quantized per 32 as llama.cpp does (the fastest "
-                    "on CPUs with AVX2 or AVX-512)", ("cpu",), "its kernel is for CPUs with AVX2",
-                    {"cpu": Layout((Q4A8Linear, Int8Linear), (Int8A8Linear, Int8Linear))}, group=GGUF_BLOCK,
-                    requires=_needs_cpu_operators)
-
-FORMATS: dict[str, WeightFormat] = {f.name: f for f in (FP32, INT8, INT4, W8A8, W4A8)}
+FORMATS: dict[str, WeightFormat] = {}
 
 
 def register(fmt: WeightFormat) -> None:
@@ -106,6 +47,12 @@ def parse_weights(name: str) -> str:
     return name
 
 
+def may_quantize(weights: str) -> bool:
+    """Whether ``--weights weights`` may swap a loaded model's modules: its format quantizes, or it is
+    ``auto``, which is resolved only after the load (it waits for our CPU operators: worker/service.py)."""
+    return weights == AUTO or FORMATS[parse_weights(weights)].quantizes
+
+
 _auto_logged = False
 
 
@@ -120,9 +67,9 @@ def auto_choice(device: str = "cpu") -> str:
     for. Logged once per process."""
     global _auto_logged
     cap = torch.backends.cpu.get_cpu_capability()
-    choice = "fp32"
+    choice = fp32.FORMAT.name
     if str(device).startswith("cpu") and cap in ("AVX2", "AVX512"):
-        choice = "w4a8" if int8_gemv_kernel() is not None else "int4"
+        choice = (w4a8.FORMAT if int8_gemv_kernel() is not None else int4.FORMAT).name
     if not _auto_logged:
         log.info("weights auto", choice=choice, cpu_capability=cap, device=str(device))
         _auto_logged = True
@@ -136,15 +83,10 @@ def weights_why(asked: str, device: str = "cpu") -> str:
     if asked != AUTO:
         return f"--weights {asked}"
     cap = torch.backends.cpu.get_cpu_capability()
-    if auto_choice(device) == "int4":
+    if auto_choice(device) == int4.FORMAT.name:
         why = cpu_gemv.unavailable.get("int8_gemv", "unknown")
         return f"auto on {cap}: not w4a8, our CPU operators are unavailable ({why[:300]})"
     return f"auto on {cap}"
-
-
-def schemes(fmt: WeightFormat, layout: str) -> tuple[type[Scheme], ...]:
-    plan = fmt.layouts.get(layout)
-    return () if plan is None else (*plan.linear, *plan.head, *plan.embedding)
 
 
 def compile_refusal(scheme_names: list[str], weights: str = "") -> str:
@@ -169,13 +111,12 @@ def resolve(weights: str, device: str = "cpu", layout: str | None = None, group:
         known = ", ".join(fmt.layouts or ("cpu", "groups"))
         raise ValueError(f"--weights {fmt.name}: layout {layout!r}, expected one of {known}")
     if fmt.group is not None and group != fmt.group:
-        raise ValueError(f"--weights {fmt.name} uses Q4_1's blocks of {fmt.group} inputs; group {group} was asked")
-    stuck = sorted({s.name for s in schemes(fmt, layout) if not s.compilable})
+        raise ValueError(f"--weights {fmt.name} takes blocks of {fmt.group} inputs only; group {group} was asked")
+    stuck = fmt.uncompilable(layout)
     if compile and stuck and not dev.startswith("cuda"):
         raise ValueError(compile_refusal(stuck, fmt.name))
-    cfg = WeightConfig(fmt.name, dev, layout, group, switches or Switches.from_env())
-    if fmt.requires is not None:
-        fmt.requires(cfg)
+    cfg = WeightConfig(fmt.name, dev, layout, group, switches or current_switches())
+    fmt.check_machine(cfg)
     return cfg
 
 
@@ -184,5 +125,13 @@ def resolve_mode(mode: str, device: str = "cpu") -> str:
     return resolve(mode, device).weights
 
 
-__all__ = ["AUTO", "FORMATS", "Layout", "WeightFormat", "auto_choice", "compile_refusal", "schemes", "names", "parse_weights", "register",
-           "resolve", "resolve_mode", "weights_why"]
+__all__ = ["AUTO", "FORMATS", "WeightFormat", "auto_choice", "compile_refusal", "may_quantize", "names",
+           "parse_weights", "register", "resolve", "resolve_mode", "weights_why"]
+
+
+# The formats, one line each, in the order --weights lists them.
+register(fp32.FORMAT)
+register(int8.FORMAT)
+register(int4.FORMAT)
+register(w8a8.FORMAT)
+register(w4a8.FORMAT)

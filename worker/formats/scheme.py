@@ -14,53 +14,20 @@ A *scheme* is one format on one backend (int8 on torch's CPU pack, int4 in the T
 * ``step_bytes()`` -- the bytes a decode step streams through it;
 * ``takes_rows_kernel()`` -- whether the execution layer may swap its CPU kernel for a compiled one.
 
-:class:`WeightConfig` is the resolved request (format, device, layout, group) plus the ``MFS_*``
-switches, read once (:meth:`WeightConfig.switches`).
+:class:`WeightConfig` is the resolved request (format, device, layout, group) plus the process's ``MFS_*``
+switches (kernels/switches.py).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from torch import nn
 
+from kernels.switches import Switches, current as current_switches
+
 GGUF_BLOCK = 32  # GGUF's Q4_1 / Q8_0 blocks: 32 inputs
-
-
-@dataclass(frozen=True, slots=True)
-class Switches:
-    """The environment overrides of the weight formats and their kernels, as documented in README.md:
-
-    * ``MFS_W4A8_TILES=0`` -- w4a8's linears and head keep the row layouts (default: tiles of 16 rows);
-    * ``MFS_CPU_GEMV=0|1`` -- our int8 CPU operator off / required (read by kernels/cpu_gemv.py);
-    * ``MFS_CPU_GEMV_ISA=avx2|avx512-vnni`` -- which build of our CPU operators (kernels/cpu_gemv.py);
-    * ``MFS_KERNELS=auto|torch|triton`` -- the op table (kernels/ops.py);
-    * ``MFS_CPU_ATTENTION=0`` -- the graph's gather and SDPA instead of our attention operator;
-    * ``MFS_CPU_ARGMAX=0`` -- greedy sampling through ``torch.argmax`` instead of our operator.
-
-    The kernel layer reads its own four when it builds or picks an operator (it sits below worker/);
-    this record is where the formats read theirs and where every one is listed and checked."""
-    w4a8_tiles: bool = True
-    cpu_gemv: str = ""
-    cpu_gemv_isa: str = ""
-    kernels: str = ""
-    cpu_attention: str = ""
-    cpu_argmax: str = ""
-
-    @classmethod
-    def from_env(cls) -> "Switches":
-        env = os.environ
-        s = cls(w4a8_tiles=env.get("MFS_W4A8_TILES", "1") != "0", cpu_gemv=env.get("MFS_CPU_GEMV", ""),
-                cpu_gemv_isa=env.get("MFS_CPU_GEMV_ISA", ""), kernels=env.get("MFS_KERNELS", ""),
-                cpu_attention=env.get("MFS_CPU_ATTENTION", ""), cpu_argmax=env.get("MFS_CPU_ARGMAX", ""))
-        for name, value, allowed in (("MFS_W4A8_TILES", env.get("MFS_W4A8_TILES", "1"), ("0", "1")),
-                                     ("MFS_CPU_GEMV_ISA", s.cpu_gemv_isa, ("", "avx2", "avx512-vnni")),
-                                     ("MFS_KERNELS", s.kernels.lower(), ("", "auto", "torch", "triton"))):
-            if value not in allowed:
-                raise ValueError(f"{name}={value!r}: expected one of {', '.join(a or '(unset)' for a in allowed)}")
-        return s
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +37,7 @@ class WeightConfig:
     device: str = "cpu"
     layout: str = "cpu"  # "cpu" (torch's / our CPU packs) or "groups" (the Triton kernel's)
     group: int = GGUF_BLOCK  # int4's group along K
-    switches: Switches = field(default_factory=Switches)
+    switches: Switches = field(default_factory=current_switches)
 
     @property
     def tiles(self) -> bool:

@@ -23,8 +23,9 @@ from torch import nn
 from kernels.cpu_gemv import int8_gemv_kernel
 from worker.formats.gguf import GGUFSource, gguf_name
 from worker.formats.int8 import Int8Linear
-from worker.formats.registry import FORMATS, Layout, resolve
+from worker.formats.registry import FORMATS, resolve
 from worker.formats.scheme import GGUF_BLOCK, Scheme, WeightConfig
+from worker.formats.weightformat import Layout
 
 log = structlog.get_logger(__name__)
 
@@ -51,7 +52,7 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, gr
     cfg = resolve(mode, device, layout, group)
     fmt = FORMATS[cfg.weights]
     report = QuantReport(cfg.weights)
-    if not fmt.layouts:
+    if not fmt.quantizes:
         return report
     floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if floats - {torch.float32}:
@@ -89,7 +90,7 @@ def pack(mod: nn.Module, cfg: WeightConfig, is_head: bool = False) -> nn.Module:
     """One ``nn.Linear`` / ``nn.Embedding`` in format ``cfg`` from its fp32 values, as
     :func:`quantize_model` packs it (``mod`` itself where no scheme of the format holds it)."""
     fmt = FORMATS[cfg.weights]
-    scheme = _pick(fmt.layouts[cfg.layout], mod, is_head, cfg) if fmt.layouts else None
+    scheme = _pick(fmt.layouts[cfg.layout], mod, is_head, cfg) if fmt.quantizes else None
     return mod if scheme is None else scheme.load(mod, None, cfg)[0]
 
 

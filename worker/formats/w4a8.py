@@ -4,15 +4,17 @@ values, as llama.cpp runs such a model, on our operators ``mfs::w4a8_tile_gemv``
 interleaved, a register lane per output: linears whose outputs are a multiple of 16, all of the
 models') and ``mfs::w4a8_gemv`` (the rest), each block's products summed exactly in integers. Fewest
 bytes and the least arithmetic per weight of the CPU formats: the fastest on both machines measured
-(``--weights auto``). Its LM head is :class:`worker.formats.int8.Int8A8Linear`."""
+(``--weights auto``). Its LM head is :class:`worker.formats.int8.Int8A8Linear`; ``FORMAT`` declares it
+(CPU only, and only where our operators build)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from kernels.cpu_gemv import load as load_cpu_gemv, pack_q4_rows, tile_q4_rows, unpack_q4_rows, untile_q4_rows
-from worker.formats.int8 import tiles
+from worker.formats.int8 import Int8A8Linear, Int8Embedding, Int8Linear, tiles
 from worker.formats.scheme import GGUF_BLOCK, Scheme, WeightConfig, found_kind
+from worker.formats.weightformat import Layout, WeightFormat
 
 
 class Q4A8Linear(Scheme):
@@ -89,4 +91,9 @@ class Q4A8Linear(Scheme):
         return (d[..., None] * u + m[..., None]).view(self.out_features, self.in_features)
 
 
-__all__ = ["Q4A8Linear"]
+FORMAT = WeightFormat("w4a8", "Q4_1 blocks times activations quantized per 32 as llama.cpp does (the fastest "
+                      "on CPUs with AVX2 or AVX-512)", ("cpu",), "its kernel is for CPUs with AVX2",
+                      {"cpu": Layout((Q4A8Linear, Int8Linear), (Int8A8Linear, Int8Linear), (Int8Embedding,))},
+                      group=GGUF_BLOCK, needs_cpu_operators=True)
+
+__all__ = ["FORMAT", "Q4A8Linear"]

@@ -1,6 +1,7 @@
 """int8 weights times int8 activations on CPU (``--weights w8a8``): the decode-bound mode.
 
-Owns :class:`Int8DynamicLinear` (the scheme ``w8a8-cpu``) and :func:`reduce_range`.
+Owns :class:`Int8DynamicLinear` (the scheme ``w8a8-cpu``), :func:`reduce_range`, and ``FORMAT``, which
+first smooths the activations into the weights (:func:`smooth_activations`).
 
 Why it exists: torch's weight-only kernels (:mod:`worker.formats.int8`, :mod:`worker.formats.int4`) dequantize the weights and multiply
 in bf16/fp32, so every extra row of a batch costs its full FMA count — on these 2-core machines about
@@ -25,12 +26,15 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Callable
 
 import structlog
 import torch
 from torch import nn
 
+from worker.formats.int8 import Int8Embedding
 from worker.formats.scheme import Scheme, WeightConfig
+from worker.formats.weightformat import Layout, WeightFormat
 
 log = structlog.get_logger(__name__)
 
@@ -133,4 +137,19 @@ class Int8DynamicLinear(Scheme):
         return out
 
 
-__all__ = ["Int8DynamicLinear", "reduce_range"]
+def smooth_activations(model: nn.Module, cfg: WeightConfig, load_tokenizer: Callable | None) -> int:
+    """Folds the activations' range into the weights before packing, calibrated on text in the model's
+    tokenizer (worker/smoothing.py): it runs a nested model's tiers. Returns the linears changed."""
+    from worker.smoothing import calibration_windows, input_amax, smooth  # noqa: PLC0415
+    if not hasattr(model, "exit_hidden"):
+        raise ValueError(f"--weights w8a8 smooths a nested model's activations; got {type(model).__name__}")
+    windows = calibration_windows(load_tokenizer() if load_tokenizer else None, model.cfg.vocab_size)
+    return smooth(model, input_amax(model, windows))
+
+
+FORMAT = WeightFormat("w8a8", "int8 weights times int8 activations (fbgemm: cheap extra rows, for batches)",
+                      ("cpu",), "fbgemm's int8 kernels are CPU only",
+                      {"cpu": Layout((Int8DynamicLinear,), (Int8DynamicLinear,), (Int8Embedding,))},
+                      prepare=smooth_activations)
+
+__all__ = ["FORMAT", "Int8DynamicLinear", "reduce_range", "smooth_activations"]
