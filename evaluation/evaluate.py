@@ -346,8 +346,9 @@ def run(args) -> int:
 
 def record_quality(res: dict) -> Path:
     """Writes an evaluation's per-tier figures into the evaluated checkpoint's manifest (``quality``):
-    held-out perplexity / top, greedy agreement, the larger question set's first-sentence agreement
-    and the fixed questions answered correctly. The family id's routing reads them (quality floor)."""
+    held-out perplexity / top, greedy agreement, the larger question set's first-sentence agreement,
+    the fixed questions answered correctly and (with ``--questions``) the share of the top tier's
+    answered questions answered too. The family id's routing reads them (quality floor)."""
     from family.manifest import DEFAULT_FLOOR, Manifest  # noqa: PLC0415
     if res["model"] == "default-raw":
         raise ValueError("default-raw has no checkpoint of its own to record quality in")
@@ -361,6 +362,8 @@ def record_quality(res: dict) -> Path:
         q[t["name"]] = {"ppl_vs_top": round(t["ppl"]["all"] / top, 3), "agree_top": round(t["agree_top"], 3),
                         "answer_agree": round(t["agree_first_sentence"], 3),
                         "fixed_correct": t["fixed_correct"]}
+        if t.get("questions_share_of_top") is not None:  # --questions: the keyword-checked answers
+            q[t["name"]]["answers_of_top"] = round(t["questions_share_of_top"], 3)
     raw = Manifest.read(mdir)
     raw.quality = q
     raw.write(mdir)

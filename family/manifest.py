@@ -83,10 +83,33 @@ class Manifest:
 
 
 # The quality floor a lower tier must pass for the family id to route to it, unless the manifest's
-# quality record sets its own ("floor"): held-out perplexity at most 5x the top tier's, greedy
-# agreement with the top tier at least 35%, and (where `mfs eval --record-quality` recorded it) at
-# least half of the larger question set answered with the top tier's first sentence.
-DEFAULT_FLOOR = {"max_ppl_vs_top": 5.0, "min_agree_top": 0.35, "min_answer_agree": 0.5}
+# quality record sets its own ("floor", which then replaces this one whole): held-out perplexity at
+# most 1.3x the top tier's, greedy agreement with the top tier at least 75%, and at least 60% of the
+# held-out chat questions the top tier answers answered too (keyword-checked: `mfs eval --questions
+# ... --record-quality`). `mfs bench cuts` measured why: the cuts whose answers follow the top tier's
+# are the ones past this bar. A floor may instead name "min_answer_agree": the share of the larger
+# question set whose first sentence equals the top tier's.
+DEFAULT_FLOOR = {"max_ppl_vs_top": 1.3, "min_agree_top": 0.75, "min_answers_of_top": 0.6}
+# floor key -> (the tier's recorded figure, whether the figure must be at least (True) or at most the bound)
+_FLOOR_CHECKS = {"max_ppl_vs_top": ("ppl_vs_top", False), "min_agree_top": ("agree_top", True),
+                 "min_answers_of_top": ("answers_of_top", True), "min_answer_agree": ("answer_agree", True)}
+
+
+def floor_failures(record: dict | None, floor: dict) -> list[str]:
+    """What keeps a tier's quality record below ``floor`` ([] when it passes); a figure the floor asks
+    for and the record lacks is a failure (nothing measured it)."""
+    unknown = set(floor) - set(_FLOOR_CHECKS)
+    if unknown:
+        raise ValueError(f"quality floor: unknown keys {sorted(unknown)} (known: {sorted(_FLOOR_CHECKS)})")
+    out = []
+    for key, bound in floor.items():
+        name, at_least = _FLOOR_CHECKS[key]
+        got = (record or {}).get(name)
+        if got is None:
+            out.append(f"{name} not measured")
+        elif (got < bound) if at_least else (got > bound):
+            out.append(f"{name} {got:g} {'<' if at_least else '>'} {bound:g}")
+    return out
 
 
 def usable_tiers(manifest: Manifest) -> list[int]:
@@ -97,15 +120,8 @@ def usable_tiers(manifest: Manifest) -> list[int]:
     q = manifest.quality
     if not q:
         return list(range(n))
-    floor = {**DEFAULT_FLOOR, **q.get("floor", {})}
-    out = []
-    for i, t in enumerate(manifest.tiers):
-        r = q.get(t.name)
-        if i == n - 1 or (r and r["ppl_vs_top"] <= floor["max_ppl_vs_top"]
-                          and r["agree_top"] >= floor["min_agree_top"]
-                          and r.get("answer_agree", 1.0) >= floor["min_answer_agree"]):
-            out.append(i)
-    return out
+    floor = q.get("floor") or DEFAULT_FLOOR
+    return [i for i, t in enumerate(manifest.tiers) if i == n - 1 or not floor_failures(q.get(t.name), floor)]
 
 
 def package_dir(package: str) -> Path:

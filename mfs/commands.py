@@ -7,6 +7,7 @@ import sys
 
 from core.params import PARAMS
 from engine.prompts import encode_prompt
+from family.manifest import DEFAULT_FLOOR, floor_failures
 from worker.family import add_model_args, load_from_args
 
 
@@ -82,7 +83,8 @@ def tier_table(fam) -> list[dict]:
         q = quality.get(t.name)
         note = ("not precipitated: a truncated exit, weak" if weak and t.index < len(m.tiers) - 1 else "")
         if t.index not in floor:
-            note = (note + "; " if note else "") + "below the quality floor: the family id never routes here"
+            why = ", ".join(floor_failures(q, quality.get("floor") or DEFAULT_FLOOR))
+            note = (note + "; " if note else "") + f"below the quality floor ({why}): the family id never routes here"
         rows.append({
             "tier": t.name, "model_id": fam.model_id(t), "layers": t.layers, "exit_block_layers": t.block,
             "params": cfg.param_count_layers(t.layers + t.block) + embed + cfg.hidden_size,

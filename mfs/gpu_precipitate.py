@@ -134,7 +134,7 @@ def add_parser(sub) -> None:
     p.add_argument("--data", default="self,chat,stdlib,packages")
     p.add_argument("--init-from", default=None, metavar="SAFETENSORS",
                    help="warm start from an exit-blocks artifact (its blocks and norms), e.g. the shipped "
-                        "family's family/families/smollm2-135m/smollm2-135m-exit-blocks.safetensors")
+                        "10/20 family's family/families/smollm2-135m-10-20/smollm2-135m-exit-blocks.safetensors")
     p.add_argument("--block-layers", default=None,
                    help="exit-block layers per lower tier (e.g. 2,1, the shipped family's); default: the "
                         "method's")

@@ -21,16 +21,18 @@ def test_tiers_lists_layers_params_and_kv_bytes():
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     tiers = info["tiers"]
-    assert [t["layers"] for t in tiers] == [10, 20, 30]
+    assert [t["layers"] for t in tiers] == [26, 28, 30]
     assert [t["tier"] for t in tiers] == ["small", "medium", "large"]
     # 2 (K,V) x KV layers x 3 KV heads x 64 dims x 4 bytes; a tier's KV layers are its segments' pools:
     # trunk layers plus the exit-block layers of every boundary up to it (blocks write KV for every
     # token crossing their boundary)
     blocks = [t["exit_block_layers"] for t in tiers]
-    kv_layers = [sum(s + b for s, b in zip([10, 10, 10][:k + 1], blocks[:k + 1])) for k in range(3)]
+    kv_layers = [sum(s + b for s, b in zip([26, 2, 2][:k + 1], blocks[:k + 1])) for k in range(3)]
     assert [t["kv_bytes_per_token"] for t in tiers] == [2 * n * 3 * 64 * 4 for n in kv_layers]
     assert tiers[0]["params"] < tiers[1]["params"] < tiers[2]["params"]
     assert 130e6 < tiers[2]["params"] < 140e6
+    # the small tier misses the quality floor (mfs eval --record-quality measured it): named, never routed
+    assert [t["routable"] for t in tiers] == [False, True, True] and "quality floor" in tiers[0]["note"]
 
 
 def test_generate_rejects_unknown_tier_and_missing_model(llama_dir):

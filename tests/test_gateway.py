@@ -132,8 +132,8 @@ def test_family_id_never_routes_below_the_quality_floor(redis_url, frontend, bac
 
     from family.manifest import Frontend
     m = copy.deepcopy(frontend.manifest)
-    m.quality = {"small": {"ppl_vs_top": 44.6, "agree_top": 0.27},
-                 "medium": {"ppl_vs_top": 1.8, "agree_top": 0.62}}
+    m.quality = {"small": {"ppl_vs_top": 1.49, "agree_top": 0.73, "answers_of_top": 0.51},
+                 "medium": {"ppl_vs_top": 1.03, "agree_top": 0.84, "answers_of_top": 0.74}}
     cfg = GatewayConfig(redis_url=redis_url, gateway_id="gw-floor", frontend=Frontend(m, frontend.tokenizer),
                         max_body_bytes=1 << 20)
     q = [{"role": "user", "content": "What is the capital of France?"}]  # scores 0: small
@@ -466,3 +466,30 @@ def test_cached_tokens_counter():
     text = m.render().decode()
     assert 'mfs_cached_prompt_tokens_total{model="smollm2-135m-large"} 208.0' in text
     assert 'mfs_cached_prompt_tokens_total{model="smollm2-135m-small"} 0.0' in text
+
+
+def test_the_quality_floor_names_what_a_tier_misses():
+    """A tier passes the floor on every figure it names; a figure nobody measured fails it; a
+    manifest's own floor replaces the default whole (a family recorded against the first-sentence
+    floor keeps it); an unknown key is refused."""
+    import copy
+
+    import pytest as _pytest
+
+    from family.manifest import DEFAULT_FLOOR, floor_failures, usable_tiers
+    good = {"ppl_vs_top": 1.03, "agree_top": 0.84, "answers_of_top": 0.74}
+    assert floor_failures(good, DEFAULT_FLOOR) == []
+    assert floor_failures({**good, "agree_top": 0.74}, DEFAULT_FLOOR) == ["agree_top 0.74 < 0.75"]
+    assert floor_failures({**good, "ppl_vs_top": 1.31}, DEFAULT_FLOOR) == ["ppl_vs_top 1.31 > 1.3"]
+    assert floor_failures({"ppl_vs_top": 1.0, "agree_top": 0.9}, DEFAULT_FLOOR) == ["answers_of_top not measured"]
+    own = {"max_ppl_vs_top": 5.0, "min_agree_top": 0.35, "min_answer_agree": 0.5}
+    assert floor_failures({"ppl_vs_top": 4.0, "agree_top": 0.48, "answer_agree": 0.5}, own) == []
+    with _pytest.raises(ValueError, match="unknown keys"):
+        floor_failures(good, {"min_vibes": 1.0})
+    from family.manifest import Manifest, TierSpec
+    m = Manifest(family="f", base={"path": "x"}, tiers=[TierSpec("small", 2), TierSpec("medium", 4), TierSpec("large", 6)])
+    m.quality = {"small": {**good, "answers_of_top": 0.5}, "medium": good}
+    assert usable_tiers(m) == [1, 2]
+    m2 = copy.deepcopy(m)
+    m2.quality["floor"] = {"min_answers_of_top": 0.5}
+    assert usable_tiers(m2) == [0, 1, 2]
