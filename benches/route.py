@@ -1,6 +1,7 @@
 """`mfs bench route`: quality against cost of the family id's routing policies (RouteLLM-style).
 
-On the larger fixed question set (:data:`training.data.EVAL_QUESTIONS_LARGE`, greedy, chat template) every
+On the larger fixed question set (:data:`training.data.EVAL_QUESTIONS_LARGE`), or with ``--questions FILE`` a
+keyword-checked chat workload (each policy also counts its answers with a keyword), greedy, chat template, every
 policy picks a tier per prompt; its *quality* is the share of answers whose first sentence equals the
 top tier's answer (:func:`evaluation.eval_questions.first_sentence`), its *cost* the mean decoder layers run
 per generated token (trunk layers + exit-block layers of the tier that produced each token, plus the
@@ -88,7 +89,9 @@ def run(args) -> int:
     top = model.num_segments - 1
     usable = list(range(top + 1)) if args.ignore_floor else fam.usable_tiers()
     layers = [t.layers + t.block for t in model.tiers]
-    qs = D.EVAL_QUESTIONS_LARGE[: args.num_prompts] if args.num_prompts else D.EVAL_QUESTIONS_LARGE
+    keyed = Q.load_questions(args.questions) if args.questions else None
+    qs = [q for q, _ in keyed] if keyed else D.EVAL_QUESTIONS_LARGE
+    qs = qs[: args.num_prompts] if args.num_prompts else qs
     prompts = [D.chat_ids(tok, q) for q in qs]
     n = len(prompts)
     gen = _engine(model, n * (top + 1), args.max_tokens).generate(
@@ -101,11 +104,19 @@ def run(args) -> int:
         return sum(Q.first_sentence(tok.decode(a, skip_special_tokens=True)) == r and r != ""
                    for a, r in zip(toks, ref)) / n
 
+    def answered(toks: list[list[int]]) -> dict:
+        """--questions: the answers with one of their question's keywords."""
+        if not keyed:
+            return {}
+        return {"answered": sum(Q.has_keyword(tok.decode(a, skip_special_tokens=True), keyed[i][1])
+                                for i, a in enumerate(toks))}
+
     def static(name: str, tiers: list[int]) -> dict:
         toks = [answers[t][i] for i, t in enumerate(tiers)]
         cost = sum(len(a) * layers[t] for a, t in zip(toks, tiers)) / max(1, sum(map(len, toks)))
         return {"policy": name, "agreement": agree(toks), "layers_per_token": cost,
-                "tier_share": [tiers.count(t) / n for t in range(top + 1)]}
+                "tier_share": [tiers.count(t) / n for t in range(top + 1)],
+                "below_top": sum(t < top for t in tiers) / n, **answered(toks)}
 
     from gateway import complexity  # noqa: PLC0415
     points = [static("always-top", [top] * n), static("always-small", [0] * n)]
@@ -125,7 +136,8 @@ def run(args) -> int:
         res = run_cascade(model, prompts, starts, c, args.max_tokens)
         costs = [cascade_cost(model, r, len(p)) for r, p in zip(res, prompts)]
         points.append({"policy": f"confidence@{tau}+cascade@{c}", "tau": tau, "cascade_threshold": c,
-                       "agreement": agree([r["tokens"] for r in res]),
+                       "agreement": agree([r["tokens"] for r in res]), **answered([r["tokens"] for r in res]),
+                       "below_top": sum(r["tiers"][0] < top for r in res) / n,
                        "layers_per_token": sum(c_ for c_, _ in costs) / max(1, sum(k for _, k in costs)),
                        "escalations": sum(len(r["escalated_at"]) for r in res)})
     top_cost = points[0]["layers_per_token"]
@@ -133,20 +145,28 @@ def run(args) -> int:
         p["cost_vs_top"] = p["layers_per_token"] / top_cost
         p["agreement_vs_top"] = p["agreement"] / max(points[0]["agreement"], 1e-9)
         p["meets_target"] = p["agreement_vs_top"] >= 0.9 and p["cost_vs_top"] <= 0.6
-    out = {"model": args.model, "ignore_floor": args.ignore_floor,
+        if keyed:
+            p["answered_vs_top"] = p["answered"] / max(points[0]["answered"], 1)
+    out = {"model": args.model, "ignore_floor": args.ignore_floor, "questions_file": args.questions,
            "usable_tiers": [model.tiers[t].name for t in usable],
            "prompts": n, "max_tokens": args.max_tokens, "points": points,
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "seconds": round(time.perf_counter() - t0, 1)}
-    print(f"{'policy':<32} {'agree':>6} {'layers/tok':>10} {'cost/top':>8}")
-    for p in points:
-        print(f"{p['policy']:<32} {p['agreement']:>6.0%} {p['layers_per_token']:>10.1f} {p['cost_vs_top']:>8.2f}"
-              + ("  <- meets the target" if p["meets_target"] else ""))
+    report(points, bool(keyed))
     if args.json:
         write_json(args.json, out)
     if args.plot:
         plot(out, args.plot)
     return 0
+
+
+def report(points: list[dict], keyed: bool) -> None:
+    print(f"{'policy':<32} {'agree':>6} {'layers/tok':>10} {'cost/top':>8} {'below top':>9}"
+          + (f" {'answered':>8} {'÷ top':>6}" if keyed else ""))
+    for p in points:
+        print(f"{p['policy']:<32} {p['agreement']:>6.0%} {p['layers_per_token']:>10.1f} {p['cost_vs_top']:>8.2f} "
+              f"{p['below_top']:>9.0%}" + (f" {p['answered']:>8} {p['answered_vs_top']:>6.0%}" if keyed else "")
+              + ("  <- meets the target" if p["meets_target"] else ""))
 
 
 def plot(out: dict, path: str) -> None:
@@ -178,6 +198,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--num-prompts", type=int, default=0, help="first N prompts only (0: all)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--questions", default=None, metavar="JSONL",
+                   help="the workload: keyword-checked chat questions (e.g. evals/questions/chat_keywords.jsonl) "
+                        "instead of the larger fixed set; each policy also counts the answers with a keyword")
     p.add_argument("--ignore-floor", action="store_true",
                    help="let every policy use every tier (the curve the quality floor cuts off)")
     p.add_argument("--json", default=None)

@@ -91,6 +91,16 @@ def test_bench_route_measures_every_policy(tiny, tmp_path):  # noqa: F811
     assert by["always-top"]["cost_vs_top"] == 1.0
     assert all(0 <= p["agreement"] <= 1 for p in res["points"])
     assert (tmp_path / "route.png").stat().st_size > 0
+    assert by["always-top"]["below_top"] == 0 and by["always-small"]["below_top"] == 1
+    # a keyword-checked workload: each policy counts its answers with a keyword, always-top's is the unit
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text("".join(json.dumps({"question": q, "keywords": k}) + "\n" for q, k in
+                             [("Name a colour.", ["red", "blue"]), ("Say hi.", ["hi"]), ("Count to two.", ["two"])]))
+    assert mfs_main(["bench", "route", "--model", str(base), "--questions", str(qfile), "--max-tokens", "4",
+                     "--threads", "1", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["prompts"] == 3 and res["questions_file"] == str(qfile)
+    assert all(0 <= p["answered"] <= 3 and "answered_vs_top" in p for p in res["points"])
 
 
 def test_a_warm_start_with_an_added_layer_begins_where_the_artifact_ended(tiny, tmp_path, capsys):  # noqa: F811
