@@ -70,12 +70,16 @@ def bounded(window: int, most: list[int]):
     return watch
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_a_long_stream_gives_the_same_tokens_and_logits_and_holds_a_window(mistral, prefix_caching):
-    """120 greedy tokens of every tier past a 16-token window: bit-identical to the run that holds every
-    block, the top tier's equal to transformers' over the whole sequence, and each request holding at
-    most window / block_size + 2 blocks per segment throughout."""
+@pytest.mark.parametrize("tiers,prefix_caching", [("2,4,6", True), ("2,4,6", False), ("2+1,4+1,6", True)])
+def test_a_long_stream_gives_the_same_tokens_and_logits_and_holds_a_window(mistral, tiers, prefix_caching):
+    """120 greedy tokens of every tier past a 16-token window (lower tiers with exit blocks too, whose
+    layers are windowed as well): bit-identical to the run that holds every block, the top tier's equal
+    to transformers' over the whole sequence, and each request holding at most window / block_size + 2
+    blocks per segment throughout."""
     model, path = mistral
+    if tiers != "2,4,6":
+        model = load_family(str(path), tiers=tiers, dtype="float32").model
+        assert model.exit_block_segments == (0, 1) and model.kv_window == 16
     reqs = {f"t{t}": (PROMPT, t, SamplingParams(max_tokens=120, ignore_eos=True)) for t in range(3)}
     most: list[int] = []
     kw = dict(block_size=BS, num_blocks=128, keep_logits=True, prefix_caching=prefix_caching)
