@@ -12,7 +12,8 @@ Optional limits: how many tiers one step may mix, how often the tier mix may cha
 budget, per second), and per-tier shares of the KV pool.
 
 Prefix caching and lazy exits: scheduler/prefix_cache.py (:class:`PrefixCaching`, a base of the
-scheduler).
+scheduler). Where every layer attends within a window, a running request's blocks behind it go back to
+the pools after each step (scheduler/window.py).
 
 Self-speculative decoding (draft rows of a lower tier, then one verification row of the target tier)
 and the confidence cascade (catch-up rows after an escalation) are scheduled here; their rules and
