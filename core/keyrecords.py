@@ -50,6 +50,7 @@ class WorkerInfo:
     epoch: int = 0          # the newest scheduler epoch it has seen in a plan
     heartbeat: float = 0.0
     exit_blocks: list[int] = field(default_factory=list)  # segments whose tier has an exit block
+    kv_window: int = 0      # every layer's attention window when each has one (blocks behind it go back)
 
     def to_hash(self) -> dict[str, bytes | str | int | float]:
         d = asdict(self)

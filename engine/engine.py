@@ -23,9 +23,11 @@ class Engine:
     def __init__(self, model: NestedModel, *, block_size: int = 16, num_blocks: int | list[int] = 256,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  max_model_len: int | None = None, keep_logits: bool = False, tokenizer=None,
-                 clock: Callable[[], float] = time.monotonic, **limits):
+                 clock: Callable[[], float] = time.monotonic, release_outside_window: bool = True, **limits):
         """``tokenizer``: needed only by requests with a grammar (structured output); ``clock``: the
-        scheduler's (path-switch budget, cached blocks' TTL)."""
+        scheduler's (path-switch budget, cached blocks' TTL); ``release_outside_window``: where every
+        layer has an attention window, a request's blocks behind it go back to the pool as it runs
+        (scheduler/window.py; False: held to its end)."""
         self.model = model
         nseg = model.num_segments
         blocks = num_blocks if isinstance(num_blocks, list) else [num_blocks] * nseg
@@ -34,7 +36,8 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             max_model_len=min(max_model_len or model.max_positions, model.max_positions),
             eos_token_ids=model.cfg.eos_token_ids, vocab_size=model.cfg.vocab_size,
-            exit_blocks=model.exit_block_segments, **limits), clock=clock)
+            exit_blocks=model.exit_block_segments, kv_window=model.kv_window if release_outside_window else 0,
+            **limits), clock=clock)
         self.runner = ModelRunner(model, blocks, block_size, keep_logits=keep_logits, tokenizer=tokenizer)
         self._ids = itertools.count()
 

@@ -12,7 +12,8 @@ Optional limits: how many tiers one step may mix, how often the tier mix may cha
 budget, per second), and per-tier shares of the KV pool.
 
 Prefix caching and lazy exits: scheduler/prefix_cache.py (:class:`PrefixCaching`, a base of the
-scheduler).
+scheduler). Where every layer attends within a window, a running request's blocks behind it go back to
+the pools after each step (scheduler/window.py).
 
 Self-speculative decoding (draft rows of a lower tier, then one verification row of the target tier)
 and the confidence cascade (catch-up rows after an escalation) are scheduled here; their rules and
@@ -35,6 +36,7 @@ from scheduler.request import (InvalidRequest, Request, RequestOutput, Scheduled
                                SchedulerStats, Status)
 from scheduler.speculation import Cascade, Speculation
 from scheduler.tiermix import Clock, TierMix
+from scheduler.window import blocks_held_at_most, held, release_outside_window
 
 __all__ = ["InvalidRequest", "Request", "RequestOutput", "ScheduledStep", "SchedulerConfig", "SchedulerStats",
            "Status", "StepScheduler"]
@@ -95,6 +97,8 @@ class StepScheduler(PrefixCaching):
         if cfg.vocab_size and params.logit_bias and max(params.logit_bias) >= cfg.vocab_size:
             raise InvalidRequest(f"logit_bias token ids must be in [0, {cfg.vocab_size})")
         need = self.blocks_needed(min(len(prompt_ids) + params.max_tokens, cfg.max_model_len))
+        if cfg.kv_window and params.cascade_threshold is None:  # its blocks behind the window go back
+            need = min(need, blocks_held_at_most(cfg, max(cfg.max_num_batched_tokens, params.spec_gamma)))
         segs = range(cfg.num_tiers if cascade else tier + 1) if cfg.served_tiers is None else range(1)
         small = min(self.pools[s].num_blocks for s in segs)
         if need > small:
@@ -138,10 +142,10 @@ class StepScheduler(PrefixCaching):
         return req.tier + 1 if self.cfg.served_tiers is None else 1
 
     def _release(self, req: Request) -> None:
-        for s, table in enumerate(req.block_tables):
-            self.pools[s].release(reversed(table))  # tail first: the shared head is evicted last
+        for s in range(len(req.block_tables)):
+            self.pools[s].release(reversed(held(req, s)))  # tail first: the shared head is evicted last
         req.block_tables = []
-        req.num_cached_blocks = 0
+        req.num_cached_blocks = req.num_released_blocks = 0
 
     def _allocate(self, req: Request, num_new: int, hit: list[list[int]] | None = None) -> bool:
         """Grows the request's tables to hold `num_new` more tokens. A request without tables starts
@@ -178,8 +182,8 @@ class StepScheduler(PrefixCaching):
         share = self.cfg.kv_quota.get(req.tier)
         if share is None:
             return True
-        held = sum(len(r.block_tables[0]) for r in self.running if r.tier == req.tier and r.block_tables)
-        return held + self.blocks_needed(num_new) <= share * self.pools[0].num_blocks
+        n = sum(len(held(r, 0)) for r in self.running if r.tier == req.tier and r.block_tables)
+        return n + self.blocks_needed(num_new) <= share * self.pools[0].num_blocks
 
     def _grow_or_preempt(self, req: Request, num_new: int) -> bool:
         """Grows a running request's tables by `num_new` tokens, preempting the policy's victim (the
@@ -399,6 +403,9 @@ class StepScheduler(PrefixCaching):
         for req, _ in step.rows:
             if req.request_id in esc and req.status is Status.RUNNING:
                 self.cascade.escalate(req)
+        for req in [r for r, _ in step.rows] + [r for r, _, _ in step.verifies]:
+            if req.status is Status.RUNNING:
+                release_outside_window(self.cfg, self.pools, req)
         return outs
 
     def kv_usage(self) -> tuple[list[int], list[int]]:

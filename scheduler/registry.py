@@ -90,7 +90,7 @@ class WorkerRegistry:
             num_blocks=list(info.num_blocks), block_size=info.block_size, max_model_len=info.max_model_len,
             served_tiers=tuple(tiers) if standalone else None,
             eos_token_ids=tuple(info.eos), vocab_size=info.vocab_size,
-            exit_blocks=() if standalone else tuple(info.exit_blocks),
+            exit_blocks=() if standalone else tuple(info.exit_blocks), kv_window=info.kv_window,
             **{name: copy.copy(getattr(self.cfg, name)) for name in STEP_LIMITS})
         if standalone:  # a standalone copy keeps global tier numbers for validation, one segment
             cfg.num_tiers = max(tiers) + 1

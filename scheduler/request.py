@@ -41,6 +41,7 @@ class Request:
     announced: bool = False  # the worker has been told about this request
     num_cached_tokens: int = 0   # tokens reused from the prefix cache at its first admission
     num_cached_blocks: int = 0   # leading blocks of its tables registered in the prefix cache
+    num_released_blocks: int = 0  # leading blocks of its tables given back, outside every layer's window
     block_hashes: list[list[bytes]] = field(default_factory=list)  # per segment, of its full blocks
     # Cross-tier reuse at admission: (first segment, start, end) of cached positions whose lower
     # segments' KV exists but whose upper segments must still be computed (from the stored hidden
@@ -115,6 +116,9 @@ class SchedulerConfig:
     # (its own tier, its draft tier); a cached block lacking it is filled when a reader reuses it.
     exit_blocks: tuple[int, ...] = ()
     lazy_exits: bool = True
+    # Every layer's attention window (the widest) when each layer has one, else 0: a running request's
+    # blocks wholly before its window go back to the pool (scheduler/window.py).
+    kv_window: int = 0
 
 
 @dataclass(slots=True)

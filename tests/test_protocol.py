@@ -59,9 +59,12 @@ def test_a_reader_ignores_fields_it_does_not_know():
 def test_worker_registration_through_a_real_hash(redis_url):
     r = redis.Redis.from_url(redis_url)
     info = WorkerInfo([0, 1, 2], 3, [64, 64, 64], 4, 512, 1000, [2], "1.5-42", device="cpu", kernels="torch",
-                        pid=42, epoch=3, heartbeat=2.5, exit_blocks=[0, 1])
+                        pid=42, epoch=3, heartbeat=2.5, exit_blocks=[0, 1], kv_window=16)
     r.hset(P.worker_key("w-proto"), mapping=info.to_hash())
     assert WorkerInfo.from_hash(r.hgetall(P.worker_key("w-proto"))) == info
+    from scheduler.config import SchedulerProcessConfig
+    from scheduler.registry import WorkerRegistry
+    assert WorkerRegistry(r, SchedulerProcessConfig())._new_worker("w-proto", info).core.cfg.kv_window == 16
     assert int(r.hget(P.worker_key("w-proto"), "max_model_len")) == 512  # a scalar reads with one HGET
     r.delete(P.worker_key("w-proto"))
     r.hset(P.worker_key("w-proto"), mapping={"heartbeat": 1.0, "epoch": 3})  # only a heartbeat's fields

@@ -51,6 +51,7 @@ class WorkerSpec:
     choice: str = ""  # what it serves and why (weights, threads, decode path): its start line
     shard: str = P.DEFAULT_SHARD  # the control-plane shard it joins
     exit_blocks: list[int] = field(default_factory=list)  # segments whose tier has an exit block
+    kv_window: int = 0  # every layer's attention window (the widest) when each has one, else 0
 
 
 class Runner(Protocol):
@@ -80,7 +81,7 @@ class WorkerLoop:
         return WorkerInfo(s.tiers, s.num_tiers, s.num_blocks, s.block_size, s.max_model_len, s.vocab_size,
                             list(s.eos), self.started, device=s.device, kernels=s.kernels, weights=s.weights, choice=s.choice,
                             shard=s.shard, pid=os.getpid(), epoch=self.epoch, heartbeat=time.time(),
-                            exit_blocks=list(s.exit_blocks))
+                            exit_blocks=list(s.exit_blocks), kv_window=s.kv_window)
 
     def register(self) -> None:
         stream = P.plan_stream(self.id)

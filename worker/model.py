@@ -136,6 +136,15 @@ class NestedModel(ArchParts, StepForward, nn.Module):
         """The segments whose tier leaves through an exit block (its KV layers are in their pools)."""
         return tuple(t.index for t in self.tiers if t.block and t.index < self.num_segments - 1)
 
+    @property
+    def kv_window(self) -> int:
+        """The widest attention window over every layer a row may run (each tier's trunk and exit-block
+        layers) when all of them have one: no position further back is ever read, so the scheduler may
+        give those blocks back (scheduler/window.py); 0 when a layer attends to every position."""
+        wins = [layer.window for layer in self.layers] + [layer.window for b in self.exit_blocks.values()
+                                                           for layer in b]
+        return 0 if None in wins else max(wins)
+
     def segment_kv_layers(self, s: int) -> int:
         """KV layers of segment s's pool: its trunk layers, then tier s's exit-block layers (written
         by the tokens whose request reads exit s, see :meth:`_exit`; a cached block missing them is

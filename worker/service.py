@@ -98,7 +98,8 @@ class WorkerService(WorkerLoop):
         spec = WorkerSpec(tiers, ntiers, num_blocks, cfg.block_size, min(cfg.max_model_len, model.max_positions),
                           mcfg.vocab_size, list(mcfg.eos_token_ids), device=str(runner.device),
                           kernels=model.ops.name, weights=self.weights, choice=self.choice, shard=cfg.shard,
-                          exit_blocks=[] if standalone else list(model.exit_block_segments))
+                          exit_blocks=[] if standalone else list(model.exit_block_segments),
+                          kv_window=model.kv_window)
         super().__init__(cfg.worker_id, connect(redis_target), runner, spec)
 
     def run(self) -> None:

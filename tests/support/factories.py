@@ -119,7 +119,8 @@ def perturb_exits(fam, seed: int) -> None:
 
 def tiny_arch(path: Path, arch: str, *, layers: int = 6, seed: int = 0, **over) -> Path:
     """A tiny random model of one of the architectures beyond Llama's layer (Qwen3, OLMo 2, Phi-3 with
-    LongRoPE, Gemma 3 text with windowed local layers), saved as a HF directory. ``over``: config
+    LongRoPE, Gemma 3 text with windowed local layers, Mistral windowed on every layer), saved as a HF
+    directory. ``over``: config
     fields to change."""
     import transformers  # noqa: PLC0415
     torch.manual_seed(seed)
@@ -149,6 +150,10 @@ def tiny_arch(path: Path, arch: str, *, layers: int = 6, seed: int = 0, **over) 
                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                                 "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                    "rope_theta": 1e6}})
+    elif arch == "mistral":  # a window of 8 on every layer: blocks behind it go back to the pool
+        cfg = transformers.MistralConfig(**{**common, "num_key_value_heads": 1}, sliding_window=8,
+                                         tie_word_embeddings=False,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     else:
         raise ValueError(arch)
     for k, v in over.items():
