@@ -59,14 +59,14 @@ class WorkerService(WorkerLoop):
                 cpu_gemv.build_in_background()
             if cfg.compile != "off":
                 cpu_gemv.build_in_background([cpu_attention.SOURCE], "MFS_CPU_ATTENTION")
-        from worker.formats import resolve_mode, weights_why  # noqa: PLC0415
+        from worker.formats import resolve_mode, served, served_why  # noqa: PLC0415
         # A standalone tier is cut from the fp32 family, then quantized like the nested one.
         fam = load_family(cfg.model, tiers=cfg.tiers, dtype=cfg.dtype, device=cfg.device,
                           kernels=cfg.kernels, weights="fp32" if standalone else cfg.weights)
         # after the load: resolving auto waits for our operators (it asks whether they serve), which
         # compile while the weights are read (a bad --weights is refused by the load's quantization first)
-        self.weights = resolve_mode(cfg.weights, cfg.device)
         model, base = fam.model, fam.base  # base: its tokenizer, read for the first grammar request
+        self.weights = resolve_mode(served(cfg.weights, cfg.device, base.source), cfg.device)
         ntiers = len(model.tiers)
         if standalone:
             k = cfg.standalone_tier
@@ -87,7 +87,8 @@ class WorkerService(WorkerLoop):
                              load_tokenizer=lambda: base.tokenizer)
         from worker.execution import EAGER, choose  # noqa: PLC0415
         self.path, why = choose(model, cfg.compile)  # ValueError: --compile on where no compiled path serves
-        self.choice = (f"weights {self.weights} ({weights_why(cfg.weights, cfg.device)}); {cfg.threads} torch "
+        why_w = served_why(cfg.weights, cfg.device, base.source)
+        self.choice = (f"weights {self.weights} ({why_w}); {cfg.threads} torch "
                        f"threads of {len(os.sched_getaffinity(0))} cores; decode {self.path} ({why})")
         self.compiling = None if self.path == EAGER else BackgroundCompile(runner, self.path)
         self.model = model

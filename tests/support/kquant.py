@@ -92,3 +92,40 @@ def random_rows(kind: str, rows: int, k: int, rng: np.random.Generator) -> np.nd
     for pos in {"Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2)}.get(kind, (0,)):  # d (and dmin)
         raw[:, pos:pos + 2] = (rng.standard_normal((raw.shape[0], 1)) * 0.01).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
+
+
+# a Q4_K_M-like mix: each linear kind of the llama layer in a block type of its own, one layer's
+# exceptions (Q8_0, Q4_1), the embedding Q4_K and the output Q6_K
+MIX = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q5_K",
+       "ffn_up": "Q5_K", "ffn_down": "Q4_0"}
+EXCEPTIONS = {"blk.3.ffn_down.weight": "Q8_0", "blk.2.attn_output.weight": "Q4_1", "token_embd.weight": "Q4_K",
+              "output.weight": "Q6_K"}
+
+
+def mixed_kind(name: str) -> str | None:
+    """The block kind :func:`tiny_kquant_llama` writes tensor ``name`` in (None: fp32, the norms)."""
+    if name in EXCEPTIONS:
+        return EXCEPTIONS[name]
+    parts = name.split(".")
+    return MIX.get(parts[2]) if parts[0] == "blk" else None
+
+
+def tiny_kquant_llama(folder, layers: int = 4, seed: int = 0):
+    """A tiny random Llama (hidden 256, intermediate 512: whole K-quant super-blocks; untied, its head
+    sharpened so greedy tokens vary) saved as a HF directory ``folder/hf`` and as ``folder/m.gguf`` with
+    its tensors in :func:`mixed_kind`'s blocks (q/k rows permuted as llama.cpp's converter does)."""
+    import torch  # noqa: PLC0415
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    from tests.support.factories import _spread_norms, write_gguf  # noqa: PLC0415
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=160, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                      eos_token_id=2, bos_token_id=1)
+    model = LlamaForCausalLM(cfg)
+    _spread_norms(model)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.5)
+    model.save_pretrained(folder / "hf")
+    return write_gguf(folder / "hf", folder / "m.gguf", mixed_kind)
