@@ -33,8 +33,9 @@ def load() -> None:
 
 
 def gemv_kernel() -> Callable | None:
-    """``torch.ops.mfs.gguf_a8_gemv`` on a CPU where torch reports AVX2 or AVX-512 and it builds, else None;
-    decided and logged once per process (``MFS_CPU_GEMV=0`` turns it off with the other matmul operators)."""
+    """``torch.ops.mfs.gguf_a8_gemv`` on a CPU where torch reports AVX2 or AVX-512 and it builds, else None
+    (and None under ``MFS_CPU_GEMV=0``, as the other matmul operators); decided and logged once per process.
+    ``--weights gguf`` loads the operator itself (it has no fallback); tests ask here whether it serves."""
     return pick_operator(_choice, "MFS_CPU_GEMV", load, "gguf_a8_gemv", "GGUF blocks kernel", "none")
 
 

@@ -12,6 +12,7 @@ file's ``token_embd`` blocks. The embedding keeps each block's codes and scales 
 ``scale * q - min`` for its rows only: bit for bit the file's dequantized values)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -216,8 +217,11 @@ def layer_kinds(source: str) -> set[str]:
 def served(weights: str, device: str = "cpu", source: str | None = None) -> str:
     """``--weights`` as asked for a model read from ``source``: ``auto`` becomes ``gguf`` where it would
     serve w4a8 and the GGUF's layers hold a kind other than Q4_1 (w4a8 would round those a second time
-    into Q4_1); anything else is returned as asked (``auto`` resolved later, by the device)."""
-    if weights != AUTO or not source or not str(source).endswith(".gguf") or auto_choice(device) != "w4a8":
+    into Q4_1); anything else is returned as asked (``auto`` resolved later, by the device; a source
+    that is not a GGUF file here, too: its load says what is wrong with it)."""
+    if weights != AUTO or not source or not str(source).endswith(".gguf") or not Path(source).is_file():
+        return weights
+    if auto_choice(device) != "w4a8":
         return weights
     return GGUF.name if layer_kinds(str(source)) & set(KINDS) else weights
 
