@@ -82,3 +82,19 @@ def test_operator_checks_its_inputs(op):
         op(x, torch.zeros(4, 140, dtype=torch.uint8), 3)
     with pytest.raises(RuntimeError, match="K must be a multiple of 256"):
         op(torch.randn(2, 96), torch.zeros(4, 54, dtype=torch.uint8), 3)
+
+
+@pytest.mark.slow  # one compile of the operator: ~10 s on a quiet machine, 74 s on a loaded 2-core one
+def test_the_avx512_vnni_build_compiles_here_too(tmp_path):
+    """Where the CPU lacks AVX-512 VNNI its path cannot run here, but it must compile (g++ accepts the
+    flags on any x86 host): the source built with kernels/cpu_gemv.py's VNNI flags, compile only."""
+    import shutil
+    import subprocess
+
+    from kernels import cpu_gemv, cpu_kquant
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++")
+    cmd = cpu_gemv._compile(cxx, cpu_kquant.SOURCE, str(tmp_path / "kq.o"))
+    res = subprocess.run([*cmd, *cpu_gemv.VNNI_FLAGS], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
