@@ -53,7 +53,10 @@ def op():
 
 # widths: K-quants' super-blocks of 256; the legacy kinds also where K / 32 is not a multiple of 8
 # (576: SmolLM2's hidden size, a last group of 2 blocks; 96: a single short group)
-@pytest.mark.parametrize("kind,K", [(k, K) for k in KINDS for K in ((256, 768) if k.endswith("_K") else (576, 96, 512))])
+WIDTHS = [(k, K) for k in KINDS for K in ((256, 768) if k.endswith("_K") else (576, 96, 512))]
+
+
+@pytest.mark.parametrize("kind,K", WIDTHS)
 def test_operator_matches_the_float64_sum_at_every_batch(op, kind, K):
     """Each row of the operator's output equals the float64 product of the dequantized weights and the
     row's int8-quantized activations within 2e-6 of the sum of |terms| (fp32 scaling of exact integer

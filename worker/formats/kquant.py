@@ -194,8 +194,8 @@ def _needs_operators(cfg: WeightConfig) -> None:
         cpu_gemv.load()
         cpu_kquant.load()
     except (RuntimeError, OSError) as e:
-        raise ValueError(f"--weights {cfg.weights} needs our CPU operators (kernels/cpu_gemv.py, kernels/cpu_kquant.py), "
-                         f"which did not build here: {e}") from e
+        raise ValueError(f"--weights {cfg.weights} needs our CPU operators (kernels/cpu_gemv.py, "
+                         f"kernels/cpu_kquant.py), which did not build here: {e}") from e
 
 
 GGUF = WeightFormat("gguf", "each tensor in the block type its GGUF ships (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, "
