@@ -108,7 +108,9 @@ class Q6_KLinear(GGUFBlocksLinear):
 class GGUFLinear(Scheme):
     """Picks per tensor (never itself a module): the file's blocks of :data:`KINDS` as
     :class:`GGUFBlocksLinear`, its Q4_1 blocks or else the fp32 weights as w4a8's :class:`Q4A8Linear`."""
-    name, gguf_kinds, compilable = "gguf", ("Q4_1", *KINDS), False  # what it picks is not compilable
+    # eager only: a Q4_K_M file's layers differ in kinds (more bits in some layers), and the compiled
+    # decode step needs trunk layers of one structure (worker/compiled_step.py)
+    name, gguf_kinds, compilable = "gguf", ("Q4_1", *KINDS), False
 
     @classmethod
     def supports(cls, mod: nn.Module, cfg: WeightConfig) -> bool:
