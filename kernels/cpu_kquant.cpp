@@ -5,13 +5,13 @@
 //
 // x fp32 [M, K]; blocks uint8 [N, K / values * bytes], each weight row whole blocks of one kind, the
 // bytes as the GGUF file holds them (worker/formats/kquant_blocks.py gives the layouts): Q4_0, Q5_0,
-// Q8_0 (blocks of 32 values), Q4_K, Q5_K, Q6_K (super-blocks of 256). b runs over groups of 32 inputs.
+// Q5_1, Q8_0 (blocks of 32 values), Q4_K, Q5_K, Q6_K (super-blocks of 256). b runs over groups of 32 inputs.
 // Each activation row is quantized per 32 values as llama.cpp's Q8_0 does (cpu_gemv.h's
 // quantize_block: dx = amax / 127, xq = round-half-even(x / dx)); xs[m, b] = sum of block b's xq.
 // I is an exact integer: sum_j q[n, 32b + j] * xq[m, 32b + j] with the kind's codes (Q4_0's q - 8,
-// Q5_0's q - 16, Q8_0's q, Q6_K's scale_g * (q - 32) over its two groups g of 16, Q4_K / Q5_K's
+// Q5_0's q - 16, Q8_0's q, Q6_K's scale_g * (q - 32) over its two groups g of 16, Q4_K / Q5_K / Q5_1's
 // unsigned q); ws the block's fp32 scale (d; d * sc for Q4_K / Q5_K; d for Q6_K, whose int8 scales are
-// inside I); wm the K-quants' min dmin * m (0 for the others). The super-block scales and mins are
+// inside I); wm the K-quants' min dmin * m, Q5_1's -m (0 for the others). The super-block scales and mins are
 // read from the file's bytes on every pass: nothing is rounded a second time.
 //
 // Order: per weight row, groups of 8 blocks in turn (a K-quant super-block; 8 consecutive blocks of a
@@ -35,9 +35,9 @@ namespace mfs_kq {
 
 using mfs_cpu::hsum;
 
-enum Kind : int64_t { Q4_0 = 0, Q5_0 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
-constexpr int64_t VALUES[] = {32, 32, 32, 256, 256, 256};
-constexpr int64_t BYTES[] = {18, 22, 34, 144, 176, 210};
+enum Kind : int64_t { Q4_0 = 0, Q5_0 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, Q5_1 = 6 };
+constexpr int64_t VALUES[] = {32, 32, 32, 256, 256, 256, 32};
+constexpr int64_t BYTES[] = {18, 22, 34, 144, 176, 210, 24};
 constexpr int MAXR = 4;  // activation rows per pass over a weight row
 
 inline float half_at(const uint8_t* p) {
@@ -85,7 +85,7 @@ inline __m256i bits32(const uint8_t* p) {  // a little-endian uint32 -> 32 bytes
 // Legacy kinds: blocks 8g .. 8g + 7 of a row of B blocks (those past B: zero codes and scale)
 template <int KIND>
 inline void decode_legacy(const uint8_t* row, int64_t g, int64_t B, Group& out) {
-  alignas(32) float d[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  alignas(32) float d[8] = {0, 0, 0, 0, 0, 0, 0, 0}, mn[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   const int64_t n = std::min<int64_t>(8, B - g * 8);
   for (int j = 0; j < 8; j++) {
     if (j >= n) {
@@ -97,9 +97,13 @@ inline void decode_legacy(const uint8_t* row, int64_t g, int64_t B, Group& out) 
     if constexpr (KIND == Q8_0) out.c[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
     if constexpr (KIND == Q4_0) out.c[j] = nibbles16(p + 2);
     if constexpr (KIND == Q5_0) out.c[j] = _mm256_or_si256(nibbles16(p + 6), bits32(p + 2));
+    if constexpr (KIND == Q5_1) {
+      mn[j] = -half_at(p + 2);
+      out.c[j] = _mm256_or_si256(nibbles16(p + 8), bits32(p + 4));
+    }
   }
   out.ws = _mm256_load_ps(d);
-  out.wm = _mm256_setzero_ps();
+  out.wm = _mm256_load_ps(mn);
 }
 
 // Q4_K / Q5_K's 6-bit scales and mins of the super-block's 8 sub-blocks
@@ -216,7 +220,7 @@ inline void row_dot(const uint8_t* row, int64_t G, int64_t B, const ActRow* xr, 
       const __m256i isum = group_sums<KIND>(w, xr[i], g);
       const __m256 dx = _mm256_loadu_ps(xr[i].dx + g * 8);
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(w.ws, dx), acc[i]);
-      if constexpr (KIND == Q4_K || KIND == Q5_K)
+      if constexpr (KIND == Q4_K || KIND == Q5_K || KIND == Q5_1)
         macc[i] = _mm256_fmadd_ps(w.wm, _mm256_loadu_ps(xr[i].dxs + g * 8), macc[i]);
     }
   }
@@ -272,8 +276,8 @@ void gemv(const Quantized& xq, const uint8_t* w, int64_t M, int64_t N, int64_t K
 }
 
 at::Tensor gguf_a8_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
-  TORCH_CHECK(kind >= Q4_0 && kind <= Q6_K, "mfs::gguf_a8_gemv: kind must be 0..5 (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, ",
-              "Q6_K), got ", kind);
+  TORCH_CHECK(kind >= Q4_0 && kind <= Q5_1, "mfs::gguf_a8_gemv: kind must be 0..6 (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, ",
+              "Q6_K, Q5_1), got ", kind);
   mfs_cpu::check_x("mfs::gguf_a8_gemv", x, blocks, blocks, true);
   const int64_t K = x.size(1);
   TORCH_CHECK(K % VALUES[kind] == 0, "mfs::gguf_a8_gemv: K must be a multiple of ", VALUES[kind], ", got ", K);
@@ -295,6 +299,7 @@ at::Tensor gguf_a8_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t k
     case Q8_0: gemv<Q8_0>(xq, w, M, N, K, yp); break;
     case Q4_K: gemv<Q4_K>(xq, w, M, N, K, yp); break;
     case Q5_K: gemv<Q5_K>(xq, w, M, N, K, yp); break;
+    case Q5_1: gemv<Q5_1>(xq, w, M, N, K, yp); break;
     default: gemv<Q6_K>(xq, w, M, N, K, yp); break;
   }
   return y;

@@ -1,5 +1,5 @@
 """``mfs::gguf_a8_gemv`` (``kernels/cpu_kquant.cpp``): GGUF weight blocks as the file ships them (Q4_0, Q5_0,
-Q8_0, Q4_K, Q5_K, Q6_K) times activations quantized per 32 values to 8 bits, each block's products
+Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) times activations quantized per 32 values to 8 bits, each block's products
 summed exactly in integers (the C++ file gives the formula and the order). AVX2; vpdpbusd where the
 build has AVX-512 VNNI. Built with :func:`kernels.cpu_gemv.build` (the same compiler flags, ISA choice
 and cache) and loaded once per process; :func:`gemv_kernel` is the operator where it builds (AVX2 or
@@ -16,8 +16,8 @@ import torch
 from kernels.cpu_gemv import load_once, pick_operator, quantize_activations_q8
 
 SOURCE = Path(__file__).with_name("cpu_kquant.cpp")
-# the operator's kind argument, and each kind's (values, bytes) per block
-KINDS = ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# the operator's kind argument: the index here
+KINDS = ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_1")
 _loaded: list[bool] = []
 _choice: list = []
 

@@ -1,4 +1,4 @@
-"""GGUF's Q4_0, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K blocks (worker/formats/kquant_blocks.py): dequantized bit for
+"""GGUF's Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks (worker/formats/kquant_blocks.py): dequantized bit for
 bit as gguf-py does, and ``mfs::gguf_a8_gemv`` (kernels/cpu_kquant.cpp) against a float64 reference
 from the same 8-bit activations, a row's output the same at any batch size."""
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_codes_give_the_dequantized_weights(kind):
     raw = torch.from_numpy(random_rows(kind, 8, 256, np.random.default_rng(7)))
     q, scale, mins = codes(raw, kind)
     g = q.shape[1] // scale.shape[1]
-    assert g == (16 if kind == "Q6_K" else 32) and (mins is not None) == (kind in ("Q4_K", "Q5_K"))
+    assert g == (16 if kind == "Q6_K" else 32) and (mins is not None) == (kind in ("Q4_K", "Q5_K", "Q5_1"))
     w = scale.view(8, -1, 1) * q.view(8, -1, g).float()
     w = w if mins is None else w - mins.view(8, -1, 1)
     assert torch.equal(w.view(8, -1), dequantize(raw, kind))
@@ -79,7 +79,7 @@ def test_operator_matches_the_float64_sum_at_every_batch(op, kind, K):
 
 def test_operator_checks_its_inputs(op):
     x = torch.randn(2, 256)
-    with pytest.raises(RuntimeError, match="kind must be 0..5"):
+    with pytest.raises(RuntimeError, match="kind must be 0..6"):
         op(x, torch.zeros(4, 144, dtype=torch.uint8), 9)
     with pytest.raises(RuntimeError, match=r"blocks must be contiguous uint8 \[N, 144\]"):
         op(x, torch.zeros(4, 140, dtype=torch.uint8), 3)

@@ -52,7 +52,7 @@ def test_auto_serves_every_tensor_in_its_own_block_type_bit_for_bit(kq_gguf):
         ("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down"))}
     want = {**{k: mixed_kind(g) for k, g in layers.items()}, "embed_tokens": "Q4_K", "lm_head": "Q6_K"}
     assert report.kinds == want  # the report names the block type each tensor kept
-    assert {"Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q5_0", "Q8_0", "Q4_1"} <= set(want.values())
+    assert {"Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q5_0", "Q5_1", "Q8_0", "Q4_1"} <= set(want.values())
     for i, layer in enumerate(model.layers):  # gate/up (both Q5_K) fused; q, k (Q4_K) and v (Q6_K) not
         assert _module_kind(layer.gate_up_proj) == "Q5_K" and layer.qkv_proj is None
         for p in ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"):
@@ -65,25 +65,34 @@ def test_auto_serves_every_tensor_in_its_own_block_type_bit_for_bit(kq_gguf):
     assert torch.equal(model.embed_tokens.dequantize(), fp32.embed_tokens.weight)
 
 
-def test_auto_on_a_k_quant_gguf_serves_the_fp32_paths_greedy_tokens(kq_gguf):
-    """Served with --weights auto, every tier's greedy tokens equal the fp32 path's over the file's
-    dequantized weights, alone and batched; last-position logits within 3 % of their largest magnitude
-    (the activations are quantized to 8 bits per 32, through 4 layers of a random model: 1.4 % seen)."""
+def test_auto_on_a_k_quant_gguf_tracks_the_fp32_path_and_batches_exactly(kq_gguf):
+    """Served with --weights auto: along the fp32 path's greedy answers (over the file's dequantized
+    weights), every position's logits lie within 3 % of their largest magnitude of the fp32 path's (the
+    activations are quantized to 8 bits per 32 through 4 layers of a random model: under 2 % seen), and
+    wherever the fp32 path's best token leads its second by more than twice that, the served model picks
+    it too; its own greedy answers are the same batched and alone, bit for bit."""
     from worker.family import load_family
     fam = load_family(str(kq_gguf), tiers="2,4", dtype="float32", weights="auto")
     ref = load_family(str(kq_gguf), tiers="2,4", dtype="float32", weights="fp32")
     assert fam.model.layers[0].q_proj.name == "gguf-q4_k"
     prompts = [[5, 9, 33, 7], [7, 8, 100, 3, 44], [1, 150, 12]]
+    decided, tokens = 0, set()
     for tier in (0, 1):
         got = make_engine(fam).generate(prompts, [tier] * 3, greedy(12))
-        assert got == make_engine(ref).generate(prompts, [tier] * 3, greedy(12))
         assert got == [make_engine(fam).generate([p], [tier], greedy(12))[0] for p in prompts]
-    assert len({t for seq in got for t in seq}) > 3  # the answers are not one repeated token
-    ids = torch.tensor([prompts[1]])
-    with torch.no_grad():
-        a = torch.stack([fam.model.logits(h[:, -1]) for h in fam.model.exit_hidden(ids)])
-        b = torch.stack([ref.model.logits(h[:, -1]) for h in ref.model.exit_hidden(ids)])
-    assert (a - b).abs().max() <= 0.03 * b.abs().max()
+        for p, answer in zip(prompts, make_engine(ref).generate(prompts, [tier] * 3, greedy(12))):
+            tokens |= set(answer)
+            ids = torch.tensor([p + answer])
+            with torch.no_grad():
+                a = fam.model.logits(fam.model.exit_hidden(ids)[tier][0])
+                b = ref.model.logits(ref.model.exit_hidden(ids)[tier][0])
+            tol = 0.03 * b.abs().max()
+            assert (a - b).abs().max() <= tol
+            top2 = b.topk(2, dim=-1).values
+            clear = top2[:, 0] - top2[:, 1] > 2 * tol
+            assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+            decided += int(clear.sum())
+    assert decided >= 30 and len(tokens) > 6  # many clear decisions over varied answers: the check has teeth
 
 
 def test_auto_keeps_w4a8_where_the_layers_are_q4_1_and_picks_gguf_otherwise(tmp_path, monkeypatch):

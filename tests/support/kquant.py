@@ -1,6 +1,6 @@
 """GGUF block bytes for tests: simple, correct quantizers of fp32 rows into Q4_K, Q5_K and Q6_K (not
 llama.cpp's searches: a per-sub-block range, then the super-block scales rounded as the format stores
-them), gguf-py's own quantizer for Q4_0, Q4_1, Q5_0 and Q8_0, and random valid blocks."""
+them), gguf-py's own quantizer for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, and random valid blocks."""
 from __future__ import annotations
 
 import numpy as np
@@ -89,16 +89,17 @@ def random_rows(kind: str, rows: int, k: int, rng: np.random.Generator) -> np.nd
     from worker.formats.kquant_blocks import BLOCKS  # noqa: PLC0415
     values, size = BLOCKS[kind]
     raw = rng.integers(0, 256, size=(rows * k // values, size), dtype=np.uint8)
-    for pos in {"Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2)}.get(kind, (0,)):  # d (and dmin)
+    for pos in {"Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q5_1": (0, 2)}.get(kind, (0,)):  # d (and dmin)
         raw[:, pos:pos + 2] = (rng.standard_normal((raw.shape[0], 1)) * 0.01).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
 
 # a Q4_K_M-like mix: each linear kind of the llama layer in a block type of its own, one layer's
-# exceptions (Q8_0, Q4_1), the embedding Q4_K and the output Q6_K
+# exceptions (Q8_0, Q4_1, Q5_1), the embedding Q4_K and the output Q6_K
 MIX = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q5_K",
        "ffn_up": "Q5_K", "ffn_down": "Q4_0"}
-EXCEPTIONS = {"blk.3.ffn_down.weight": "Q8_0", "blk.2.attn_output.weight": "Q4_1", "token_embd.weight": "Q4_K",
+EXCEPTIONS = {"blk.3.ffn_down.weight": "Q8_0", "blk.2.attn_output.weight": "Q4_1", "blk.1.attn_output.weight": "Q5_1",
+              "token_embd.weight": "Q4_K",
               "output.weight": "Q6_K"}
 
 

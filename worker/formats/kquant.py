@@ -5,7 +5,7 @@ activations quantized to 8 bits per 32 values. Owns the schemes of the K-quants 
 (:class:`GGUFLinear`, :class:`GGUFHead`, :class:`GGUFEmbedding`), the format's declaration
 (:data:`GGUF`, registered on import) and what ``--weights auto`` serves for a GGUF (:func:`served`).
 
-Per tensor: Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K blocks go to ``mfs::gguf_a8_gemv`` (kernels/cpu_kquant.cpp);
+Per tensor: Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K blocks go to ``mfs::gguf_a8_gemv`` (kernels/cpu_kquant.cpp);
 Q4_1 to w4a8's :class:`worker.formats.w4a8.Q4A8Linear` as shipped; a tensor the file does not hold as
 blocks (an HF checkpoint, a delta, a new exit block) is packed as w4a8 packs it. A tied LM head takes the
 file's ``token_embd`` blocks. The embedding keeps each block's codes and scales (a lookup reads
@@ -89,6 +89,10 @@ class Q5_0Linear(GGUFBlocksLinear):
     name, kind, gguf_kinds = "gguf-q5_0", "Q5_0", ("Q5_0",)
 
 
+class Q5_1Linear(GGUFBlocksLinear):
+    name, kind, gguf_kinds = "gguf-q5_1", "Q5_1", ("Q5_1",)
+
+
 class Q8_0Linear(GGUFBlocksLinear):
     name, kind, gguf_kinds = "gguf-q8_0", "Q8_0", ("Q8_0",)
 
@@ -143,7 +147,7 @@ class GGUFHead(GGUFLinear):
 class GGUFEmbedding(Scheme):
     """The token embedding from the file's blocks of :data:`KINDS` other than Q8_0 (that one is
     :class:`Int8Embedding`, as every format serves it): int8 codes ``qweight`` [V, H] with the offset
-    taken, fp32 ``scales`` per 32 values (16 for Q6_K) and, for Q4_K / Q5_K, fp32 ``mins`` per 32
+    taken, fp32 ``scales`` per 32 values (16 for Q6_K) and, for Q4_K / Q5_K / Q5_1, fp32 ``mins`` per 32
     (:func:`worker.formats.kquant_blocks.codes`). A row reads ``scales * q - mins``: the file's values
     bit for bit. Without the file's blocks: :class:`Int8Embedding` from the fp32 weights."""
     name, backend, gguf_kinds, graphable = "gguf-embedding", "any", KINDS, True
@@ -200,8 +204,8 @@ def _needs_operators(cfg: WeightConfig) -> None:
                          f"kernels/cpu_kquant.py), which did not build here: {e}") from e
 
 
-GGUF = WeightFormat("gguf", "each tensor in the block type its GGUF ships (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, "
-                    "Q6_K; no second rounding) times activations quantized per 32; tensors the file does not "
+GGUF = WeightFormat("gguf", "each tensor in the block type its GGUF ships (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, "
+                    "Q5_K, Q6_K; no second rounding) times activations quantized per 32; tensors the file does not "
                     "hold as blocks as w4a8 (what auto serves for a GGUF whose layers hold types beyond Q4_1)",
                     ("cpu",), "its kernels are for CPUs with AVX2",
                     {"cpu": Layout((GGUFLinear, Int8Linear), (GGUFHead, Int8Linear), (GGUFEmbedding,))},
@@ -235,5 +239,5 @@ def served_why(asked: str, device: str = "cpu", source: str | None = None) -> st
 
 
 __all__ = ["GGUF", "GGUFBlocksLinear", "GGUFEmbedding", "GGUFHead", "GGUFLinear", "KINDS", "Q4_0Linear",
-           "Q4_KLinear", "Q5_0Linear", "Q5_KLinear", "Q6_KLinear", "Q8_0Linear", "found_raw", "layer_kinds",
-           "served", "served_why"]
+           "Q4_KLinear", "Q5_0Linear", "Q5_1Linear", "Q5_KLinear", "Q6_KLinear", "Q8_0Linear", "found_raw",
+           "layer_kinds", "served", "served_why"]

@@ -1,4 +1,4 @@
-"""GGUF's block types beyond Q4_1 (Q4_0, Q5_0, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K): their sizes and
+"""GGUF's block types beyond Q4_1 (Q4_0, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K): their sizes and
 their dequantization to fp32 in torch, bit for bit what ``gguf.quants.dequantize`` (gguf-py) gives,
 the same multiplications in the same order (what transformers fills a GGUF model's weights with).
 
@@ -9,6 +9,7 @@ Layouts (one block; fp16 values little-endian):
   high one); w = d * (q - 8).
 * Q5_0 (32, 22): d, 4 bytes of high bits (bit j of the little-endian uint32 is value j's), then Q4_0's
   16 bytes of low nibbles; w = d * (q - 16).
+* Q5_1 (32, 24): d, m, then Q5_0's 4 bytes of high bits and 16 of low nibbles; w = d * q + m.
 * Q8_0 (32, 34): d, 32 int8; w = d * q.
 * Q4_K (256, 144): d, dmin, 12 bytes of eight 6-bit scales and eight 6-bit mins (:func:`k_scales`),
   128 bytes of codes: byte j of chunk c (32 bytes) holds sub-block 2c's value j (low nibble) and
@@ -24,7 +25,7 @@ import torch
 
 # kind -> (values per block, bytes per block), as gguf's GGML_QUANT_SIZES
 BLOCKS: dict[str, tuple[int, int]] = {"Q4_0": (32, 18), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (256, 144),
-                                      "Q5_K": (256, 176), "Q6_K": (256, 210)}
+                                      "Q5_K": (256, 176), "Q6_K": (256, 210), "Q5_1": (32, 24)}
 
 
 def _half(b: torch.Tensor) -> torch.Tensor:
@@ -78,9 +79,13 @@ def q6_k_codes(ql: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
 def codes(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Rows of ``kind`` -> (q, scale, mins) with w = scale * q - mins exactly in real arithmetic, per
     group of 32 values (16 for Q6_K): q int8 [N, K] (the offset already taken: Q4_0's q - 8, ...),
-    scale fp32 [N, K / g] (d, or d * sc), mins fp32 [N, K / 32] (dmin * m; None for kinds without)."""
+    scale fp32 [N, K / g] (d, or d * sc), mins fp32 [N, K / 32] (dmin * m; Q5_1's -m, which less is
+    exactly plus m; None for kinds without)."""
     N = raw.shape[0]
     b = rows_to_blocks(raw, kind)
+    if kind == "Q5_1":
+        q = _nibbles(b[:, 8:24]) | (_bits(b[:, 4:8], 32) << 4)
+        return q.to(torch.int8).reshape(N, -1), _half(b[:, 0:2]).view(N, -1), -_half(b[:, 2:4]).view(N, -1)
     if not kind.endswith("_K"):
         d = _half(b[:, 0:2]).view(N, -1)
         if kind == "Q8_0":
