@@ -120,6 +120,7 @@ def test_a_tied_head_takes_the_token_embedding_blocks(tmp_path):
     kind, perm, blocks = GGUFSource(str(path)).blocks("output.weight", like)
     assert kind == "Q6_K" and torch.equal(perm, torch.arange(48)) and torch.equal(blocks, torch.from_numpy(raw))
     assert GGUFSource(str(path)).blocks("output.weight", like + 1) is None  # values differ: not taken
+    assert GGUFSource(str(path)).blocks("output.weight", like, ("Q4_1",)) is None  # a kind the scheme lacks
 
 
 def test_the_gguf_format_packs_an_hf_model_as_w4a8_does(llama_dir):

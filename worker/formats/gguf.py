@@ -66,15 +66,15 @@ class GGUFSource:
             if t.tensor_type.name in ("Q4_1", *BLOCKS):
                 self.tensors[t.name] = GGUFTensor(t.tensor_type.name, torch.from_numpy(t.data.copy()))
 
-    def blocks(self, gguf_name: str, like: torch.Tensor):
-        """(kind, row permutation, blocks) when tensor ``gguf_name`` dequantizes exactly to ``like``
-        up to an order of rows (llama.cpp stores q/k rows permuted for its rotary layout), else None.
-        blocks: Q4_1's (q, d, m), Q8_0's (q, d), the other kinds' raw rows. A file without
-        ``output.weight`` ties its head to ``token_embd.weight``: that one is looked up instead."""
+    def blocks(self, gguf_name: str, like: torch.Tensor, kinds: tuple[str, ...] | None = None):
+        """(kind, row permutation, blocks) when tensor ``gguf_name`` (of one of ``kinds``; None: any)
+        dequantizes exactly to ``like`` up to an order of rows (llama.cpp stores q/k rows permuted for
+        its rotary layout), else None. blocks: Q4_1's (q, d, m), Q8_0's (q, d), the other kinds' raw rows.
+        A file without ``output.weight`` ties its head to ``token_embd.weight``: that one is looked up."""
         t = self.tensors.get(gguf_name)
         if t is None and gguf_name == "output.weight":
             t = self.tensors.get("token_embd.weight")
-        if t is None or t.raw.shape[0] != like.shape[0]:
+        if t is None or t.raw.shape[0] != like.shape[0] or (kinds is not None and t.kind not in kinds):
             return None
         if t.kind == "Q4_1":
             blocks = q4_1_blocks(t.raw)

@@ -68,7 +68,7 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, gr
         if scheme is None:
             continue  # no scheme of this format holds it: it stays as loaded
         gname = gguf_name(name) if scheme.gguf_kinds and src is not None else None
-        found = src.blocks(gname, mod.weight) if gname else None
+        found = src.blocks(gname, mod.weight, scheme.gguf_kinds) if gname else None
         new, exact = scheme.load(mod, found, cfg)
         (report.from_gguf if exact else report.from_float).append(name)
         if exact:
