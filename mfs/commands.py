@@ -178,10 +178,21 @@ def compile_choice(args) -> str:
         raise ValueError("--compile on CUDA records CUDA graphs of the Triton ops: drop --kernels torch")
     if not cuda and kernels == "triton":
         raise ValueError("--compile on CPU compiles the torch ops: drop --kernels triton (or add --device cuda)")
-    from worker.formats import resolve  # noqa: PLC0415
+    from worker.formats import resolve, served  # noqa: PLC0415
     # a weight format whose schemes cannot be compiled: refused (the registry's one check)
-    resolve(getattr(args, "weights", "auto"), "cuda" if cuda else "cpu", compile=True)
+    device = "cuda" if cuda else "cpu"
+    resolve(served(getattr(args, "weights", "auto"), device, model_source(args)), device, compile=True)
     return "on"
+
+
+def model_source(args) -> str | None:
+    """The base weights' path of the family a command serves (what ``--weights auto`` reads of a GGUF);
+    None without a ``--model``."""
+    if getattr(args, "model", None) is None:
+        return None
+    from family.manifest import manifest_for, resolve_base  # noqa: PLC0415
+    manifest, mdir = manifest_for(args.model, getattr(args, "tiers", None))
+    return str(resolve_base(manifest.base, mdir))
 
 
 def run_up(args) -> int:
@@ -203,11 +214,12 @@ def chosen(args, threads: int) -> str:
     worker logs what it took: an ``auto`` compile it cannot build stays eager, saying why)."""
     import torch  # noqa: PLC0415
 
-    from worker.formats import resolve_mode, weights_why  # noqa: PLC0415
+    from worker.formats import resolve_mode, served, served_why  # noqa: PLC0415
     device = args.device or "cpu"
     isa = torch.backends.cpu.get_cpu_capability()
-    weights = resolve_mode(args.weights, device)
-    why_w = weights_why(args.weights, device)
+    source = model_source(args)
+    weights = resolve_mode(served(args.weights, device, source), device)
+    why_w = served_why(args.weights, device, source)
     why_t = f"--threads {args.threads}" if args.threads else f"the cores split between {args.workers} worker(s)"
     decode = {"auto": "compiled where it builds, in the background: eager until then (--no-compile: off)",
               "on": "compiled (--compile), in the background: eager until then", "off": "eager (--no-compile)"}

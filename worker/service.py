@@ -18,7 +18,7 @@ from core.cli import add_args, from_args, opt
 from core.redisconn import RedisTarget, add_redis_args, connect, target_from_args
 from worker.background_compile import BackgroundCompile
 from worker.family import ModelArgs
-from worker.formats import FORMATS, may_quantize, quantize_model, resolve_mode, weights_why
+from worker.formats import FORMATS, may_quantize, quantize_model, resolve_mode, served, served_why, weights_why
 from worker.formats.fp32 import FORMAT as FP32
 from worker.loop import WorkerLoop, WorkerSpec
 from worker.runner import ModelRunner
@@ -66,8 +66,8 @@ class WorkerService(WorkerLoop):
                           kernels=cfg.kernels, weights=FP32.name if standalone else cfg.weights)
         # after the load: resolving auto waits for our operators (it asks whether they serve), which
         # compile while the weights are read (a bad --weights is refused by the load's quantization first)
-        self.weights = resolve_mode(cfg.weights, cfg.device)
         model, base = fam.model, fam.base  # base: its tokenizer, read for the first grammar request
+        self.weights = resolve_mode(served(cfg.weights, cfg.device, base.source), cfg.device)
         ntiers = len(model.tiers)
         if standalone:
             k = cfg.standalone_tier
@@ -87,7 +87,8 @@ class WorkerService(WorkerLoop):
                              load_tokenizer=lambda: base.tokenizer)
         from worker.execution import EAGER, choose  # noqa: PLC0415
         self.path, why = choose(model, cfg.compile)  # ValueError: --compile on where no compiled path serves
-        self.choice = (f"weights {self.weights} ({weights_why(cfg.weights, cfg.device)}); {cfg.threads} torch "
+        why_w = served_why(cfg.weights, cfg.device, base.source)
+        self.choice = (f"weights {self.weights} ({why_w}); {cfg.threads} torch "
                        f"threads of {len(os.sched_getaffinity(0))} cores; decode {self.path} ({why})")
         self.compiling = None if self.path == EAGER else BackgroundCompile(runner, self.path)
         self.model = model

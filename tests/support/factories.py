@@ -164,15 +164,18 @@ def tiny_arch(path: Path, arch: str, *, layers: int = 6, seed: int = 0, **over) 
     return path
 
 
-def write_gguf(hf_dir: Path, out: Path) -> Path:
-    """The HF model in ``hf_dir`` as an fp32 GGUF file written with gguf-py: llama.cpp's metadata and
-    tensor names, Gemma's norms as 1 + weight, and a placeholder vocabulary (a token per id). For the
-    architectures whose tensors llama.cpp keeps unpermuted: Qwen3, Phi-3, Gemma 3."""
+def write_gguf(hf_dir: Path, out: Path, kinds=None) -> Path:
+    """The HF model in ``hf_dir`` as a GGUF file written with gguf-py: llama.cpp's metadata and
+    tensor names, Gemma's norms as 1 + weight, Llama's q/k rows permuted as llama.cpp's converter
+    does, and a placeholder vocabulary (a token per id). Llama, Qwen3, Phi-3, Gemma 3. ``kinds``: GGUF
+    tensor name -> a block kind ("Q4_K", ...: tests/support/kquant.py quantizes it) or None (fp32)."""
     import gguf  # noqa: PLC0415
+
+    from tests.support.kquant import quantize  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     c = model.config
-    arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3,
+    arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3,
             "gemma3_text": gguf.MODEL_ARCH.GEMMA3}[c.model_type]
     w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
     w.add_block_count(c.num_hidden_layers)
@@ -202,7 +205,15 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
             continue
         if c.model_type == "gemma3_text" and k.endswith("norm.weight"):
             v = v + 1  # llama.cpp keeps Gemma's norms as 1 + weight
-        w.add_tensor(names.get_name(k, try_suffixes=(".weight", ".bias")), v.numpy())
+        if c.model_type == "llama" and k.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = c.num_attention_heads if "q_proj" in k else c.num_key_value_heads
+            v = v.reshape(heads, 2, v.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(v.shape)
+        name = names.get_name(k, try_suffixes=(".weight", ".bias"))
+        kind = kinds(name) if kinds else None
+        if kind is None:
+            w.add_tensor(name, v.numpy())
+        else:
+            w.add_tensor(name, quantize(v.numpy(), kind), raw_dtype=gguf.GGMLQuantizationType[kind])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

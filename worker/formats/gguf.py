@@ -1,4 +1,5 @@
-"""GGUF's quantized blocks: Q4_1 and Q8_0 rows read from a GGUF file and matched to the loaded model's
+"""GGUF's quantized blocks: rows read from a GGUF file (Q4_1 and Q8_0 parsed here; Q4_0, Q5_0 and the
+K-quants as raw rows, dequantized by worker/formats/kquant_blocks.py) and matched to the loaded model's
 tensors, so a scheme can take the file's own blocks (no second rounding) where the model still holds
 exactly their dequantized values."""
 from __future__ import annotations
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.formats.kquant_blocks import BLOCKS, dequantize
 from worker.formats.scheme import GGUF_BLOCK
 
 _Q4_1_BYTES, _Q8_0_BYTES = 20, 34
@@ -49,7 +51,7 @@ def dequant_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 @dataclass(slots=True)
 class GGUFTensor:
-    kind: str  # "Q4_1" | "Q8_0"
+    kind: str  # "Q4_1", "Q8_0" or a kind of kquant_blocks.BLOCKS
     raw: torch.Tensor  # [rows, bytes per row] uint8
 
 
@@ -61,17 +63,27 @@ class GGUFSource:
         self.path = path
         self.tensors: dict[str, GGUFTensor] = {}
         for t in GGUFReader(path).tensors:
-            if t.tensor_type.name in ("Q4_1", "Q8_0"):
+            if t.tensor_type.name in ("Q4_1", *BLOCKS):
                 self.tensors[t.name] = GGUFTensor(t.tensor_type.name, torch.from_numpy(t.data.copy()))
 
-    def blocks(self, gguf_name: str, like: torch.Tensor):
-        """(kind, row permutation, blocks) when tensor ``gguf_name`` dequantizes exactly to ``like``
-        up to an order of rows (llama.cpp stores q/k rows permuted for its rotary layout), else None."""
+    def blocks(self, gguf_name: str, like: torch.Tensor, kinds: tuple[str, ...] | None = None):
+        """(kind, row permutation, blocks) when tensor ``gguf_name`` (of one of ``kinds``; None: any)
+        dequantizes exactly to ``like`` up to an order of rows (llama.cpp stores q/k rows permuted for
+        its rotary layout), else None. blocks: Q4_1's (q, d, m), Q8_0's (q, d), the other kinds' raw rows.
+        A file without ``output.weight`` ties its head to ``token_embd.weight``: that one is looked up."""
         t = self.tensors.get(gguf_name)
-        if t is None or t.raw.shape[0] != like.shape[0]:
+        if t is None and gguf_name == "output.weight":
+            t = self.tensors.get("token_embd.weight")
+        if t is None or t.raw.shape[0] != like.shape[0] or (kinds is not None and t.kind not in kinds):
             return None
-        blocks = q4_1_blocks(t.raw) if t.kind == "Q4_1" else q8_0_blocks(t.raw)
-        deq = dequant_q4_1(*blocks) if t.kind == "Q4_1" else dequant_q8_0(*blocks)
+        if t.kind == "Q4_1":
+            blocks = q4_1_blocks(t.raw)
+            deq = dequant_q4_1(*blocks)
+        elif t.kind == "Q8_0":
+            blocks = q8_0_blocks(t.raw)
+            deq = dequant_q8_0(*blocks)
+        else:
+            blocks, deq = t.raw, dequantize(t.raw, t.kind)
         if deq.shape != like.shape:
             return None
         perm = match_rows(deq, like.detach().float().cpu())

@@ -6,6 +6,8 @@ adding one is that module and one :func:`register` line at the end of this file 
 tests/test_weight_formats.py). ``--weights`` lists them in the order they are registered."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import structlog
 import torch
 
@@ -15,6 +17,7 @@ from worker.formats import (  # the formats' modules, one a line
     fp32,
     int4,
     int8,
+    kquant,
     w4a8,
     w8a8,
 )
@@ -89,6 +92,25 @@ def weights_why(asked: str, device: str = "cpu") -> str:
     return f"auto on {cap}"
 
 
+def served(weights: str, device: str = "cpu", source: str | None = None) -> str:
+    """``--weights`` as asked for a model read from ``source``: ``auto`` becomes ``gguf`` where it would
+    serve w4a8 and the GGUF's layers hold a kind other than Q4_1 (w4a8 would round those a second time
+    into Q4_1); anything else is returned as asked (``auto`` resolved later, by the device; a source
+    that is not a GGUF file here, too: its load says what is wrong with it)."""
+    if weights != AUTO or not source or not str(source).endswith(".gguf") or not Path(source).is_file():
+        return weights
+    if auto_choice(device) != w4a8.FORMAT.name:
+        return weights
+    return kquant.FORMAT.name if kquant.layer_kinds(str(source)) & set(kquant.KINDS) else weights
+
+
+def served_why(asked: str, device: str = "cpu", source: str | None = None) -> str:
+    """:func:`weights_why`, saying so where auto keeps a GGUF's own block types."""
+    why = weights_why(asked, device)
+    keeps = asked == AUTO and served(asked, device, source) == kquant.FORMAT.name
+    return f"{why}: the GGUF's own block types" if keeps else why
+
+
 def compile_refusal(scheme_names: list[str], weights: str = "") -> str:
     """The message for a compiled path asked of schemes that an inductor graph cannot hold."""
     named = f" --weights {weights}" if weights else ""
@@ -125,7 +147,7 @@ def resolve_mode(mode: str, device: str = "cpu") -> str:
     return resolve(mode, device).weights
 
 
-__all__ = ["AUTO", "FORMATS", "WeightFormat", "auto_choice", "compile_refusal", "may_quantize", "names",
+__all__ = ["AUTO", "FORMATS", "WeightFormat", "auto_choice", "compile_refusal", "may_quantize", "names", "served", "served_why",
            "parse_weights", "register", "resolve", "resolve_mode", "weights_why"]
 
 
@@ -135,3 +157,4 @@ register(int8.FORMAT)
 register(int4.FORMAT)
 register(w8a8.FORMAT)
 register(w4a8.FORMAT)
+register(kquant.FORMAT)

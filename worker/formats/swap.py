@@ -23,7 +23,7 @@ from torch import nn
 from kernels.cpu_gemv import int8_gemv_kernel
 from worker.formats.gguf import GGUFSource, gguf_name
 from worker.formats.int8 import Int8Linear
-from worker.formats.registry import FORMATS, resolve
+from worker.formats.registry import FORMATS, resolve, served
 from worker.formats.scheme import GGUF_BLOCK, Scheme, WeightConfig
 from worker.formats.weightformat import Layout
 
@@ -38,18 +38,20 @@ class QuantReport:
     fused: int = 0  # q/k/v and gate/up groups fused (fuse_projections)
     smoothed: int = 0  # linears whose input range was folded into their weights (w8a8: worker/smoothing.py)
     schemes: dict[str, int] = field(default_factory=dict)  # modules per scheme name
+    kinds: dict[str, str] = field(default_factory=dict)  # module -> the GGUF block kind it kept (from_gguf ones)
 
 
 def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, group: int = GGUF_BLOCK,
                    device: str = "cpu", fuse: bool = True, layout: str | None = None,
                    load_tokenizer: Callable[[], object] | None = None) -> QuantReport:
     """Swaps ``model``'s linears and embeddings for format ``mode`` (``--weights``; ``auto`` resolved and
-    the combination checked by :func:`worker.formats.registry.resolve`), in place. ``gguf_path``: the
-    GGUF whose own blocks are taken where they match. ``group``: int4's along K. ``fuse``: then join
+    the combination checked by :func:`worker.formats.registry.resolve`; for a GGUF, ``auto`` as
+    :func:`worker.formats.kquant.served` says), in place. ``gguf_path``: the GGUF whose own blocks are
+    taken where they match. ``group``: int4's along K. ``fuse``: then join
     q/k/v and gate/up (False only to measure it). ``layout``: "cpu" or "groups" (None: "groups" on CUDA).
     ``load_tokenizer``: called by a format that calibrates first (w8a8: None, or a model without one,
     random ids with a warning)."""
-    cfg = resolve(mode, device, layout, group)
+    cfg = resolve(served(mode, device, gguf_path), device, layout, group)
     fmt = FORMATS[cfg.weights]
     report = QuantReport(cfg.weights)
     if not fmt.quantizes:
@@ -66,9 +68,11 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None = None, gr
         if scheme is None:
             continue  # no scheme of this format holds it: it stays as loaded
         gname = gguf_name(name) if scheme.gguf_kinds and src is not None else None
-        found = src.blocks(gname, mod.weight) if gname else None
+        found = src.blocks(gname, mod.weight, scheme.gguf_kinds) if gname else None
         new, exact = scheme.load(mod, found, cfg)
         (report.from_gguf if exact else report.from_float).append(name)
+        if exact:
+            report.kinds[name] = found[0]
         report.schemes[type(new).name] = report.schemes.get(type(new).name, 0) + 1
         setattr(parent, child, new.to(mod.weight.device))
     _detach_from_shared_storage(model)

@@ -39,6 +39,8 @@ class WeightFormat:
     group: int | None = None  # the only group it takes (w4a8: Q4_1's 32); None: any
     takes_group: bool = False  # its scales go per ``--group`` inputs along K on CPU too (int4)
     needs_cpu_operators: bool = False  # its CPU schemes run only on our operators (kernels/cpu_gemv.py)
+    # what else it needs on this machine (gguf: the K-quant operator): raises RuntimeError/OSError saying why
+    needs: Callable[[], object] | None = None
     # before packing (w8a8: smoothing): (model, config, load_tokenizer) -> how many linears it changed
     prepare: Callable[[nn.Module, WeightConfig, Callable | None], int] | None = None
 
@@ -63,9 +65,12 @@ class WeightFormat:
             return
         try:
             load_cpu_gemv()
+            if self.needs is not None:
+                self.needs()
         except (RuntimeError, OSError) as e:
-            raise ValueError(f"--weights {self.name} needs our CPU operators (kernels/cpu_gemv.py), which did not "
-                             f"build here: {e}") from e
+            raise ValueError(f"--weights {self.name} needs our CPU operators (kernels/cpu_gemv.py"
+                             f"{', ' + self.needs.__module__ if self.needs else ''}), which did not build here: "
+                             f"{e}") from e
 
 
 __all__ = ["Layout", "TWO_DEVICES", "WeightFormat"]
