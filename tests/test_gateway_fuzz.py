@@ -44,7 +44,8 @@ from tests.support.gateway import rds_worker, FakeBackend, ServerThread, registe
 
 KEY = "sk-fuzz"
 MODELS = ["smollm2-135m-small", "smollm2-135m-medium", "smollm2-135m-large", "smollm2-135m", "auto"]
-FUZZ = settings(max_examples=150, deadline=None, database=None, derandomize=False,
+# Examples per test sized for the suite on 2 cores (each run draws new ones: derandomize is off)
+FUZZ = settings(max_examples=75, deadline=None, database=None, derandomize=False,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 # any JSON value (NaN and infinities included: the gateway's json.loads accepts them); text with lone
@@ -206,7 +207,7 @@ if hasattr(_hjs, "__from_schema"):
 DOC: dict = {}   # the gateway's /openapi.json, fetched by the `doc` fixture (the strategies read it lazily)
 DOC_URI = "urn:mfs:gateway:openapi"
 POSTS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion"}
-SCHEMA_FUZZ = settings(FUZZ, max_examples=100,
+SCHEMA_FUZZ = settings(FUZZ, max_examples=50,
                        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                               HealthCheck.filter_too_much, HealthCheck.large_base_example])
 # Fields the validator reads leniently, so that some values invalid by the (stricter) description are
@@ -559,7 +560,7 @@ def test_schema_valid_completion_bodies(gw, body):
 
 @pytest.mark.usefixtures("doc")
 @pytest.mark.parametrize("path", list(POSTS))
-@settings(SCHEMA_FUZZ, max_examples=50)
+@settings(SCHEMA_FUZZ, max_examples=25)
 @given(data=st.data())
 def test_schema_invalid_bodies_get_400(gw, path, data):
     """A valid body with one documented field set to a value the description rejects: a 400 that names

@@ -19,7 +19,7 @@ from tests.support.wait import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MODELS = ["smollm2-135m-small", "smollm2-135m-medium", "smollm2-135m-large", "smollm2-135m"]
-ROUNDS, ROUND_S, CONCURRENCY = 4, 12.0, 6  # 20 s rounds until the suite grew past ~15 min
+ROUNDS, ROUND_S, CONCURRENCY = 3, 12.0, 6  # three rounds: the flatness check compares the last to the second
 
 
 def redis_figures(r) -> dict:
