@@ -201,4 +201,5 @@ def run_api(spec, *, singles: int = 3, start_timeout_s: float = 600.0) -> dict:
         res["start_log"] = [ln for ln in log.read_text().splitlines() if ln.startswith("mfs up")][:8]
     finally:
         stop_mfs_up(proc)
-    return {"name": "mfs api (mfs up defaults)", **res}
+    flags = f"mfs up {' '.join(spec.up_args)}" if spec.up_args else "mfs up defaults"
+    return {"name": f"mfs api ({flags})", **res}

@@ -14,8 +14,10 @@ def run_llama_cpp(spec: Spec) -> dict:
     """Greedy decoding through llama-cpp-python's low-level eval loop, keeping the last position's logits
     only (as serving does). It has no batch of independent sequences: its concurrent run, unless turned
     off, is the requests one after another (reported as such). Resident memory is taken after the timed
-    runs; the perplexity then needs every position's logits, on a second context."""
+    runs, and less what the child held before loading as the model's; the perplexity then needs every
+    position's logits, on a second context."""
     import llama_cpp  # noqa: PLC0415
+    before = rss()["rss_bytes"]  # the interpreter, numpy and torch (the bench's own): not llama.cpp's
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(model_path=spec.gguf, n_threads=spec.threads, n_ctx=2048, verbose=False)
     load_s = time.perf_counter() - t0
@@ -55,6 +57,7 @@ def run_llama_cpp(spec: Spec) -> dict:
         res["long_prompt"] = {"prompt_tokens": len(spec.long_prompt), "ttft_ms": 1e3 * (first - began)}
     res["rss_after_load_bytes"] = mem["rss_bytes"]
     res.update(rss())  # resident while serving: every weight page touched by now
+    res["model_rss_bytes"] = res["rss_bytes"] - before
     del llm
     release()
     full = llama_cpp.Llama(model_path=spec.gguf, n_threads=spec.threads, n_ctx=2048, logits_all=True, verbose=False)

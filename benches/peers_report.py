@@ -36,9 +36,10 @@ def _median_of(values: list[float]) -> float | None:
 
 
 def served_rss(r: dict) -> int:
-    """The memory a contender's model costs: the api's workers (not its Redis, scheduler and gateway),
-    else the contender's process."""
-    return r.get("worker_rss_bytes") or r["rss_bytes"]
+    """The memory a contender's model costs: the api's workers (not its Redis, scheduler and gateway);
+    llama.cpp's child less what it held before loading (the interpreter and the bench's torch); else the
+    contender's process."""
+    return r.get("worker_rss_bytes") or r.get("model_rss_bytes") or r["rss_bytes"]
 
 
 def ratios_vs_llama_cpp(rounds: list[list[dict]]) -> dict:
@@ -61,7 +62,7 @@ def ratios_vs_llama_cpp(rounds: list[list[dict]]) -> dict:
                     got[sec].append(me[sec]["tokens_per_s"] / base)
             if "long_prompt" in me and "long_prompt" in ref:
                 got["ttft_long"].append(me["long_prompt"]["ttft_ms"] / ref["long_prompt"]["ttft_ms"])
-            got["memory"].append(served_rss(me) / ref["rss_bytes"])
+            got["memory"].append(served_rss(me) / served_rss(ref))
         out[res["name"]] = {k: [round(x, 3) for x in v] for k, v in got.items()}
         out[res["name"]].update({f"{k}_median": _median_of(v) for k, v in got.items()})
     return out
@@ -147,7 +148,7 @@ def plot(out: dict, path: str) -> None:
     names = [r["name"].replace("transformers generate", "HF generate") for r in rs]
     panels = [("1 request, tokens/s", [r["single"]["tokens_per_s"] for r in rs]),
               (f"{out['concurrency']} concurrent, tokens/s", [r.get("concurrent", {}).get("tokens_per_s", 0) for r in rs]),
-              ("resident memory, MB", [r["rss_bytes"] / 2**20 for r in rs]),
+              ("model resident memory, MB", [served_rss(r) / 2**20 for r in rs]),
               ("held-out perplexity, top tier", [r["ppl_top"] for r in rs])]
     fig, axes = plt.subplots(1, 4, figsize=(15, 3.8))
     for ax, (title, vals) in zip(axes, panels):
