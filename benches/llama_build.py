@@ -40,8 +40,12 @@ def cmake_args(flags: frozenset[str]) -> str:
     return " ".join(opts + [f"-DGGML_{o}=OFF" for o in AMX_OPTIONS])
 
 
+def installed() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
 def check(gguf: str, timeout_s: float = 180.0) -> Check:
-    if importlib.util.find_spec("llama_cpp") is None:
+    if not installed():
         return Check("missing", "llama-cpp-python is not installed")
     try:
         r = subprocess.run([sys.executable, "-c", SMOKE, gguf], capture_output=True, text=True, timeout=timeout_s)

@@ -3,7 +3,10 @@ benches/peers_api.py), and MFS in-process in each ``--weights`` mode, side by si
 ``transformers`` generate and llama.cpp (``llama-cpp-python``, checked and if need be rebuilt by
 benches/llama_build.py) — same machine, same prompts, same token counts, one run. Per contender: a
 single request and ``--concurrency`` concurrent ones (MFS also the family mix), tokens/s, TPOT,
-resident memory and the top tier's held-out perplexity.
+resident memory, the top tier's held-out perplexity and, with ``--long-prompt N``, the time to first
+token of one N-token prompt. On a GGUF (``--model FILE``, or a file ``--make-synthetic`` makes:
+benches/peers_synth.py) the machine's streaming-read bandwidth, probed before and after, gives the
+single stream's floor (benches/peers_floor.py); the CPU and the load are recorded with every figure.
 
 Each contender runs in its own child process, one after another: resident memory is its own, and no
 two ever compete for the cores. This machine's speed drifts by ±10–20 % from one minute to the next, so
@@ -13,56 +16,26 @@ within each round (neighbours in time) with their median.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from benches.peers_report import merge_rounds, plot, print_table, ratios_vs_llama_cpp
+from benches import peers_synth
+from benches.peers_common import Spec, perplexity, release, rss
+from benches.peers_floor import bandwidth_gbs, bytes_per_token, cpu_name, floor_record, load_avg
+from benches.peers_report import markdown, merge_rounds, plot, print_table, ratios_vs_llama_cpp
 from engine.runtime import write_json
-
-@dataclass(slots=True)
-class Spec:
-    model: str
-    threads: int
-    prompts: list[list[int]]      # prompts[0] is the single request; all of them run concurrently
-    mix: list[int]                # tier of each concurrent request in the family-mix run
-    new_tokens: int
-    windows: list[list[int]]      # held-out perplexity windows
-    gguf: str | None
-    device: str = "cpu"           # MFS and transformers run here; llama.cpp (a CPU build) always on CPU
-
-
-# ---- measurements, run inside a child ------------------------------------------------------------
-def _rss(device: str = "cpu") -> dict:
-    """Resident host memory, and on CUDA the device memory torch holds (now and at peak)."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(("VmRSS:", "VmHWM:")):
-            out[line[:5].lower()] = int(line.split()[1]) * 1024
-    res = {"rss_bytes": out.get("vmrss", 0), "peak_rss_bytes": out.get("vmhwm", 0)}
-    if device.startswith("cuda"):
-        res.update(cuda_bytes=torch.cuda.memory_allocated(), peak_cuda_bytes=torch.cuda.max_memory_allocated())
-    return res
-
-
-def _release() -> None:
-    import ctypes  # noqa: PLC0415
-    import gc  # noqa: PLC0415
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
 
 
 def _engine(model, n: int):
@@ -90,17 +63,6 @@ def _engine_run(model, prompts, tiers, new: int) -> dict:
             "ttft_ms": 1e3 * (sum(first.values()) / len(first) - t0)}
 
 
-@torch.inference_mode()
-def _ppl(logits_fn, windows: list[list[int]]) -> float:
-    nll, count = 0.0, 0
-    for w in windows:
-        ids = torch.tensor([w])
-        logits = logits_fn(ids)[0, :-1].float().cpu()
-        nll += float(F.cross_entropy(logits, ids[0, 1:], reduction="sum"))
-        count += len(w) - 1
-    return float(torch.exp(torch.tensor(nll / count)))
-
-
 def run_mfs(spec: Spec, mode: str) -> dict:
     from worker.execution import compile_decode  # noqa: PLC0415
     from worker.family import load_family  # noqa: PLC0415
@@ -110,8 +72,8 @@ def run_mfs(spec: Spec, mode: str) -> dict:
     fam = load_family(spec.model, weights=weights, device=spec.device)
     model = fam.model
     load_s = time.perf_counter() - t0
-    _release()
-    mem = _rss(spec.device)
+    release()
+    mem = rss(spec.device)
     warm_s = None
     if compiled:  # the graphs are built as a serving worker builds them, before anything is timed
         compile_decode(model)
@@ -122,9 +84,12 @@ def run_mfs(spec: Spec, mode: str) -> dict:
            "single": _engine_run(model, spec.prompts[:1], [top], spec.new_tokens),
            "concurrent": _engine_run(model, spec.prompts, [top] * n, spec.new_tokens),
            "family_mix": _engine_run(model, spec.prompts, spec.mix, spec.new_tokens)}
-    res["ppl_top"] = _ppl(lambda ids: model.logits(model.exit_hidden(ids.to(spec.device))[-1]), spec.windows)
+    if spec.long_prompt:
+        run = _engine_run(model, [spec.long_prompt], [top], 2)
+        res["long_prompt"] = {"prompt_tokens": len(spec.long_prompt), "ttft_ms": run["ttft_ms"]}
+    res["ppl_top"] = perplexity(lambda ids: model.logits(model.exit_hidden(ids.to(spec.device))[-1]), spec.windows)
     res["rss_after_load_bytes"] = mem["rss_bytes"]
-    res.update(_rss(spec.device))  # resident while serving: every weight page touched by now
+    res.update(rss(spec.device))  # resident while serving: every weight page touched by now
     return res
 
 
@@ -140,8 +105,8 @@ def run_hf(spec: Spec) -> dict:
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                               **({"gguf_file": gguf} if gguf else {})).eval().to(spec.device)
     load_s = time.perf_counter() - t0
-    _release()
-    mem = _rss(spec.device)
+    release()
+    mem = rss(spec.device)
     pad = hf.generation_config.eos_token_id
     pad = pad[0] if isinstance(pad, list) else pad
 
@@ -165,52 +130,11 @@ def run_hf(spec: Spec) -> dict:
     res = {"name": "transformers generate fp32", "load_s": load_s,
            "weights_bytes": sum(p.numel() * p.element_size() for p in hf.parameters()),
            "single": measure(spec.prompts[:1]), "concurrent": measure(spec.prompts),
-           "ppl_top": _ppl(lambda ids: hf(ids.to(spec.device)).logits, spec.windows)}
+           "ppl_top": perplexity(lambda ids: hf(ids.to(spec.device)).logits, spec.windows)}
+    if spec.long_prompt:
+        res["long_prompt"] = {"prompt_tokens": len(spec.long_prompt), "ttft_ms": 1e3 * gen([spec.long_prompt], 1)}
     res["rss_after_load_bytes"] = mem["rss_bytes"]
-    res.update(_rss(spec.device))  # resident while serving: every weight page touched by now
-    return res
-
-
-def run_llama_cpp(spec: Spec) -> dict:
-    """Greedy decoding through llama-cpp-python's low-level eval loop; it has no batch of independent
-    sequences, so the concurrent run is the requests one after another (reported as such)."""
-    from llama_cpp import Llama  # noqa: PLC0415
-    t0 = time.perf_counter()
-    llm = Llama(model_path=spec.gguf, n_threads=spec.threads, n_ctx=2048, logits_all=True, verbose=False)
-    load_s = time.perf_counter() - t0
-    mem = _rss()
-
-    def one(prompt) -> tuple[float, float, int]:
-        llm.reset()
-        t = time.perf_counter()
-        toks, first = list(prompt), None
-        for _ in range(spec.new_tokens):
-            llm.eval(toks[-1:] if first is not None else toks)
-            toks.append(int(llm.scores[llm.n_tokens - 1].argmax()))
-            first = first or time.perf_counter()
-        return t, first, time.perf_counter()
-
-    def measure(prompts):
-        t_start = time.perf_counter()
-        runs = [one(p) for p in prompts]
-        wall = time.perf_counter() - t_start
-        tok = spec.new_tokens * len(prompts)
-        tpot = sum((e - f) / (spec.new_tokens - 1) for _, f, e in runs) / len(runs)
-        return {"requests": len(prompts), "tokens": tok, "wall_s": wall, "tokens_per_s": tok / wall,
-                "tpot_ms": 1e3 * tpot, "ttft_ms": 1e3 * sum(f - s for s, f, _ in runs) / len(runs),
-                "sequential": len(prompts) > 1}
-
-    def logits(ids):
-        llm.reset()
-        llm.eval(ids[0].tolist())
-        return torch.from_numpy(llm.scores[: ids.shape[1]].copy())[None]
-
-    res = {"name": "llama.cpp (GGUF as shipped)", "load_s": load_s,
-           "weights_bytes": Path(spec.gguf).stat().st_size,
-           "single": measure(spec.prompts[:1]), "concurrent": measure(spec.prompts),
-           "ppl_top": _ppl(logits, spec.windows)}
-    res["rss_after_load_bytes"] = mem["rss_bytes"]
-    res.update(_rss())  # resident while serving: every weight page touched by now
+    res.update(rss(spec.device))  # resident while serving: every weight page touched by now
     return res
 
 
@@ -222,6 +146,7 @@ def child_main(argv: list[str]) -> int:
         from benches.peers_api import run_api  # noqa: PLC0415
         res = run_api(spec)
     else:
+        from benches.peers_llama import run_llama_cpp  # noqa: PLC0415
         res = run_mfs(spec, mode) if kind == "mfs" else run_hf(spec) if kind == "hf" else run_llama_cpp(spec)
     res["threads"] = torch.get_num_threads()
     Path(out_path).write_text(json.dumps(res, indent=2))
@@ -244,34 +169,47 @@ def make_spec(args) -> Spec:
     text = D.encode_docs(tok, D.stdlib_texts(["json", "random"]), eos)
     n, L = args.concurrency, args.prompt_len
     prompts = [text[i * L:(i + 1) * L].tolist() for i in range(n)]
+    long_prompt = text[n * L:n * L + args.long_prompt].tolist()  # shares no prefix with the others
+    if len(long_prompt) < args.long_prompt:
+        raise ValueError(f"--long-prompt {args.long_prompt}: the prompt text holds {len(text) - n * L} tokens "
+                         f"after the {n} short prompts")
     counts = [int(x) for x in args.mix.split(",")]
     if sum(counts) != n or len(counts) != len(manifest.tiers):
         raise ValueError(f"--mix {args.mix}: one count per tier ({len(manifest.tiers)}), summing to "
                          f"--concurrency {n}")
     mix = [t for t, c in enumerate(counts) for _ in range(c)]
     return Spec(args.model, args.threads, prompts, mix, args.new_tokens, windows.tolist(),
-                base if base.endswith(".gguf") else None, args.device)
+                base if base.endswith(".gguf") else None, args.device, long_prompt,
+                shlex.split(args.up_args), args.llama_cpp_sequential)
 
 
 def _child(kind: str, mode: str, spec_path: Path, out: Path, log_dir: Path) -> dict:
+    load_before = load_avg()
     with open(log_dir / f"{kind}-{mode}.log", "w") as logf:
         r = subprocess.run([sys.executable, "-m", "benches.peers", kind, mode, str(spec_path), str(out)],
                            stdout=logf, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if r.returncode != 0:
         tail = (log_dir / f"{kind}-{mode}.log").read_text()[-2000:]
         raise RuntimeError(f"{kind} {mode} failed (exit {r.returncode}):\n{tail}")
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "load_before": load_before, "load_after": load_avg()}
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("peers", help="MFS per --weights mode vs transformers generate vs llama.cpp")
-    p.add_argument("--model", default="default-raw",
-                   help="default-raw: the GGUF as shipped, the weights every contender can serve")
+    p.add_argument("--model", default=None,
+                   help="default-raw (the default): the GGUF as shipped, the weights every contender can serve; "
+                        "or a .gguf file, a HF directory, a family checkpoint")
+    p.add_argument("--make-synthetic", default=None, metavar="NAME",
+                   help=f"make (once, in $MFS_CACHE/peers) and bench a Q4_K_M GGUF: {', '.join(peers_synth.NAMES)} "
+                        "(random weights of that Llama shape with SmolLM2's tokenizer; smollm2-q4km: the default "
+                        "GGUF requantized); without --json it only makes the file and prints its path")
+    p.add_argument("--seed", type=int, default=0, help="--make-synthetic: the random weights' seed")
     p.add_argument("--modes", default="api",
                    help="what MFS contenders to run: 'api' is `mfs up --model M` with its defaults, measured "
                         "through HTTP (gateway -> Redis -> worker); a --weights format (mfs up --help lists them) "
                         "runs in-process; MODE+compile adds the compiled decode segments (CPU), compiled "
                         "in an untimed warm-up")
+    p.add_argument("--up-args", default="", help="api: more `mfs up` flags, e.g. '--weights auto --threads 2'")
     p.add_argument("--build-llama-cpp", action="store_true",
                    help="when llama-cpp-python is missing or its build crashes on this CPU, build it here with "
                         "GGML_NATIVE=OFF and AMX off (about 12 minutes on 2 cores)")
@@ -279,6 +217,11 @@ def add_parser(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--mix", default="11,3,2", help="family-mix run: requests per tier, lowest first")
+    p.add_argument("--long-prompt", type=int, default=0,
+                   help="also each contender's time to first token on one prompt of this many tokens (0: not run)")
+    p.add_argument("--llama-cpp-sequential", action=argparse.BooleanOptionalAction, default=True,
+                   help="llama.cpp's concurrent run, the requests one after another (llama-cpp-python has no "
+                        "batch of sequences); --no-llama-cpp-sequential: its single stream is the comparison")
     p.add_argument("--heldout-tokens", type=int, default=2048)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
@@ -287,39 +230,78 @@ def add_parser(sub) -> None:
                    help="rounds of every contender, one after another; figures are medians over rounds")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] for MFS and transformers "
                    "(llama-cpp-python as pip builds it is a CPU build: it stays on the CPU)")
-    p.add_argument("--json", required=True)
+    p.add_argument("--json", default=None, help="where the results go (required unless only --make-synthetic)")
+    p.add_argument("--markdown", default=None, help="also a markdown table of the results here")
     p.add_argument("--plot", default=None)
     p.set_defaults(func=run)
+
+
+def _arg_error(args) -> str | None:
+    """What is wrong with the flags, before anything is made or run."""
+    from worker.formats import FORMATS  # noqa: PLC0415  (the registry: a new format is a mode here too)
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m != "api" and (m.removesuffix("+compile") not in FORMATS or (
+        m.endswith("+compile") and FORMATS[m.removesuffix("+compile")].uncompilable()))]
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        return f"--device {args.device}: CUDA is not available here"
+    if not args.device.startswith(("cpu", "cuda")):
+        return f"--device {args.device}: expected cpu or cuda[:N]"
+    if bad:
+        compiled = ", ".join(f for f, fmt in FORMATS.items() if not fmt.uncompilable())
+        return f"--modes: unknown {', '.join(bad)} (api; {', '.join(FORMATS)}; +compile after {compiled})"
+    if args.repeats < 1:
+        return f"--repeats {args.repeats}: at least 1"
+    if args.threads < 1:
+        return f"--threads {args.threads}: at least 1"
+    if args.long_prompt < 0:
+        return f"--long-prompt {args.long_prompt}: a token count, or 0 for none"
+    if args.up_args and "api" not in modes:
+        return "--up-args: flags for `mfs up`, which only --modes api starts"
+    if args.make_synthetic is not None:
+        if args.model is not None:
+            return "--make-synthetic makes the model: give it or --model, not both"
+        if args.make_synthetic not in peers_synth.NAMES:
+            return f"--make-synthetic {args.make_synthetic!r}: expected one of {', '.join(peers_synth.NAMES)}"
+    elif args.json is None:
+        return "--json is required (only --make-synthetic without it makes a file and stops)"
+    return None
+
+
+def _make_model(args, llama_build) -> str:
+    """--make-synthetic's file, made here (llama.cpp's quantizer first built where allowed and missing)."""
+    if not llama_build.installed():
+        if not args.build_llama_cpp:
+            raise RuntimeError("--make-synthetic quantizes with llama.cpp's quantizer: llama-cpp-python is not "
+                               "installed; add --build-llama-cpp to build it here")
+        llama_build.build(say=lambda m: print(m, flush=True))
+    return str(peers_synth.make(args.make_synthetic, args.threads, args.seed))
 
 
 def run(args) -> int:
     import tempfile  # noqa: PLC0415
 
     from benches import llama_build  # noqa: PLC0415
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"--device {args.device}: CUDA is not available here", file=sys.stderr)
+    err = _arg_error(args)
+    if err:
+        print(err, file=sys.stderr)
         return 2
-    if not args.device.startswith(("cpu", "cuda")):
-        print(f"--device {args.device}: expected cpu or cuda[:N]", file=sys.stderr)
-        return 2
-    modes = args.modes.split(",")
-    from worker.formats import FORMATS  # noqa: PLC0415  (the registry: a new format is a mode here too)
-    bad = [m for m in modes if m != "api" and (m.removesuffix("+compile") not in FORMATS or (
-        m.endswith("+compile") and FORMATS[m.removesuffix("+compile")].uncompilable()))]
-    if bad:
-        compiled = ", ".join(f for f, fmt in FORMATS.items() if not fmt.uncompilable())
-        print(f"--modes: unknown {', '.join(bad)} (api; {', '.join(FORMATS)}; +compile after {compiled})",
-              file=sys.stderr)
-        return 2
-    if args.repeats < 1:
-        print(f"--repeats {args.repeats}: at least 1", file=sys.stderr)
-        return 2
+    if args.make_synthetic:
+        try:
+            args.model = _make_model(args, llama_build)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 2
+        print(args.model, flush=True)
+        if args.json is None:
+            return 0
+    args.model = args.model or "default-raw"
+    load_start = load_avg()
     spec = make_spec(args)
     # each contender's log and result: kept only when one fails (the error says where)
     work = Path(tempfile.mkdtemp(prefix="mfs-peers-"))
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(asdict(spec)))
-    plan = [("api", "default") if m == "api" else ("mfs", m) for m in modes]
+    plan = [("api", "default") if m == "api" else ("mfs", m) for m in args.modes.split(",")]
     if not args.skip_hf:
         plan.append(("hf", "fp32"))
     notes = []
@@ -331,6 +313,7 @@ def run(args) -> int:
         print(note, flush=True)
         if usable:
             plan.append(("llama.cpp", "gguf"))
+    bandwidth = [bandwidth_gbs(args.threads)] if spec.gguf else []
     rounds: list[list[dict]] = []
     for k in range(args.repeats):
         rounds.append([])
@@ -342,19 +325,25 @@ def run(args) -> int:
             except RuntimeError:
                 print(f"logs in {work}", file=sys.stderr, flush=True)
                 raise
+    bandwidth += [bandwidth_gbs(args.threads)] if spec.gguf else []
     results = [merge_rounds([r[i] for r in rounds]) for i in range(len(plan))]
     out = {"benchmark": "peers", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "machine": {"platform": platform.platform(), "threads": args.threads, "device": args.device,
+           "machine": {"platform": platform.platform(), "cpu": cpu_name(), "threads": args.threads,
+                       "device": args.device, "load_start": load_start, "load_end": load_avg(),
                        "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
                        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__},
            "model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
            "concurrency": args.concurrency, "mix": args.mix, "heldout_tokens": len(spec.windows) * args.seq_len,
-           "repeats": args.repeats, "notes": notes, "results": results,
-           "vs_llama_cpp": ratios_vs_llama_cpp(rounds)}
+           "long_prompt": args.long_prompt, "up_args": spec.up_args,
+           "floor": floor_record(bytes_per_token(spec.gguf) if spec.gguf else None, bandwidth),
+           "repeats": args.repeats, "notes": notes,
+           "results": results, "vs_llama_cpp": ratios_vs_llama_cpp(rounds)}
     write_json(args.json, out)
     shutil.rmtree(work, ignore_errors=True)
 
     print_table(out)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(out))
     if args.plot:
         plot(out, args.plot)
     return 0

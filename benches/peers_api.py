@@ -1,12 +1,13 @@
 """`mfs bench peers`' contender "api": what `make up` serves, measured the way a user meets it.
 
-It starts the real `mfs up --model M` (no other flag: the defaults are the product), waits for its
-"serving at" line, and sends through HTTP what the in-process contenders run: one streamed greedy
-request on the top tier, then the concurrent family mix; the top tier's perplexity comes from the
-served logprobs (``echo`` + ``logprobs``, ``max_tokens`` 0) over the same held-out windows. Every
-request goes gateway -> Redis -> scheduler -> worker, as in production. It also times the start:
-seconds from launching `mfs up` to its first served token, and records the ``mfs`` field of each
-answer (the tiers, and the execution path where the worker names it).
+It starts the real `mfs up --model M` (the defaults are the product; ``--up-args`` adds flags), waits
+for its "serving at" line, and sends through HTTP what the in-process contenders run: one streamed
+greedy request on the top tier, then the concurrent family mix; the top tier's perplexity comes from
+the served logprobs (``echo`` + ``logprobs``, ``max_tokens`` 0) over the same held-out windows; with
+``--long-prompt``, the first token of one long prompt. Resident memory: every process `mfs up` started,
+and its workers' apart. Every request goes gateway -> Redis -> scheduler -> worker, as in production.
+It also times the start: seconds from launching `mfs up` to its first served token, and records the
+``mfs`` field of each answer (the tiers, and the execution path where the worker names it).
 """
 from __future__ import annotations
 
@@ -47,18 +48,38 @@ def start_mfs_up(model: str, start_timeout_s: float, extra: tuple[str, ...] = ()
     raise RuntimeError(f"mfs up did not serve within {start_timeout_s:.0f} s:\n{log.read_text()[-2000:]}")
 
 
-def group_rss_bytes(pgid: int) -> int:
-    """Resident memory of every process in the group `mfs up` leads (its Redis, scheduler, gateway and
-    workers): what serving costs the machine."""
-    total = 0
+def tree_rss_bytes(root: int) -> dict[str, int]:
+    """Resident memory of ``root`` (`mfs up`) and every process below it, by what each runs: ``worker``,
+    ``scheduler``, ``gateway`` (``python -m ROLE``), ``redis`` and ``other`` (`mfs up` itself). The
+    children start in sessions of their own, so they are found by parent, not by process group."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    procs: dict[int, tuple[int, int]] = {}  # pid -> (ppid, rss bytes)
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid:  # pgrp, after the state and the ppid
-                total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")  # rss in pages
+            procs[int(stat.parent.name)] = (int(fields[1]), int(fields[21]) * page)  # ppid; rss in pages
         except (OSError, IndexError, ValueError):
             continue  # a process that ended meanwhile
-    return total
+    out: dict[str, int] = {}
+    for pid, (_, rss) in procs.items():
+        up, seen = pid, 0
+        while up not in (root, 0, 1) and up in procs and seen < 64:
+            up, seen = procs[up][0], seen + 1
+        if up != root:
+            continue
+        out[_role(pid)] = out.get(_role(pid), 0) + rss
+    return out
+
+
+def _role(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "other"
+    for a, b in zip(argv, argv[1:]):
+        if a == b"-m" and b.decode() in ("worker", "scheduler", "gateway"):
+            return b.decode()
+    return "redis" if any(b"redis" in a for a in argv[:1]) else "other"
 
 
 def stop_mfs_up(proc: subprocess.Popen) -> None:
@@ -157,6 +178,9 @@ async def _run(spec, url: str, launched: float, singles: int, compiling: bool) -
         out["single"]["tries_tokens_per_s"] = [r["tokens_per_s"] for r in tries]
         out["concurrent"] = await measure(s, url, [top] * len(spec.prompts), spec.prompts, spec.new_tokens)
         out["family_mix"] = await measure(s, url, [ids[t] for t in spec.mix], spec.prompts, spec.new_tokens)
+        if spec.long_prompt:  # one request alone: its first token is the prompt's prefill
+            r = await stream_one(s, url, top, spec.long_prompt, 2)
+            out["long_prompt"] = {"prompt_tokens": len(spec.long_prompt), "ttft_ms": 1e3 * (r["first"] - r["start"])}
         out["ppl_top"] = await served_ppl(s, url, top, spec.windows)
         after = await stream_one(s, url, top, spec.prompts[0], 2)
         out["last_answer_mfs"] = after["mfs"]
@@ -168,11 +192,14 @@ def run_api(spec, *, singles: int = 3, start_timeout_s: float = 600.0) -> dict:
     ``family_mix``, ``ppl_top``), named so `ratios_vs_llama_cpp` counts it as MFS."""
     if not spec.device.startswith("cpu"):
         raise ValueError("the api contender serves what `mfs up` picks on this machine: run it with --device cpu")
-    proc, url, log, launched = start_mfs_up(spec.model, start_timeout_s)
+    proc, url, log, launched = start_mfs_up(spec.model, start_timeout_s, tuple(spec.up_args))
     try:
         res = asyncio.run(_run(spec, url, launched, singles, "decode compiled" in log.read_text()))
-        res["rss_bytes"] = group_rss_bytes(proc.pid)
+        by_role = tree_rss_bytes(proc.pid)  # resident while serving: every weight page touched by now
+        res.update(rss_bytes=sum(by_role.values()), rss_by_role=by_role, worker_rss_bytes=by_role.get("worker", 0),
+                   up_args=list(spec.up_args))
         res["start_log"] = [ln for ln in log.read_text().splitlines() if ln.startswith("mfs up")][:8]
     finally:
         stop_mfs_up(proc)
-    return {"name": "mfs api (mfs up defaults)", **res}
+    flags = f"mfs up {' '.join(spec.up_args)}" if spec.up_args else "mfs up defaults"
+    return {"name": f"mfs api ({flags})", **res}
