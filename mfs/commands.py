@@ -223,5 +223,9 @@ def chosen(args, threads: int) -> str:
     why_t = f"--threads {args.threads}" if args.threads else f"the cores split between {args.workers} worker(s)"
     decode = {"auto": "compiled where it builds, in the background: eager until then (--no-compile: off)",
               "on": "compiled (--compile), in the background: eager until then", "off": "eager (--no-compile)"}
+    from worker.formats import FORMATS  # noqa: PLC0415
+    stuck = FORMATS[weights].uncompilable("groups" if str(device).startswith("cuda") else "cpu")
+    if args.compile == "auto" and stuck and not str(device).startswith("cuda"):
+        decode["auto"] = f"eager (auto: --weights {weights} runs eager, its {', '.join(stuck)} break the compiled graph)"
     return (f"{isa} on {device}; weights {weights} ({why_w}); {threads} torch threads per worker ({why_t}); "
             f"decode {decode[args.compile]}")
