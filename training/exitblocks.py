@@ -32,7 +32,8 @@ from kernels import TORCH_OPS
 from training import data as D
 from training.exit_features import (FeatureCache, fill_cache, from_bf16_bits, heldout_windows,
                                 training_windows)
-from training.loop import Budget, Evaluation, Method, Options, RunState, StepResult, Trainer, say
+from training.loop import (Budget, Evaluation, Method, Options, RunState, StepResult, Trainer, method_defaults,
+                           say)
 from family.manifest import DEFAULT_FLOOR, Manifest, TierSpec, parse_tiers, resolve_base_arg
 from worker.family import build_model
 from engine.runtime import autocast_dtype
@@ -264,18 +265,11 @@ def feature_caches(args, model: NestedModel, tok, lower: list[int], out: Path,
 
 
 # ---- the method --------------------------------------------------------------------------------
-def exit_defaults(args) -> None:
-    """Fills the options whose default depends on --method (None on the command line)."""
-    args.lr = 3e-4 if args.lr is None else args.lr
-    args.ce = 0.1 if args.ce is None else float(args.ce)
-    args.steps = 20_000 if args.steps is None else args.steps
-
-
 class ExitBlocks(Method):
     """Exit blocks on a frozen trunk, trained on the feature cache; a plug-in of training/loop.py."""
 
     def __init__(self, args, budget: Budget, log=say):
-        exit_defaults(args)
+        method_defaults(args, lr=3e-4, ce=0.1, steps=20_000)
         self.args, self.budget, self.log, self.total = args, budget, log, args.steps
 
     def prepare(self, resuming: bool) -> None:

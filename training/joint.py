@@ -34,7 +34,8 @@ from family.manifest import DEFAULT_FLOOR, Manifest
 from training import data as D
 from training.exit_features import heldout_windows, training_windows
 from training.exitblocks import build_exit_model, ce_sample, exit_loss, exit_parameters, warm_start
-from training.loop import Budget, Evaluation, Method, Options, RunState, StepResult, Trainer, say
+from training.loop import (Budget, Evaluation, Method, Options, RunState, StepResult, Trainer, method_defaults,
+                           say)
 from worker import checkpoint as ckpt
 from worker.model import NestedModel
 
@@ -177,17 +178,11 @@ def _notes(family: str, tiers, args, st: RunState, ev: dict, prov: dict) -> str:
 
 
 # ---- the method --------------------------------------------------------------------------------
-def _defaults(args) -> None:
-    args.lr = 5e-4 if args.lr is None else args.lr
-    args.ce = 0.1 if args.ce is None else float(args.ce)
-    args.steps = 2000 if args.steps is None else args.steps
-
-
 class Joint(Method):
     """Every tier at once: a shared trunk delta and private exit blocks; a plug-in of training/loop.py."""
 
     def __init__(self, args, budget: Budget, log=say):
-        _defaults(args)
+        method_defaults(args, lr=5e-4, ce=0.1, steps=2000)
         self.args, self.budget, self.log, self.total = args, budget, log, args.steps
 
     def prepare(self, resuming: bool) -> None:

@@ -170,6 +170,14 @@ class Method:
         return None
 
 
+def method_defaults(args, *, lr: float, ce, steps: int) -> None:
+    """Fills the options whose default depends on --method (None on the command line); ``ce`` keeps its
+    default's type (a float, or lora's per-tier string)."""
+    args.lr = lr if args.lr is None else args.lr
+    args.ce = ce if args.ce is None else type(ce)(args.ce)
+    args.steps = steps if args.steps is None else args.steps
+
+
 def say(msg: str) -> None:
     """The loop's and the methods' log: stdout, flushed (a run's lines show as they happen)."""
     print(msg, flush=True)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from family.manifest import Manifest, parse_tiers, resolve_base_arg
 from kernels import TORCH_OPS
 from training import data as D
-from training.loop import Budget, Method, Options, RunState, StepResult, Trainer, say
+from training.loop import Budget, Method, Options, RunState, StepResult, Trainer, method_defaults, say
 from worker import checkpoint as ckpt
 from worker.family import build_model
 from family.loader import BaseWeights, load_base
@@ -187,9 +187,7 @@ def train_step(model, opt, micro: list[torch.Tensor], args, weights, ce_w, teach
 def lora_defaults(args) -> None:
     """Fills the options whose default depends on --method (None on the command line)."""
     from engine.runtime import autocast_dtype  # noqa: PLC0415
-    args.lr = 5e-4 if args.lr is None else args.lr
-    args.ce = "0.2" if args.ce is None else args.ce
-    args.steps = 400 if args.steps is None else args.steps
+    method_defaults(args, lr=5e-4, ce="0.2", steps=400)
     args.autocast = "bf16" if autocast_dtype(args.autocast, args.device) else "none"
 
 

@@ -61,10 +61,6 @@ class GGUFBlocksLinear(Scheme):
         self.blocks = nn.Parameter(raw.contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
-    @classmethod
-    def of(cls, kind: str) -> type["GGUFBlocksLinear"]:
-        return next(s for s in cls.__subclasses__() if s.kind == kind)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = torch.ops.mfs.gguf_a8_gemv(x.reshape(-1, shape[-1]).float().contiguous(), self.blocks,
@@ -80,32 +76,11 @@ class GGUFBlocksLinear(Scheme):
         return f"in={self.in_features}, out={self.out_features}, kind={self.kind}"
 
 
-class Q4_0Linear(GGUFBlocksLinear):
-    name, kind, gguf_kinds = "gguf-q4_0", "Q4_0", ("Q4_0",)
-
-
-class Q5_0Linear(GGUFBlocksLinear):
-    name, kind, gguf_kinds = "gguf-q5_0", "Q5_0", ("Q5_0",)
-
-
-class Q5_1Linear(GGUFBlocksLinear):
-    name, kind, gguf_kinds = "gguf-q5_1", "Q5_1", ("Q5_1",)
-
-
-class Q8_0Linear(GGUFBlocksLinear):
-    name, kind, gguf_kinds = "gguf-q8_0", "Q8_0", ("Q8_0",)
-
-
-class Q4_KLinear(GGUFBlocksLinear):
-    name, kind, gguf_kinds = "gguf-q4_k", "Q4_K", ("Q4_K",)
-
-
-class Q5_KLinear(GGUFBlocksLinear):
-    name, kind, gguf_kinds = "gguf-q5_k", "Q5_K", ("Q5_K",)
-
-
-class Q6_KLinear(GGUFBlocksLinear):
-    name, kind, gguf_kinds = "gguf-q6_k", "Q6_K", ("Q6_K",)
+# one scheme class per kind (a scheme's name and kind are class attributes), named as Q4_KLinear etc.
+BLOCK_LINEARS: dict[str, type[GGUFBlocksLinear]] = {
+    k: type(f"{k}Linear", (GGUFBlocksLinear,), {"name": f"gguf-{k.lower()}", "kind": k, "gguf_kinds": (k,),
+                                                 "__module__": __name__, "__qualname__": f"{k}Linear"})
+    for k in KINDS}
 
 
 class GGUFLinear(Scheme):
@@ -123,7 +98,7 @@ class GGUFLinear(Scheme):
     def load(cls, mod: nn.Module, found, cfg: WeightConfig) -> tuple[nn.Module, bool]:
         raw = found_raw(found)
         if raw is not None:
-            return GGUFBlocksLinear.of(raw[0])(raw[1], mod.bias), True
+            return BLOCK_LINEARS[raw[0]](raw[1], mod.bias), True
         return cls.fallback(mod, found, cfg)
 
     @classmethod
@@ -210,6 +185,5 @@ def layer_kinds(source: str) -> set[str]:
             if t.name.startswith("blk.") or t.name == "output.weight"}
 
 
-__all__ = ["FORMAT", "GGUF", "GGUFBlocksLinear", "GGUFEmbedding", "GGUFHead", "GGUFLinear", "KINDS", "Q4_0Linear",
-           "Q4_KLinear", "Q5_0Linear", "Q5_1Linear", "Q5_KLinear", "Q6_KLinear", "Q8_0Linear", "found_raw",
-           "layer_kinds"]
+__all__ = ["BLOCK_LINEARS", "FORMAT", "GGUF", "GGUFBlocksLinear", "GGUFEmbedding", "GGUFHead", "GGUFLinear", "KINDS",
+           "found_raw", "layer_kinds"]
