@@ -34,8 +34,8 @@ def bandwidth_gbs(threads: int, mib: int = 1024, repeats: int = 5) -> float:
 def bytes_per_token(gguf_path: str | Path) -> int:
     """Bytes of the GGUF's tensors one decoded token reads: all of them, except the token embedding
     where the file has its own output head (then one embedding row is read, counted as nothing)."""
-    import gguf  # noqa: PLC0415
-    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(gguf_path)).tensors}
+    from family.gguffile import GGUFFile  # noqa: PLC0415
+    tensors = {t.name: t.nbytes for t in GGUFFile(gguf_path).tensors}
     if "output.weight" in tensors:
         tensors.pop("token_embd.weight", None)
     return sum(tensors.values())

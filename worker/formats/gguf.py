@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from family.gguffile import GGUFFile
 from worker.formats.kquant_blocks import BLOCKS, dequantize
 from worker.formats.scheme import GGUF_BLOCK
 
@@ -56,15 +57,14 @@ class GGUFTensor:
 
 
 class GGUFSource:
-    """The quantized tensors of one GGUF file, by name, read with the ``gguf`` package."""
+    """The quantized tensors of one GGUF file, by name (its index read by :class:`family.gguffile.GGUFFile`)."""
 
     def __init__(self, path: str):
-        from gguf import GGUFReader  # noqa: PLC0415
         self.path = path
         self.tensors: dict[str, GGUFTensor] = {}
-        for t in GGUFReader(path).tensors:
-            if t.tensor_type.name in ("Q4_1", *BLOCKS):
-                self.tensors[t.name] = GGUFTensor(t.tensor_type.name, torch.from_numpy(t.data.copy()))
+        for t in GGUFFile(path).tensors:
+            if t.kind in ("Q4_1", *BLOCKS):
+                self.tensors[t.name] = GGUFTensor(t.kind, torch.from_numpy(t.data.copy()))
 
     def blocks(self, gguf_name: str, like: torch.Tensor, kinds: tuple[str, ...] | None = None):
         """(kind, row permutation, blocks) when tensor ``gguf_name`` (of one of ``kinds``; None: any)

@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from family.gguffile import GGUFFile
 from kernels import cpu_kquant
 from worker.formats.int8 import Int8A8Linear, Int8Embedding, Int8Linear
 from worker.formats.kquant_blocks import BLOCKS, codes, dequantize
@@ -180,9 +181,7 @@ GGUF = FORMAT
 
 def layer_kinds(source: str) -> set[str]:
     """The block kinds of a GGUF file's layer and output tensors (``blk.*``, ``output.weight``)."""
-    from gguf import GGUFReader  # noqa: PLC0415
-    return {t.tensor_type.name for t in GGUFReader(source).tensors
-            if t.name.startswith("blk.") or t.name == "output.weight"}
+    return {t.kind for t in GGUFFile(source).tensors if t.name.startswith("blk.") or t.name == "output.weight"}
 
 
 __all__ = ["BLOCK_LINEARS", "FORMAT", "GGUF", "GGUFBlocksLinear", "GGUFEmbedding", "GGUFHead", "GGUFLinear", "KINDS",
