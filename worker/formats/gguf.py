@@ -22,12 +22,13 @@ def q4_1_blocks(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """Q4_1 rows [N, G * 20] bytes -> q [N, K] uint8 (0..15), d [N, G] and m [N, G] fp32;
     w = d * q + m. A block: fp16 d, fp16 m, 16 bytes holding values j (low nibble) and j + 16 (high)."""
     N = raw.shape[0]
-    b = raw.view(N, -1, _Q4_1_BYTES)
-    d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
-    m = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
-    qs = b[..., 4:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(N, -1)
-    return q, d, m
+    G = raw.shape[1] // _Q4_1_BYTES
+    dm = raw.view(torch.int16).view(N, G, _Q4_1_BYTES // 2)[..., :2].contiguous().view(torch.float16).float()
+    qs = raw.view(N, G, _Q4_1_BYTES)[..., 4:]
+    q = torch.empty(N, G, 2, 16, dtype=torch.uint8)
+    torch.bitwise_and(qs, 0x0F, out=q[:, :, 0])
+    torch.bitwise_right_shift(qs, 4, out=q[:, :, 1])
+    return q.view(N, G * GGUF_BLOCK), dm[..., 0].contiguous(), dm[..., 1].contiguous()
 
 
 def q8_0_blocks(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,9 +41,8 @@ def q8_0_blocks(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequant_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    N = q.shape[0]
-    w = d[..., None] * q.view(N, d.shape[1], -1).float() + m[..., None]
-    return w.view(N, -1)
+    N, G = d.shape
+    return torch.addcmul(m[..., None], q.view(N, G, -1), d[..., None]).view(N, -1)
 
 
 def dequant_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,7 @@ class GGUFSource:
 
 
 def match_rows(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor | None:
-    """perm with src[perm] == dst bit for bit, or None."""
+    """perm with src[perm] == dst bit for bit, or None (rows matched by a hash of their bits, then checked)."""
     if torch.equal(src, dst):
         return torch.arange(src.shape[0])
     coef = torch.randint(1, 2**31, (src.shape[1],), generator=torch.Generator().manual_seed(0))
