@@ -78,7 +78,7 @@ class ModelRunner:
         self._load_tokenizer = load_tokenizer
         self._grammars: Grammars | None = None  # built with the first grammar request
         cfg = model.cfg
-        p = next(model.parameters())
+        p = model.embed_tokens.weight  # the activations' dtype and device (a quantized embedding's too)
         self.device = p.device
         self.kv = SegmentedKVCache([model.segment_kv_layers(s) for s in range(model.num_segments)],
                                    num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, p.dtype, p.device,
