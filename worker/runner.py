@@ -67,6 +67,23 @@ class StepOutput:
     path: str = EAGER  # the execution path the step ran (worker/execution.py): named in each token event
 
 
+def kv_geometry(model: NestedModel) -> tuple[list[int], int, int, torch.dtype, int]:
+    """The KV pools' shape for ``model``: KV layers per segment, KV heads, head dim, dtype (the
+    activations': the embedding's, a quantized one's too) and the stored hidden size (0: one segment)."""
+    cfg = model.cfg
+    return ([model.segment_kv_layers(s) for s in range(model.num_segments)], cfg.num_kv_heads, cfg.head_dim,
+            model.embed_tokens.weight.dtype, cfg.hidden_size if model.num_segments > 1 else 0)
+
+
+def blocks_within(model: NestedModel, block_size: int, budget_bytes: int, least_tokens: int,
+                  most: int) -> int:
+    """KV blocks per segment pool that ``budget_bytes`` holds for ``model`` (every pool together), raised to
+    hold ``least_tokens`` (one request of the longest context served) and capped at ``most``."""
+    layers, heads, dim, dtype, hidden = kv_geometry(model)
+    per_block = SegmentedKVCache.block_bytes(layers, block_size, heads, dim, dtype, hidden)
+    return max(-(-least_tokens // block_size), min(most, budget_bytes // per_block))
+
+
 class ModelRunner:
     def __init__(self, model: NestedModel, num_blocks: list[int], block_size: int,
                  tier_map: dict[int, int] | None = None, keep_logits: bool = False, tokenizer=None,
@@ -77,12 +94,9 @@ class ModelRunner:
         self.tokenizer = tokenizer
         self._load_tokenizer = load_tokenizer
         self._grammars: Grammars | None = None  # built with the first grammar request
-        cfg = model.cfg
-        p = model.embed_tokens.weight  # the activations' dtype and device (a quantized embedding's too)
-        self.device = p.device
-        self.kv = SegmentedKVCache([model.segment_kv_layers(s) for s in range(model.num_segments)],
-                                   num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, p.dtype, p.device,
-                                   hidden_size=cfg.hidden_size if model.num_segments > 1 else 0)
+        layers, heads, dim, dtype, hidden = kv_geometry(model)
+        self.device = model.embed_tokens.weight.device
+        self.kv = SegmentedKVCache(layers, num_blocks, block_size, heads, dim, dtype, self.device, hidden_size=hidden)
         self.block_size = block_size
         self.tier_map = tier_map  # global tier -> this model's tier (a standalone copy has one)
         self.keep_logits = keep_logits
