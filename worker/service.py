@@ -21,6 +21,7 @@ from worker.family import ModelArgs
 from worker.formats import FORMATS, may_quantize, quantize_model, resolve_mode, served, served_why, weights_why
 from worker.formats.fp32 import FORMAT as FP32
 from worker.loop import WorkerLoop, WorkerSpec
+from worker.memory import release_memory
 from worker.runner import ModelRunner, blocks_within
 
 AUTO_BLOCKS_MOST = 1024  # a pool sized from --kv-cache-mb holds at most this many blocks per segment
@@ -80,12 +81,13 @@ class WorkerService(WorkerLoop):
             model, tiers, tier_map, nseg = standalone_tier(model, k), [k], {k: 0}, 1
             source = base.source
             del fam  # the rest of the family is not this worker's: give its memory back
-            _release_memory()
+            release_memory()
             if FORMATS[self.weights].quantizes:
                 quantize_model(model, self.weights, gguf_path=source, device=cfg.device,
                                load_tokenizer=lambda: base.tokenizer)
         else:
             tiers, tier_map, nseg = list(range(ntiers)), None, ntiers
+        release_memory()  # the load's transients (the GGUF's blocks read, rows dequantized to compare)
         max_len = min(cfg.max_model_len, model.max_positions)
         num_blocks = [cfg.num_blocks or blocks_within(model, cfg.block_size, cfg.kv_cache_mb << 20, max_len,
                                                       AUTO_BLOCKS_MOST)] * nseg
@@ -116,16 +118,6 @@ class WorkerService(WorkerLoop):
         if self.compiling is not None:
             self.compiling.start()
         super().run()
-
-
-def _release_memory() -> None:
-    import ctypes  # noqa: PLC0415
-    import gc  # noqa: PLC0415
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
 
 
 def inductor_cache_dir(env, mfs_cache: Path) -> str:
