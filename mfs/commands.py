@@ -72,7 +72,7 @@ def tier_table(fam) -> list[dict]:
     NestedModel.segment_kv_layers) and its recorded quality."""
     m = fam.model
     cfg = m.cfg
-    dtype = next(m.parameters()).dtype
+    dtype = m.embed_tokens.weight.dtype  # the KV cache's (a quantized embedding's weight answers it too)
     embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
     weak = not fam.manifest.precipitated
     quality = fam.manifest.quality or {}

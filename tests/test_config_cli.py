@@ -134,8 +134,9 @@ def test_worker_flags_keep_their_names_and_defaults():
     p = argparse.ArgumentParser()
     add_args(p, WorkerConfig)
     d = from_args(WorkerConfig, p.parse_args([]))
-    assert (d.model, d.tiers, d.dtype, d.kernels, d.weights, d.num_blocks, d.block_size, d.max_model_len,
-            d.shard, d.standalone_tier) == ("default", None, None, None, "fp32", 1024, 16, 4096, "0", None)
+    assert (d.model, d.tiers, d.dtype, d.kernels, d.weights, d.num_blocks, d.kv_cache_mb, d.block_size,
+            d.max_model_len, d.shard, d.standalone_tier) == ("default", None, None, None, "fp32", None, 256, 16, 4096,
+                                                             "0", None)
     assert d.worker_id.startswith("w-") and d.threads >= 1
     cfg = from_args(WorkerConfig, p.parse_args(["--standalone-tier", "1", "--num-blocks", "256", "--dtype",
                                                 "float64", "--worker-id", "w7", "--threads", "1"]))

@@ -172,3 +172,25 @@ def test_abort_frees_blocks(llama_family):
     assert eng.abort_request("a") and eng.abort_request("b")
     assert not eng.abort_request("a")
     assert not eng.has_unfinished() and all_blocks_free(eng)
+
+
+def test_giving_the_heap_back_after_long_steps_leaves_every_token_as_it_was(llama_family, monkeypatch):
+    """A runner that returns its freed heap after every step (worker/memory.py) answers as one that never does."""
+    from worker import runner as runner_module
+    calls = []
+    monkeypatch.setattr(runner_module, "release_memory", lambda collect=True: calls.append(collect))
+    work = workload(6, seed=5)
+    answers = []
+    for after in (1, 0):
+        eng = make_engine(llama_family)
+        eng.runner.release_after_tokens = after
+        answers.append(eng.generate([w[1] for w in work], [w[2] for w in work], [w[3] for w in work]))
+        if after:
+            steps, calls[:] = len(calls), []
+    assert answers[0] == answers[1] and steps > 0 and calls == []  # released after each step; never, with 0
+
+
+def test_release_memory_returns_quietly_with_or_without_a_collection():
+    from worker.memory import release_memory
+    release_memory()  # glibc: malloc_trim; elsewhere a no-op
+    release_memory(collect=False)

@@ -123,6 +123,28 @@ def test_a_tied_head_takes_the_token_embedding_blocks(tmp_path):
     assert GGUFSource(str(path)).blocks("output.weight", like, ("Q4_1",)) is None  # a kind the scheme lacks
 
 
+def test_a_tied_head_and_embedding_hold_one_copy_of_the_files_rows(tmp_path):
+    """A tied file (token_embd only, Q6_K): the head and the embedding hold one tensor, the file's rows;
+    a lookup is the file's dequantized rows bit for bit, and the KV cache stays fp32."""
+    from kernels import cpu_kquant
+    from worker.family import load_family
+    if cpu_kquant.gemv_kernel() is None:
+        pytest.skip("our CPU operators need AVX2 and a C++ compiler")
+    path = tiny_kquant_llama(tmp_path, layers=2, tied=True)
+    fam = load_family(str(path), tiers="1,2", dtype="float32", weights="gguf")
+    ref = load_family(str(path), tiers="1,2", dtype="float32").model
+    emb, head = fam.model.embed_tokens, fam.model.lm_head
+    assert emb.kind == head.kind == "Q6_K"
+    assert emb.blocks.untyped_storage().data_ptr() == head.blocks.untyped_storage().data_ptr()
+    ids = torch.tensor([[0, 5, 159, 5], [42, 7, 1, 2]])
+    assert torch.equal(emb(ids), ref.embed_tokens.weight[ids])
+    assert torch.equal(emb.dequantize(), ref.embed_tokens.weight)
+    assert torch.equal(head.dequantize(), ref.lm_head.weight)
+    eng = make_engine(fam)
+    assert eng.runner.kv.k[0].dtype == torch.float32
+    assert len(eng.generate([[5, 9, 33]], [1], greedy(4))[0]) == 4
+
+
 def test_the_gguf_format_packs_an_hf_model_as_w4a8_does(llama_dir):
     """Without a GGUF (an HF checkpoint) nothing is a file's block: linears as w4a8's Q4_1 from fp32,
     the head as its int8 head, the embedding int8, and the outputs equal w4a8's bit for bit."""

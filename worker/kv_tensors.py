@@ -27,6 +27,15 @@ class SegmentedKVCache:
     def num_segments(self) -> int:
         return len(self.k)
 
+    @staticmethod
+    def block_bytes(segment_layers: list[int], block_size: int, kv_heads: int, head_dim: int,
+                    dtype: torch.dtype, hidden_size: int = 0) -> int:
+        """Bytes one block id takes in every segment's pool together (k, v and, with ``hidden_size``, the
+        stored hidden state of all but the last segment): what a pool of N blocks per segment costs, / N."""
+        kv = sum(2 * nl * kv_heads * head_dim for nl in segment_layers)
+        hid = (len(segment_layers) - 1) * hidden_size
+        return block_size * (kv + hid) * torch.empty(0, dtype=dtype).element_size()
+
     def bytes_per_block(self, s: int) -> int:
         t = self.k[s]
         hid = self.hid[s][0].numel() * self.hid[s].element_size() if s < len(self.hid) else 0

@@ -39,6 +39,7 @@ from worker.batch import build_step, order_rows
 from worker.execution import EAGER, compiled_exits, path_name
 from worker.grammar import Grammars, mask_rows
 from worker.kv_tensors import SegmentedKVCache
+from worker.memory import release_memory
 from worker.model import NestedModel
 from worker.request_state import RequestState
 from worker.sampling import (SamplingParams, confidences, make_generator, process_logits, sample, skip_draws,
@@ -67,22 +68,39 @@ class StepOutput:
     path: str = EAGER  # the execution path the step ran (worker/execution.py): named in each token event
 
 
+def kv_geometry(model: NestedModel) -> tuple[list[int], int, int, torch.dtype, int]:
+    """The KV pools' shape for ``model``: KV layers per segment, KV heads, head dim, dtype (the
+    activations': the embedding's, a quantized one's too) and the stored hidden size (0: one segment)."""
+    cfg = model.cfg
+    return ([model.segment_kv_layers(s) for s in range(model.num_segments)], cfg.num_kv_heads, cfg.head_dim,
+            model.embed_tokens.weight.dtype, cfg.hidden_size if model.num_segments > 1 else 0)
+
+
+def blocks_within(model: NestedModel, block_size: int, budget_bytes: int, least_tokens: int,
+                  most: int) -> int:
+    """KV blocks per segment pool that ``budget_bytes`` holds for ``model`` (every pool together), raised to
+    hold ``least_tokens`` (one request of the longest context served) and capped at ``most``."""
+    layers, heads, dim, dtype, hidden = kv_geometry(model)
+    per_block = SegmentedKVCache.block_bytes(layers, block_size, heads, dim, dtype, hidden)
+    return max(-(-least_tokens // block_size), min(most, budget_bytes // per_block))
+
+
 class ModelRunner:
     def __init__(self, model: NestedModel, num_blocks: list[int], block_size: int,
                  tier_map: dict[int, int] | None = None, keep_logits: bool = False, tokenizer=None,
-                 load_tokenizer: Callable[[], object] | None = None):
+                 load_tokenizer: Callable[[], object] | None = None, release_after_tokens: int = 256):
+        """``release_after_tokens``: a step computing at least this many tokens gives the heap its
+        transients used back to the system (:func:`worker.memory.release_memory`; 0: never); on CPU."""
         self.model = model
         # for grammars (structured output); None: a grammar request is refused. ``load_tokenizer``
         # instead: called with the first grammar request (a worker starts without reading it)
         self.tokenizer = tokenizer
         self._load_tokenizer = load_tokenizer
         self._grammars: Grammars | None = None  # built with the first grammar request
-        cfg = model.cfg
-        p = next(model.parameters())
-        self.device = p.device
-        self.kv = SegmentedKVCache([model.segment_kv_layers(s) for s in range(model.num_segments)],
-                                   num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, p.dtype, p.device,
-                                   hidden_size=cfg.hidden_size if model.num_segments > 1 else 0)
+        layers, heads, dim, dtype, hidden = kv_geometry(model)
+        self.device = model.embed_tokens.weight.device
+        self.kv = SegmentedKVCache(layers, num_blocks, block_size, heads, dim, dtype, self.device, hidden_size=hidden)
+        self.release_after_tokens = release_after_tokens if self.device.type == "cpu" else 0
         self.block_size = block_size
         self.tier_map = tier_map  # global tier -> this model's tier (a standalone copy has one)
         self.keep_logits = keep_logits
@@ -192,7 +210,10 @@ class ModelRunner:
 
     def execute(self, rows: list[PlanRow]) -> StepOutput:
         with self.step_lock:
-            return self._execute(rows)
+            out = self._execute(rows)
+        if self.release_after_tokens and out.num_tokens >= self.release_after_tokens:
+            release_memory(collect=False)  # a long step's activations: freed, their heap pages given back
+        return out
 
     def _execute(self, rows: list[PlanRow]) -> StepOutput:
         if self._pending is not None:  # a path built in the background: over this runner's pools from now on

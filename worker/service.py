@@ -21,14 +21,19 @@ from worker.family import ModelArgs
 from worker.formats import FORMATS, may_quantize, quantize_model, resolve_mode, served, served_why, weights_why
 from worker.formats.fp32 import FORMAT as FP32
 from worker.loop import WorkerLoop, WorkerSpec
-from worker.runner import ModelRunner
+from worker.memory import release_memory
+from worker.runner import ModelRunner, blocks_within
+
+AUTO_BLOCKS_MOST = 1024  # a pool sized from --kv-cache-mb holds at most this many blocks per segment
 
 
 @dataclass(slots=True)
 class WorkerConfig(ModelArgs):
     """Every knob of one worker process (its model's, then its own); ``python -m worker``'s flags."""
     worker_id: str = opt(default_factory=lambda: f"w-{os.getpid()}")
-    num_blocks: int = opt(1024, "KV blocks per segment pool")
+    num_blocks: int | None = opt(None, "KV blocks per segment pool (default: as many as --kv-cache-mb holds, "
+                                       "at most 1024, at least one --max-model-len request's)")
+    kv_cache_mb: int = opt(256, "memory for the KV pools, every segment's together, when --num-blocks is not given")
     block_size: int = 16
     max_model_len: int = 4096
     shard: str = opt(P.DEFAULT_SHARD, parse=P.Shard.check,
@@ -76,27 +81,32 @@ class WorkerService(WorkerLoop):
             model, tiers, tier_map, nseg = standalone_tier(model, k), [k], {k: 0}, 1
             source = base.source
             del fam  # the rest of the family is not this worker's: give its memory back
-            _release_memory()
+            release_memory()
             if FORMATS[self.weights].quantizes:
                 quantize_model(model, self.weights, gguf_path=source, device=cfg.device,
                                load_tokenizer=lambda: base.tokenizer)
         else:
             tiers, tier_map, nseg = list(range(ntiers)), None, ntiers
-        num_blocks = [cfg.num_blocks] * nseg
+        release_memory()  # the load's transients (the GGUF's blocks read, rows dequantized to compare)
+        max_len = min(cfg.max_model_len, model.max_positions)
+        num_blocks = [cfg.num_blocks or blocks_within(model, cfg.block_size, cfg.kv_cache_mb << 20, max_len,
+                                                      AUTO_BLOCKS_MOST)] * nseg
         runner = ModelRunner(model, num_blocks, cfg.block_size, tier_map=tier_map,
                              load_tokenizer=lambda: base.tokenizer)
         from worker.execution import EAGER, choose  # noqa: PLC0415
         self.path, why = choose(model, cfg.compile)  # ValueError: --compile on where no compiled path serves
         why_w = served_why(cfg.weights, cfg.device, base.source)
+        kv_mb = sum(runner.kv.bytes_per_block(s) * n for s, n in enumerate(num_blocks)) / 2**20
         self.choice = (f"weights {self.weights} ({why_w}); {cfg.threads} torch "
-                       f"threads of {len(os.sched_getaffinity(0))} cores; decode {self.path} ({why})")
+                       f"threads of {len(os.sched_getaffinity(0))} cores; KV {num_blocks[0]} blocks of "
+                       f"{cfg.block_size} per segment pool ({kv_mb:.0f} MB); decode {self.path} ({why})")
         self.compiling = None if self.path == EAGER else BackgroundCompile(runner, self.path)
         self.model = model
         if str(cfg.device).startswith("cpu"):  # greedy sampling's operator, loaded (built meanwhile) before serving
             from kernels.cpu_argmax import argmax_kernel  # noqa: PLC0415
             argmax_kernel()
         mcfg = model.cfg
-        spec = WorkerSpec(tiers, ntiers, num_blocks, cfg.block_size, min(cfg.max_model_len, model.max_positions),
+        spec = WorkerSpec(tiers, ntiers, num_blocks, cfg.block_size, max_len,
                           mcfg.vocab_size, list(mcfg.eos_token_ids), device=str(runner.device),
                           kernels=model.ops.name, weights=self.weights, choice=self.choice, shard=cfg.shard,
                           exit_blocks=[] if standalone else list(model.exit_block_segments),
@@ -108,16 +118,6 @@ class WorkerService(WorkerLoop):
         if self.compiling is not None:
             self.compiling.start()
         super().run()
-
-
-def _release_memory() -> None:
-    import ctypes  # noqa: PLC0415
-    import gc  # noqa: PLC0415
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
 
 
 def inductor_cache_dir(env, mfs_cache: Path) -> str:

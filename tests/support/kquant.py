@@ -111,10 +111,11 @@ def mixed_kind(name: str) -> str | None:
     return MIX.get(parts[2]) if parts[0] == "blk" else None
 
 
-def tiny_kquant_llama(folder, layers: int = 4, seed: int = 0):
-    """A tiny random Llama (hidden 256, intermediate 512: whole K-quant super-blocks; untied, its head
-    sharpened so greedy tokens vary) saved as a HF directory ``folder/hf`` and as ``folder/m.gguf`` with
-    its tensors in :func:`mixed_kind`'s blocks (q/k rows permuted as llama.cpp's converter does)."""
+def tiny_kquant_llama(folder, layers: int = 4, seed: int = 0, tied: bool = False):
+    """A tiny random Llama (hidden 256, intermediate 512: whole K-quant super-blocks; its head sharpened
+    so greedy tokens vary) saved as a HF directory ``folder/hf`` and as ``folder/m.gguf`` with its
+    tensors in :func:`mixed_kind`'s blocks (q/k rows permuted as llama.cpp's converter does). ``tied``:
+    the head is the embedding, and the file holds it once, as Q6_K (a Q4_K_M's tied head)."""
     import torch  # noqa: PLC0415
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
 
@@ -122,11 +123,12 @@ def tiny_kquant_llama(folder, layers: int = 4, seed: int = 0):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=160, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                      tie_word_embeddings=tied, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                       eos_token_id=2, bos_token_id=1)
     model = LlamaForCausalLM(cfg)
     _spread_norms(model)
     with torch.no_grad():
         model.lm_head.weight.normal_(0, 0.5)
     model.save_pretrained(folder / "hf")
-    return write_gguf(folder / "hf", folder / "m.gguf", mixed_kind)
+    kinds = (lambda name: "Q6_K" if name == "token_embd.weight" else mixed_kind(name)) if tied else mixed_kind
+    return write_gguf(folder / "hf", folder / "m.gguf", kinds)

@@ -8,8 +8,8 @@ activations quantized to 8 bits per 32 values. Owns the schemes of the K-quants 
 Per tensor: Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K blocks go to ``mfs::gguf_a8_gemv`` (kernels/cpu_kquant.cpp);
 Q4_1 to w4a8's :class:`worker.formats.w4a8.Q4A8Linear` as shipped; a tensor the file does not hold as
 blocks (an HF checkpoint, a delta, a new exit block) is packed as w4a8 packs it. A tied LM head takes the
-file's ``token_embd`` blocks. The embedding keeps each block's codes and scales (a lookup reads
-``scale * q - min`` for its rows only: bit for bit the file's dequantized values)."""
+file's ``token_embd`` blocks, and the embedding holds that very tensor (one copy, as llama.cpp keeps): a
+lookup dequantizes its rows only, bit for bit the file's dequantized values."""
 from __future__ import annotations
 
 from typing import ClassVar
@@ -20,7 +20,7 @@ from torch import nn
 from family.gguffile import GGUFFile
 from kernels import cpu_kquant
 from worker.formats.int8 import Int8A8Linear, Int8Embedding, Int8Linear
-from worker.formats.kquant_blocks import BLOCKS, codes, dequantize
+from worker.formats.kquant_blocks import BLOCKS, dequantize
 from worker.formats.scheme import GGUF_BLOCK, Scheme, WeightConfig
 from worker.formats.w4a8 import Q4A8Linear
 from worker.formats.weightformat import Layout, WeightFormat
@@ -41,6 +41,8 @@ def found_raw(found) -> tuple[str, torch.Tensor] | None:
         return None
     kind, perm, blocks = found
     raw = _raw_q8_0(*blocks) if kind == "Q8_0" else blocks
+    if torch.equal(perm, torch.arange(raw.shape[0])):
+        return kind, raw  # the source's tensor itself: a tied head and embedding then share one copy
     return kind, raw[perm].contiguous()
 
 
@@ -121,20 +123,24 @@ class GGUFHead(GGUFLinear):
 
 class GGUFEmbedding(Scheme):
     """The token embedding from the file's blocks of :data:`KINDS` other than Q8_0 (that one is
-    :class:`Int8Embedding`, as every format serves it): int8 codes ``qweight`` [V, H] with the offset
-    taken, fp32 ``scales`` per 32 values (16 for Q6_K) and, for Q4_K / Q5_K / Q5_1, fp32 ``mins`` per 32
-    (:func:`worker.formats.kquant_blocks.codes`). A row reads ``scales * q - mins``: the file's values
-    bit for bit. Without the file's blocks: :class:`Int8Embedding` from the fp32 weights."""
+    :class:`Int8Embedding`, as every format serves it): uint8 ``blocks`` [V, H / values * bytes] as the
+    file's rows hold them, the tied head's own tensor where the head takes the same rows. A lookup
+    dequantizes its rows only (:func:`worker.formats.kquant_blocks.dequantize`): the file's values bit
+    for bit. Without the file's blocks: :class:`Int8Embedding` from the fp32 weights."""
     name, backend, gguf_kinds, graphable = "gguf-embedding", "any", KINDS, True
+    row_tensors = ("blocks",)
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, kind: str):
+    def __init__(self, raw: torch.Tensor, kind: str):
         super().__init__()
-        self.num_embeddings, self.embedding_dim = q.shape
-        self.kind, self.group = kind, self.embedding_dim // scales.shape[1]
-        # scales first: the runner takes the KV cache dtype from the model's first parameter
-        self.scales = nn.Parameter(scales.float().contiguous(), requires_grad=False)
-        self.qweight = nn.Parameter(q.contiguous(), requires_grad=False)
-        self.mins = None if mins is None else nn.Parameter(mins.float().contiguous(), requires_grad=False)
+        values, size = BLOCKS[kind]
+        if raw.dim() != 2 or raw.dtype != torch.uint8 or raw.shape[1] % size:
+            raise ValueError(f"{kind} rows must be uint8 [N, a multiple of {size}], got {raw.dtype} "
+                             f"{list(raw.shape)}")
+        self.kind = kind
+        self.num_embeddings, self.embedding_dim = raw.shape[0], raw.shape[1] // size * values
+        # what ``weight`` answers (the dtype and device lookups return): fp32, empty
+        self.register_buffer("out_like", torch.zeros(0), persistent=False)
+        self.blocks = nn.Parameter(raw.contiguous(), requires_grad=False)
 
     @classmethod
     def supports(cls, mod: nn.Module, cfg: WeightConfig) -> bool:
@@ -145,7 +151,7 @@ class GGUFEmbedding(Scheme):
         raw = found_raw(found) if found and found[0] != "Q8_0" else None
         if raw is None:
             return Int8Embedding.load(mod, found, cfg)
-        return cls(*codes(raw[1], raw[0]), raw[0]), True
+        return cls(raw[1], raw[0]), True
 
     @classmethod
     def concat(cls, mods):
@@ -157,17 +163,17 @@ class GGUFEmbedding(Scheme):
     @property
     def weight(self) -> torch.Tensor:
         """Only dtype and device are meaningful (model code allocates its outputs from them)."""
-        return self.scales
+        return self.out_like
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        H, g = self.embedding_dim, self.group
-        w = self.scales[ids][..., None] * self.qweight[ids].view(*ids.shape, H // g, g).float()
-        if self.mins is not None:
-            w = w - self.mins[ids][..., None]
-        return w.view(*ids.shape, H)
+        rows = dequantize(self.blocks[ids.reshape(-1)], self.kind)
+        return rows.view(*ids.shape, self.embedding_dim)
 
     def dequantize(self) -> torch.Tensor:
-        return self.forward(torch.arange(self.num_embeddings, device=self.qweight.device))
+        return dequantize(self.blocks, self.kind)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, kind={self.kind}"
 
 
 FORMAT = WeightFormat("gguf", "each tensor in the block type its GGUF ships (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, "
