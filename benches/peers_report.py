@@ -83,7 +83,7 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 def print_table(out: dict) -> None:
     c = out["concurrency"]
     print(f"\n{'':<30}{'1 req tok/s':>12}{'TPOT ms':>9}{f'{c} req tok/s':>13}{'TPOT ms':>9}"
-          f"{'mix tok/s':>11}{'TTFT long ms':>13}{'RSS MB':>8}{'model MB':>9}{'weights MB':>11}{'ppl top':>9}")
+          f"{'mix tok/s':>11}{'TTFT long ms':>13}{'RSS MB':>8}{'model MB':>9}{'weights MB':>11}{'ppl top':>14}")
     for r in out["results"]:
         conc = r.get("concurrent", {})
         weights = f"{r['weights_bytes'] / 1e6:.0f}" if r.get("weights_bytes") else "-"  # api: not one file
@@ -91,7 +91,7 @@ def print_table(out: dict) -> None:
               f"{_fmt(conc.get('tokens_per_s')):>13}{_fmt(conc.get('tpot_ms')):>9}"
               f"{_fmt(r.get('family_mix', {}).get('tokens_per_s')):>11}"
               f"{_fmt(r.get('long_prompt', {}).get('ttft_ms'), '.0f'):>13}{r['rss_bytes'] / 2**20:>8.0f}"
-              f"{served_rss(r) / 2**20:>9.0f}{weights:>11}{r['ppl_top']:>9.3f}")
+              f"{served_rss(r) / 2**20:>9.0f}{weights:>11}{r['ppl_top']:>14.3f}")
         if "first_token_after_launch_s" in r:
             print(f"{'':<30}first token {r['first_token_after_launch_s']:.1f} s after `mfs up` was launched; "
                   f"served as {r['first_answer_mfs']} first, {r['last_answer_mfs']} last")

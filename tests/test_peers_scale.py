@@ -135,6 +135,17 @@ def test_ratios_and_the_markdown_table_against_llama_cpps_single_stream():
     assert any("20.0 tok/s" in ln for ln in md) and "Some CPU" in md[0] and "- a note" in md
 
 
+
+def test_the_printed_table_keeps_a_large_perplexity_apart_from_the_weights_column(capsys):
+    """A random-weight 128k-vocabulary model's perplexity (~2e5) once ran into the "-" of the api row's
+    weights column and read as a negative number."""
+    from benches.peers_report import print_table
+    mfs = _rec("mfs api (mfs up defaults)", 12.0, conc=60.0, ttft=500.0, rss=900 * 2**20, worker=300 * 2**20)
+    mfs["ppl_top"] = 197550.744
+    print_table({"concurrency": 16, "results": [mfs], "machine": {"cpu": "Some CPU", "threads": 2}, "notes": []})
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("mfs api"))
+    assert row.split()[-2:] == ["-", "197550.744"]
+
 def _args(*argv):
     p = argparse.ArgumentParser()
     peers.add_parser(p.add_subparsers())
