@@ -32,6 +32,7 @@ BENCHES = [
     ("benches.chaos", "add_parser"),
     ("benches.determinism", "add_parser"),
     ("benches.cuts", "add_parser"),
+    ("benches.startup", "add_parser"),
 ]
 
 

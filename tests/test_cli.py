@@ -134,6 +134,21 @@ def test_bench_peers_runs_each_contender_side_by_side(tmp_path, frontend):
     assert int4["weights_bytes"] < fp32["weights_bytes"]
 
 
+
+def test_bench_startup_times_each_stage_in_fresh_processes(tmp_path, frontend):
+    from tests.support.factories import tiny_llama_with_tokenizer
+    family = tiny_llama_with_tokenizer(tmp_path / "fam", frontend.tokenizer)
+    out = tmp_path / "startup.json"
+    r = run("bench", "startup", "--model", str(family), "--weights", "fp32", "--runs", "1", "--tokens", "2",
+            "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["seconds"]) == {"load_family", "load_frontend", "generate"}
+    assert all(len(v) == 1 and v[0] > 0 for v in res["seconds"].values())
+    assert res["machine"]["cpu"] and "median" in r.stdout
+    bad = run("bench", "startup", "--runs", "0")
+    assert bad.returncode == 2 and "--runs and --tokens must be at least 1" in bad.stderr
+
 def test_bench_peers_rounds_give_medians_and_ratios_within_each_round(tmp_path):
     """--repeats: each figure is the median over rounds, and a ratio to llama.cpp pairs the runs of one
     round (neighbours in time), then takes the median."""
