@@ -6,7 +6,7 @@ which put the long single-test files, the soak and the fault tests, last, where 
 while the other sat idle). conftest.py orders the files by the seconds below, most first: the longest
 start at once and the short ones fill the end. A file missing from the table counts as the median.
 
-Refresh the table from a full run's JUnit report (the seconds are a cold run on a 2-vCPU machine)::
+Refresh the table from a full run's JUnit report (the seconds: wall per file in a `make test` run on a 2-vCPU machine)::
 
     python -m pytest -n 2 --dist loadfile --junitxml=/tmp/junit.xml tests
     python -m tests.support.costs /tmp/junit.xml
