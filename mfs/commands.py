@@ -135,6 +135,10 @@ def add_up(sub) -> None:
                         "serves eagerly, then swapped in (responses name the path in mfs.paths): on CPU inductor's "
                         "(cached under $MFS_CACHE/inductor; needs a C++ compiler), on CUDA CUDA graphs. Default: on "
                         "where they build; --compile: refused where they cannot; --no-compile: eager")
+    p.add_argument("--kv-cache-mb", type=int, default=None,
+                   help="each worker's memory for its KV pools, every segment's together (default: the worker's "
+                        "--kv-cache-mb; each worker's log names its pool): more holds more tokens of concurrent "
+                        "requests before the scheduler preempts")
     p.add_argument("--nondeterministic", action="store_true",
                    help="torch's ops for the norms, activations and attention instead of the per-row operators "
                         "(kernels/cpu_rows.py): a request's tokens may then depend on its batch, its prefill chunks "

@@ -20,6 +20,8 @@ def service_from_args(args) -> Service:
     worker_args = ["--threads", str(args.threads)] if args.threads else []  # else split (Service.start)
     # the product's defaults (mfs/commands.py: add_up): weights by the CPU, compiled decode where it builds
     worker_args += ["--weights", args.weights, "--compile", args.compile]
+    if getattr(args, "kv_cache_mb", None) is not None:
+        worker_args += ["--kv-cache-mb", str(args.kv_cache_mb)]
     for flag in ("device", "kernels"):
         if getattr(args, flag, None):
             worker_args += [f"--{flag}", getattr(args, flag)]

@@ -93,6 +93,16 @@ def test_the_launcher_splits_threads_unless_told(monkeypatch, worker_args, want)
         assert a[i:i + 2] == want and a.count("--threads") == 1
 
 
+
+@pytest.mark.parametrize("argv, want", [([], None), (["--kv-cache-mb", "1024"], "1024")])
+def test_mfs_up_passes_the_kv_budget_to_its_workers_only_when_given(argv, want):
+    from mfs.cli import build_parser
+    from mfs.up import service_from_args
+    args = build_parser().parse_args(["up", *argv])
+    args.compile = "off"
+    wa = service_from_args(args).worker_args
+    assert (wa[wa.index("--kv-cache-mb") + 1] if "--kv-cache-mb" in wa else None) == want
+
 def test_the_compose_worker_serves_as_mfs_up_does():
     worker = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]["worker"]
     cmd = worker["command"][-1]
