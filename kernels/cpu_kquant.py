@@ -16,6 +16,8 @@ import torch
 from kernels.cpu_gemv import load_once, pick_operator, quantize_activations_q8
 
 SOURCE = Path(__file__).with_name("cpu_kquant.cpp")
+# the operator's library: the row path and the operator (SOURCE), the tile path (cpu_kquant.h between them)
+SOURCES = (SOURCE, SOURCE.with_name("cpu_kquant_tile.cpp"))
 # the operator's kind argument: the index here
 KINDS = ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_1")
 _loaded: list[bool] = []
@@ -29,7 +31,7 @@ def load() -> None:
         def _(x, blocks, kind):
             return x.new_empty(x.shape[0], blocks.shape[0])
 
-    load_once(_loaded, SOURCE, register)
+    load_once(_loaded, list(SOURCES), register)
 
 
 def gemv_kernel() -> Callable | None:
