@@ -22,11 +22,15 @@
 // only: a row's output is the same bit for bit at any batch size.
 //
 // Integer products: vpmaddubsw (unsigned codes times signed xq; |pairs| <= 63 * 127 * 2 < 2^15, no
-// saturation) then vpmaddwd by 1 (Q6_K: the 16-bit pair sums less 32 * theirs, then vpmaddwd by the
-// group's scale); where the build has AVX-512 VNNI (kernels/cpu_gemv.py builds for the CPU's ISA),
-// vpdpbusd in 256-bit registers instead. Q8_0's signed codes go through vpsignb (|q| times sign(q) * xq).
-// Each thread takes a contiguous range of weight rows; each weight row's group is decoded once and
-// met by up to 4 activation rows per pass.
+// saturation) then vpmaddwd by 1 (Q6_K: vpmaddwd by the group's scale, then less 32 * sum_g scale_g * the
+// group's sum of xq); where the build has AVX-512 VNNI (kernels/cpu_gemv.py builds for the CPU's ISA),
+// vpdpbusd in 256-bit registers instead of the pair with 1. Q8_0's signed codes go through vpsignb (|q|
+// times sign(q) * xq).
+//
+// This file is the row path: each thread takes a contiguous range of weight rows; each weight row's
+// group is decoded once and met by up to 4 activation rows per pass. From TILE_MIN_ROWS activation rows
+// on, whole tiles of 8 weight rows go through kernels/cpu_kquant_tile.cpp instead: the same integers and
+// the same float operations per output in the same order, so the same values bit for bit.
 #include "cpu_kquant.h"
 
 #include <torch/library.h>
@@ -70,7 +74,7 @@ inline __m256i group_sums(const Group& w, const ActRow& x, int64_t g) {
     if constexpr (KIND == Q8_0) {
       s[j] = udot(_mm256_abs_epi8(w.c[j]), _mm256_sign_epi8(xv, w.c[j]));
     } else if constexpr (KIND == Q6_K) {
-      s[j] = _mm256_mullo_epi32(udot(w.c[j], xv), w.g6[j]);
+      s[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(w.c[j], xv), w.g6[j]);  // pairs < 2 * 63 * 127
     } else {
       s[j] = udot(w.c[j], xv);
     }

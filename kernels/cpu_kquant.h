@@ -33,7 +33,7 @@ struct ActRow {
 // int32 scales of Q6_K's groups, ws and wm
 struct Group {
   __m256i c[8];
-  __m256i g6[8];
+  __m256i g6[8];  // Q6_K: block j's two group scales as int16 words (values 0..15's in the low 128 bits)
   __m256i s16;  // Q6_K: its 16 group scales as int16
   __m256 ws, wm;
 };
@@ -103,15 +103,22 @@ inline void decode_k(const uint8_t* row, int64_t g, Group& out) {
       const __m256i lo[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
                              _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
-      for (int s = 0; s < 4; s++) {
-        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * s)), _mm256_set1_epi8(3));
-        out.c[4 * h + s] = _mm256_or_si256(lo[s], _mm256_slli_epi16(hi, 4));
-      }
+      const __m256i m30 = _mm256_set1_epi8(0x30);  // value 32s + j's high bits: bits 2s, 2s + 1 of byte j
+      out.c[4 * h] = _mm256_or_si256(lo[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+      out.c[4 * h + 1] = _mm256_or_si256(lo[1], _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
+      out.c[4 * h + 2] = _mm256_or_si256(lo[2], _mm256_and_si256(hb, m30));
+      out.c[4 * h + 3] = _mm256_or_si256(lo[3], _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
     }
     const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-    for (int j = 0; j < 8; j++)
-      out.g6[j] = _mm256_setr_m128i(_mm_set1_epi32(sc[2 * j]), _mm_set1_epi32(sc[2 * j + 1]));
-    out.s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+    const __m256i lo8 = _mm256_permute2x128_si256(s16, s16, 0x00), hi8 = _mm256_permute2x128_si256(s16, s16, 0x11);
+    for (int j = 0; j < 4; j++) {  // block j: scale 2j in the low 128 bits' words, 2j + 1 in the high ones'
+      const __m256i pick = _mm256_setr_m128i(_mm_set1_epi16(static_cast<short>(0x0100 + 0x0404 * j)),
+                                             _mm_set1_epi16(static_cast<short>(0x0302 + 0x0404 * j)));
+      out.g6[j] = _mm256_shuffle_epi8(lo8, pick);
+      out.g6[j + 4] = _mm256_shuffle_epi8(hi8, pick);
+    }
+    out.s16 = s16;
     out.ws = _mm256_set1_ps(half_at(p + 208));
     out.wm = _mm256_setzero_ps();
     return;

@@ -19,6 +19,8 @@
 
 namespace mfs_kq {
 
+constexpr int TILE_PASS = 4;  // activation rows per pass over a tile
+
 // 8 weight rows' blocks 0 .. BP, decoded: codes [BP][8 p][8 rows][4 values 4p .. 4p + 3], per block and
 // row ws and wm, and for Q6_K each row's two group scales as int16 pairs (s16) and each one repeated
 // in both halves of a 32-bit lane (sc0, sc1: vpmaddwd's factors)
@@ -88,39 +90,33 @@ inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(mfs_cpu::four_
 
 inline __m256i load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// The products of codes c[p] (4 values of 8 rows) and xq values 4p .. 4p + 3, p in [p0, p0 + n), summed
-// in 16 bits: each lane pair a sum of 2n products
-template <int N>
-inline __m256i products16(const uint8_t* c, const int8_t* xq, int p0) {
-  __m256i s = _mm256_maddubs_epi16(load(c + 32 * p0), bcast4(xq + 4 * p0));
-  for (int p = p0 + 1; p < p0 + N; p++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(load(c + 32 * p), bcast4(xq + 4 * p)));
-  return s;
-}
-
-// I[n, b] of the tile's 8 rows against one activation row's block b. int16 partial sums hold at most
-// 16 products of 4-bit codes (16 * 15 * 127 < 2^15), 8 of 5-bit (8 * 31 * 127) and 4 of 6-bit (4 * 63 * 127).
+// I[n, b] of the tile's 8 rows (codes c: block b's 8 vectors) against one activation row's block b. int16
+// partial sums hold at most 16 products of 4-bit codes (16 * 15 * 127 < 2^15), 8 of 5-bit (8 * 31 * 127)
+// and 4 of 6-bit (4 * 63 * 127).
 template <int KIND>
-inline __m256i block_sum(const Tile& t, const ActRow& x, int64_t b) {
-  const uint8_t* c = t.c.data() + b * 256;
+inline __m256i block_sum(const __m256i* c, const Tile& t, const ActRow& x, int64_t b) {
   const int8_t* xq = x.q + b * 32;
   const __m256i one = _mm256_set1_epi16(1);
+  auto prod = [&](int p) { return _mm256_maddubs_epi16(c[p], bcast4(xq + 4 * p)); };
+  auto sum16 = [&](int p0, int n) {
+    __m256i s = prod(p0);
+    for (int p = p0 + 1; p < p0 + n; p++) s = _mm256_add_epi16(s, prod(p));
+    return s;
+  };
   if constexpr (KIND == Q4_0 || KIND == Q4_K) {
-    __m256i s = _mm256_madd_epi16(products16<8>(c, xq, 0), one);
+    __m256i s = _mm256_madd_epi16(sum16(0, 8), one);
     if constexpr (KIND == Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(x.xs[b] * 8));
     return s;
   } else if constexpr (KIND == Q6_K) {  // scale_g * (its 16 products) per group, less 32 * sum_g scale_g * xs16_g
     const __m256i s0 = load(t.sc0.data() + b * 8), s1 = load(t.sc1.data() + b * 8);
-    __m256i s = _mm256_add_epi32(_mm256_madd_epi16(products16<2>(c, xq, 0), s0),
-                                 _mm256_madd_epi16(products16<2>(c, xq, 2), s0));
-    s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(products16<2>(c, xq, 4), s1),
-                                             _mm256_madd_epi16(products16<2>(c, xq, 6), s1)));
+    __m256i s = _mm256_add_epi32(_mm256_madd_epi16(sum16(0, 2), s0), _mm256_madd_epi16(sum16(2, 2), s0));
+    s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(sum16(4, 2), s1), _mm256_madd_epi16(sum16(6, 2), s1)));
     int32_t x16;
     std::memcpy(&x16, x.xs16 + 2 * b, 4);
     const __m256i corr = _mm256_madd_epi16(load(t.s16.data() + b * 8), _mm256_set1_epi32(x16));
     return _mm256_sub_epi32(s, _mm256_slli_epi32(corr, 5));
   } else {  // 5-bit codes: Q5_0, Q5_1, Q5_K
-    __m256i s = _mm256_add_epi32(_mm256_madd_epi16(products16<4>(c, xq, 0), one),
-                                 _mm256_madd_epi16(products16<4>(c, xq, 4), one));
+    __m256i s = _mm256_add_epi32(_mm256_madd_epi16(sum16(0, 4), one), _mm256_madd_epi16(sum16(4, 4), one));
     if constexpr (KIND == Q5_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(x.xs[b] * 16));
     return s;
   }
@@ -132,29 +128,38 @@ inline __m256 hsum_across(const __m256* a) {
                        _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7])));
 }
 
-// The tile's 8 outputs for one activation row
-template <int KIND>
-inline void tile_row(const Tile& t, const ActRow& x, int64_t G, float* out) {
-  __m256 acc[8];
-  for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; g++) {
-    for (int j = 0; j < 8; j++) {
+// The tile's 8 outputs for R activation rows: acc[j] (blocks 8g + j) one at a time, so a block's 8 code
+// vectors are loaded once for the R rows and only R accumulators are live
+template <int KIND, int R>
+inline void tile_rows(const Tile& t, const ActRow* xr, int64_t G, float* const* out) {
+  __m256 acc[R][8], macc[R][8];
+  for (int j = 0; j < 8; j++) {
+    __m256 a[R], ma[R];
+    for (int r = 0; r < R; r++) a[r] = ma[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
       const int64_t b = g * 8 + j;
-      const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(t.ws.data() + b * 8), _mm256_set1_ps(x.dx[b]));
-      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sum<KIND>(t, x, b)), scale, acc[j]);
+      __m256i c[8];
+      for (int p = 0; p < 8; p++) c[p] = load(t.c.data() + b * 256 + 32 * p);
+      const __m256 ws = _mm256_loadu_ps(t.ws.data() + b * 8);
+      for (int r = 0; r < R; r++) {
+        const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(xr[r].dx[b]));
+        a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sum<KIND>(c, t, xr[r], b)), scale, a[r]);
+      }
     }
+    if constexpr (KIND == Q4_K || KIND == Q5_K || KIND == Q5_1) {
+      for (int64_t g = 0; g < G; g++) {
+        const int64_t b = g * 8 + j;
+        const __m256 wm = _mm256_loadu_ps(t.wm.data() + b * 8);
+        for (int r = 0; r < R; r++) ma[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xr[r].dxs[b]), ma[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) acc[r][j] = a[r], macc[r][j] = ma[r];
   }
-  __m256 r = hsum_across(acc);
-  if constexpr (KIND == Q4_K || KIND == Q5_K || KIND == Q5_1) {
-    __m256 macc[8];
-    for (int j = 0; j < 8; j++) macc[j] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++)
-      for (int j = 0; j < 8; j++)
-        macc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(t.wm.data() + (g * 8 + j) * 8), _mm256_set1_ps(x.dxs[g * 8 + j]),
-                                  macc[j]);
-    r = _mm256_sub_ps(r, hsum_across(macc));
+  for (int r = 0; r < R; r++) {
+    __m256 v = hsum_across(acc[r]);
+    if constexpr (KIND == Q4_K || KIND == Q5_K || KIND == Q5_1) v = _mm256_sub_ps(v, hsum_across(macc[r]));
+    _mm256_storeu_ps(out[r], v);
   }
-  _mm256_storeu_ps(out, r);
 }
 
 // Each thread a contiguous range of tiles; activation rows in blocks of ~128 KB of codes (they stay in L2
@@ -173,7 +178,13 @@ void tiles(const Quantized& xq, const uint8_t* w, int64_t M, int64_t N, int64_t 
       const int64_t m1 = std::min(M, m0 + rows);
       for (int64_t t = t0; t < t1; t++) {
         decode_tile<KIND>(w + t * 8 * row_bytes, row_bytes, G, B, tile);
-        for (int64_t m = m0; m < m1; m++) tile_row<KIND>(tile, xq.row(m), G, y + m * N + t * 8);
+        for (int64_t m = m0; m < m1; m += TILE_PASS) {
+          const int n = static_cast<int>(std::min<int64_t>(TILE_PASS, m1 - m));
+          ActRow xr[TILE_PASS];
+          float* out[TILE_PASS];
+          for (int i = 0; i < n; i++) xr[i] = xq.row(m + i), out[i] = y + (m + i) * N + t * 8;
+          mfs_cpu::with_rows<TILE_PASS>(n, [&](auto rows) { tile_rows<KIND, decltype(rows)::value>(tile, xr, G, out); });
+        }
       }
     }
   }
