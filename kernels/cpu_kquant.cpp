@@ -35,17 +35,14 @@
 
 #include <torch/library.h>
 
-#include <cstdlib>
-
 namespace mfs_kq {
 
 using mfs_cpu::hsum;
 
 constexpr int MAXR = 4;  // activation rows per pass over a weight row
-const int64_t TILE_MIN_ROWS = [] {  // activation rows from which the tile path serves
-  const char* v = std::getenv("MFS_KQUANT_TILE_MIN");
-  return v ? std::atoll(v) : int64_t(4);
-}();
+// activation rows from which the tile path serves: below, decoding a tile costs more than it saves (one
+// thread, a 1B's Q4_K shapes: the row path ~2x faster at 1 row, ~1.4x at 3)
+constexpr int64_t TILE_MIN_ROWS = 4;
 
 // Unsigned codes u (0..63) times signed xq: 8 int32 lanes, lane k the sum over values 4k .. 4k + 3 of
 // each 128-bit half (lanes 0..3: values 0..15, lanes 4..7: values 16..31)

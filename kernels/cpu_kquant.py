@@ -3,7 +3,9 @@ Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) times activations quantized per 32 values to 8 bit
 summed exactly in integers (the C++ file gives the formula and the order). AVX2; vpdpbusd where the
 build has AVX-512 VNNI. Built with :func:`kernels.cpu_gemv.build` (the same compiler flags, ISA choice
 and cache) and loaded once per process; :func:`gemv_kernel` is the operator where it builds (AVX2 or
-AVX-512 CPUs), else None. A row's output is the same bit for bit at any batch size.
+AVX-512 CPUs), else None. A row's output is the same bit for bit at any batch size. Two paths, the same
+values: one weight row at a time (``cpu_kquant.cpp``, below 4 activation rows) and tiles of 8 weight rows
+decoded once for blocks of activation rows (``cpu_kquant_tile.cpp``, prefill chunks and batches).
 
 :func:`reference` computes the same sum in float64 from the same quantized activations (tests)."""
 from __future__ import annotations

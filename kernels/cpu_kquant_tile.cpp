@@ -5,7 +5,8 @@
 // activation rows; for a batch of M rows it decodes every weight row M / 4 times and reads all M
 // activation rows once per weight row. Here a thread decodes 8 weight rows' blocks once into a tile
 // (codes interleaved 4 values of a row to a 32-bit lane: one register holds 4 values of 8 rows) and
-// runs every activation row of a block of rows small enough to stay in L2 over it. A register lane is
+// runs every activation row of a block of rows small enough to stay in L2 over it, 4 rows to a pass
+// (each code vector loaded once for the 4, each accumulator acc[j] finished before the next). A register lane is
 // one output row: 4 activation bytes broadcast to the 8 lanes, vpmaddubsw against the tile's codes.
 //
 // The same numbers: a block's integer sum I[n, b] is an exact integer however it is summed (int16
