@@ -35,15 +35,17 @@ def random_blocks(n: int, k: int, kind: str, gen: torch.Generator) -> torch.Tens
     return raw.view(n, -1)
 
 
-def measure(shapes=LLAMA_1B_Q4_K_M, batches=(1, 16, 1024), reps: int = 7, max_macs: float = 2e10) -> list[dict]:
-    """Per shape and batch: the median of ``reps`` calls (after one warm-up); a case of more than
-    ``max_macs`` multiply-adds (the head at 1024 rows) is left out."""
+def measure(shapes=LLAMA_1B_Q4_K_M, batches=(1, 16, 1024), reps: int = 7, max_macs: float = 2e10,
+            cache_bytes: int = CACHE_BYTES) -> list[dict]:
+    """Per shape and batch: the median of ``reps`` calls (after one warm-up), each on the next of the
+    copies that fill ``cache_bytes``; a case of more than ``max_macs`` multiply-adds (the head at 1024
+    rows) is left out."""
     from kernels import cpu_kquant  # noqa: PLC0415
     cpu_kquant.load()
     op, gen, rows = torch.ops.mfs.gguf_a8_gemv, torch.Generator().manual_seed(0), []
     for name, k, n, kind in shapes:
         one = random_blocks(n, k, kind, gen)
-        copies = [one] + [random_blocks(n, k, kind, gen) for _ in range(-(-CACHE_BYTES // one.numel()) - 1)]
+        copies = [one] + [random_blocks(n, k, kind, gen) for _ in range(-(-cache_bytes // one.numel()) - 1)]
         for m in batches:
             if m * n * k > max_macs:
                 continue

@@ -100,6 +100,14 @@ def test_tiles_of_weight_rows_give_every_row_alone_bit_for_bit(op, kind):
         assert torch.equal(op(x[-m:], raw, kind_id(kind)), y[-m:])
 
 
+def test_the_operator_bench_times_each_shape_and_batch(op):
+    from benches.linears_gguf import measure
+    rows = measure([("tiny", 256, 24, "Q4_K"), ("tiny", 512, 16, "Q6_K")], batches=(1, 5), reps=2, cache_bytes=1 << 16)
+    assert [(r["kind"], r["batch"]) for r in rows] == [("Q4_K", 1), ("Q4_K", 5), ("Q6_K", 1), ("Q6_K", 5)]
+    assert all(r["ms"] > 0 and r["GMACps"] > 0 for r in rows)
+    assert rows[0]["weight_GBps"] * rows[0]["ms"] * 1e6 == pytest.approx(24 * 144)  # the bytes of one copy
+
+
 def test_operator_checks_its_inputs(op):
     x = torch.randn(2, 256)
     with pytest.raises(RuntimeError, match="kind must be 0..6"):
