@@ -46,7 +46,7 @@ constexpr int64_t TILE_MIN_ROWS = 4;
 
 // Unsigned codes u (0..63) times signed xq: 8 int32 lanes, lane k the sum over values 4k .. 4k + 3 of
 // each 128-bit half (lanes 0..3: values 0..15, lanes 4..7: values 16..31)
-inline __m256i udot(__m256i u, __m256i x) {
+KQ_INLINE __m256i udot(__m256i u, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
 #else
@@ -55,7 +55,7 @@ inline __m256i udot(__m256i u, __m256i x) {
 }
 
 // 8 vectors of 8 int32 -> one vector, lane j the sum of vector j's lanes (exact)
-inline __m256i reduce8(const __m256i* v) {
+KQ_INLINE __m256i reduce8(const __m256i* v) {
   const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
   const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
@@ -63,7 +63,7 @@ inline __m256i reduce8(const __m256i* v) {
 
 // The integer sums I of one decoded group against one activation row's blocks 8g .. 8g + 7
 template <int KIND>
-inline __m256i group_sums(const Group& w, const ActRow& x, int64_t g) {
+KQ_INLINE __m256i group_sums(const Group& w, const ActRow& x, int64_t g) {
   const int8_t* xq = x.q + g * 256;
   __m256i s[8];
   for (int j = 0; j < 8; j++) {
@@ -88,7 +88,7 @@ inline __m256i group_sums(const Group& w, const ActRow& x, int64_t g) {
 }
 
 template <int KIND, int MB>
-inline void row_dot(const uint8_t* row, int64_t G, int64_t B, const ActRow* xr, float* out) {
+KQ_INLINE void row_dot(const uint8_t* row, int64_t G, int64_t B, const ActRow* xr, float* out) {
   __m256 acc[MB], macc[MB];
   for (int i = 0; i < MB; i++) acc[i] = macc[i] = _mm256_setzero_ps();
   constexpr bool kq = KIND == Q4_K || KIND == Q5_K || KIND == Q6_K;

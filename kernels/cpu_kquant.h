@@ -5,13 +5,17 @@
 
 #include "cpu_gemv.h"
 
+// the decoders are called per group in the hot loops: a call there (through the PLT, the library being
+// -fPIC) spills the loop's accumulators and costs a vzeroupper per group
+#define KQ_INLINE inline __attribute__((always_inline))
+
 namespace mfs_kq {
 
 enum Kind : int64_t { Q4_0 = 0, Q5_0 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, Q5_1 = 6 };
 constexpr int64_t VALUES[] = {32, 32, 32, 256, 256, 256, 32};
 constexpr int64_t BYTES[] = {18, 22, 34, 144, 176, 210, 24};
 
-inline float half_at(const uint8_t* p) {
+KQ_INLINE float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
@@ -38,13 +42,13 @@ struct Group {
   __m256 ws, wm;
 };
 
-inline __m256i nibbles16(const uint8_t* p) {  // 16 bytes -> 32 codes: low nibbles, then high ones
+KQ_INLINE __m256i nibbles16(const uint8_t* p) {  // 16 bytes -> 32 codes: low nibbles, then high ones
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i low = _mm_set1_epi8(0x0F);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
 }
 
-inline __m256i bits32(const uint8_t* p) {  // a little-endian uint32 -> 32 bytes, 0x10 where bit j is set
+KQ_INLINE __m256i bits32(const uint8_t* p) {  // a little-endian uint32 -> 32 bytes, 0x10 where bit j is set
   uint32_t w;
   std::memcpy(&w, p, 4);
   const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
@@ -55,7 +59,7 @@ inline __m256i bits32(const uint8_t* p) {  // a little-endian uint32 -> 32 bytes
 
 // Legacy kinds: blocks 8g .. 8g + 7 of a row of B blocks (those past B: zero codes and scale)
 template <int KIND>
-inline void decode_legacy(const uint8_t* row, int64_t g, int64_t B, Group& out) {
+KQ_INLINE void decode_legacy(const uint8_t* row, int64_t g, int64_t B, Group& out) {
   alignas(32) float d[8] = {0, 0, 0, 0, 0, 0, 0, 0}, mn[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   const int64_t n = std::min<int64_t>(8, B - g * 8);
   for (int j = 0; j < 8; j++) {
@@ -79,7 +83,7 @@ inline void decode_legacy(const uint8_t* row, int64_t g, int64_t B, Group& out) 
 
 // Q4_K / Q5_K's 6-bit scales and mins of the super-block's 8 sub-blocks (as kquant_blocks.k_scales), as fp32
 // lanes: the 12 bytes as three words, each byte of a word its own field
-inline void k_scales(const uint8_t* s, __m256& sc, __m256& mn) {
+KQ_INLINE void k_scales(const uint8_t* s, __m256& sc, __m256& mn) {
   uint32_t u[3];
   std::memcpy(u, s, 12);
   const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
@@ -92,7 +96,7 @@ inline void k_scales(const uint8_t* s, __m256& sc, __m256& mn) {
 }
 
 template <int KIND>
-inline void decode_k(const uint8_t* row, int64_t g, Group& out) {
+KQ_INLINE void decode_k(const uint8_t* row, int64_t g, Group& out) {
   const uint8_t* p = row + g * BYTES[KIND];
   const __m256i low = _mm256_set1_epi8(0x0F);
   if constexpr (KIND == Q6_K) {

@@ -87,15 +87,15 @@ void decode_tile(const uint8_t* rows, int64_t row_bytes, int64_t G, int64_t B, T
   }
 }
 
-inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(mfs_cpu::four_bytes(p)); }
+KQ_INLINE __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(mfs_cpu::four_bytes(p)); }
 
-inline __m256i load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+KQ_INLINE __m256i load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // I[n, b] of the tile's 8 rows (codes c: block b's 8 vectors) against one activation row's block b. int16
 // partial sums hold at most 16 products of 4-bit codes (16 * 15 * 127 < 2^15), 8 of 5-bit (8 * 31 * 127)
 // and 4 of 6-bit (4 * 63 * 127).
 template <int KIND>
-inline __m256i block_sum(const __m256i* c, const Tile& t, const ActRow& x, int64_t b) {
+KQ_INLINE __m256i block_sum(const __m256i* c, const Tile& t, const ActRow& x, int64_t b) {
   const int8_t* xq = x.q + b * 32;
   const __m256i one = _mm256_set1_epi16(1);
   auto prod = [&](int p) { return _mm256_maddubs_epi16(c[p], bcast4(xq + 4 * p)); };
@@ -124,7 +124,7 @@ inline __m256i block_sum(const __m256i* c, const Tile& t, const ActRow& x, int64
 }
 
 // hsum's order across 8 vectors: lane r of the result is hsum of (a[0][r], .., a[7][r])
-inline __m256 hsum_across(const __m256* a) {
+KQ_INLINE __m256 hsum_across(const __m256* a) {
   return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6])),
                        _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7])));
 }
@@ -132,7 +132,7 @@ inline __m256 hsum_across(const __m256* a) {
 // The tile's 8 outputs for R activation rows: acc[j] (blocks 8g + j) one at a time, so a block's 8 code
 // vectors are loaded once for the R rows and only R accumulators are live
 template <int KIND, int R>
-inline void tile_rows(const Tile& t, const ActRow* xr, int64_t G, float* const* out) {
+KQ_INLINE void tile_rows(const Tile& t, const ActRow* xr, int64_t G, float* const* out) {
   __m256 acc[R][8], macc[R][8];
   for (int j = 0; j < 8; j++) {
     __m256 a[R], ma[R];
