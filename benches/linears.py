@@ -144,7 +144,8 @@ def _run_gguf(args) -> int:
     from benches.linears_gguf import measure as measure_gguf  # noqa: PLC0415
     rows = measure_gguf(batches=tuple(int(b) for b in args.batches.split(",")), reps=args.reps)
     if args.json:
-        write_json(args.json, {"benchmark": "linears-gguf", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        write_json(args.json, {"benchmark": "linears-gguf", "date": date,
                                "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
                                            "mfs_operators_isa": isa(), "torch": torch.__version__},
                                "rows": rows})
