@@ -33,6 +33,6 @@ ENV PATH=/app/.venv/bin:$PATH MFS_LOG_JSON=1 HF_HUB_OFFLINE=1
 # our CPU operators, built once for this CPU kind into MFS_CACHE (compose's mfs-cache volume starts from
 # it); a worker on another CPU kind builds its own there at start
 RUN python -c "import torch; from kernels import cpu_argmax as g, cpu_attention as a, cpu_gemv as m, cpu_kquant as q, \
-cpu_rows as r; torch.backends.cpu.get_cpu_capability() in ('AVX2', 'AVX512') and [m.build(), *(m.build(k.SOURCE) for k in (a, g, q, r))]"
+cpu_rows as r; torch.backends.cpu.get_cpu_capability() in ('AVX2', 'AVX512') and [m.build(), m.build(list(q.SOURCES)), *(m.build(k.SOURCE) for k in (a, g, r))]"
 EXPOSE 8000
 CMD ["mfs", "up", "--model", "default", "--host", "0.0.0.0"]

@@ -111,12 +111,17 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--group", type=int, default=32)
+    p.add_argument("--gguf", action="store_true",
+                   help="instead: --weights gguf's operator on a 1B Q4_K_M's linears (benches/linears_gguf.py)")
+    p.add_argument("--batches", default="1,16,1024", help="with --gguf: the batch sizes")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.gguf:
+        return _run_gguf(args)
     rows, totals = measure(reps=args.reps, group=args.group)
     fmts = [k[:-3] for k in rows[0] if k.endswith("_us")]
     print(f"{'shape':<20}{'batch':>6}" + "".join(f"{f + ' us':>14}" for f in fmts))
@@ -132,4 +137,16 @@ def run(args) -> int:
                            "torch": torch.__version__},
                "rows": rows, "step_ms": totals}
         write_json(args.json, res)
+    return 0
+
+
+def _run_gguf(args) -> int:
+    from benches.linears_gguf import measure as measure_gguf  # noqa: PLC0415
+    rows = measure_gguf(batches=tuple(int(b) for b in args.batches.split(",")), reps=args.reps)
+    if args.json:
+        date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        write_json(args.json, {"benchmark": "linears-gguf", "date": date,
+                               "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
+                                           "mfs_operators_isa": isa(), "torch": torch.__version__},
+                               "rows": rows})
     return 0

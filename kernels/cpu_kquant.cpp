@@ -22,12 +22,16 @@
 // only: a row's output is the same bit for bit at any batch size.
 //
 // Integer products: vpmaddubsw (unsigned codes times signed xq; |pairs| <= 63 * 127 * 2 < 2^15, no
-// saturation) then vpmaddwd by 1 (Q6_K: the 16-bit pair sums less 32 * theirs, then vpmaddwd by the
-// group's scale); where the build has AVX-512 VNNI (kernels/cpu_gemv.py builds for the CPU's ISA),
-// vpdpbusd in 256-bit registers instead. Q8_0's signed codes go through vpsignb (|q| times sign(q) * xq).
-// Each thread takes a contiguous range of weight rows; each weight row's group is decoded once and
-// met by up to 4 activation rows per pass.
-#include "cpu_gemv.h"
+// saturation) then vpmaddwd by 1 (Q6_K: vpmaddwd by the group's scale, then less 32 * sum_g scale_g * the
+// group's sum of xq); where the build has AVX-512 VNNI (kernels/cpu_gemv.py builds for the CPU's ISA),
+// vpdpbusd in 256-bit registers instead of the pair with 1. Q8_0's signed codes go through vpsignb (|q|
+// times sign(q) * xq).
+//
+// This file is the row path: each thread takes a contiguous range of weight rows; each weight row's
+// group is decoded once and met by up to 4 activation rows per pass. From TILE_MIN_ROWS activation rows
+// on, whole tiles of 8 weight rows go through kernels/cpu_kquant_tile.cpp instead: the same integers and
+// the same float operations per output in the same order, so the same values bit for bit.
+#include "cpu_kquant.h"
 
 #include <torch/library.h>
 
@@ -35,136 +39,14 @@ namespace mfs_kq {
 
 using mfs_cpu::hsum;
 
-enum Kind : int64_t { Q4_0 = 0, Q5_0 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, Q5_1 = 6 };
-constexpr int64_t VALUES[] = {32, 32, 32, 256, 256, 256, 32};
-constexpr int64_t BYTES[] = {18, 22, 34, 144, 176, 210, 24};
 constexpr int MAXR = 4;  // activation rows per pass over a weight row
-
-inline float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
-inline int64_t pad8(int64_t b) { return (b + 7) & ~int64_t(7); }
-
-// One activation row, quantized per 32 (BP = pad8(K / 32) blocks, zeros past K): xq [BP * 32], dx and
-// dxs = dx * xs [BP], xs [BP], xs16 [BP * 2] (the sums of each block's two halves: Q6_K's groups)
-struct ActRow {
-  const int8_t* q;
-  const float* dx;
-  const float* dxs;
-  const int32_t* xs;
-  const int16_t* xs16;
-};
-
-// A group of 8 blocks of one weight row, decoded: codes (unsigned, or Q8_0's signed), the per-lane
-// int32 scales of Q6_K's groups, ws and wm
-struct Group {
-  __m256i c[8];
-  __m256i g6[8];
-  __m256i s16;  // Q6_K: its 16 group scales as int16
-  __m256 ws, wm;
-};
-
-inline __m256i nibbles16(const uint8_t* p) {  // 16 bytes -> 32 codes: low nibbles, then high ones
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i low = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
-}
-
-inline __m256i bits32(const uint8_t* p) {  // a little-endian uint32 -> 32 bytes, 0x10 where bit j is set
-  uint32_t w;
-  std::memcpy(&w, p, 4);
-  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-  const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(w)), shuf),
-                                        _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
-}
-
-// Legacy kinds: blocks 8g .. 8g + 7 of a row of B blocks (those past B: zero codes and scale)
-template <int KIND>
-inline void decode_legacy(const uint8_t* row, int64_t g, int64_t B, Group& out) {
-  alignas(32) float d[8] = {0, 0, 0, 0, 0, 0, 0, 0}, mn[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  const int64_t n = std::min<int64_t>(8, B - g * 8);
-  for (int j = 0; j < 8; j++) {
-    if (j >= n) {
-      out.c[j] = _mm256_setzero_si256();
-      continue;
-    }
-    const uint8_t* p = row + (g * 8 + j) * BYTES[KIND];
-    d[j] = half_at(p);
-    if constexpr (KIND == Q8_0) out.c[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
-    if constexpr (KIND == Q4_0) out.c[j] = nibbles16(p + 2);
-    if constexpr (KIND == Q5_0) out.c[j] = _mm256_or_si256(nibbles16(p + 6), bits32(p + 2));
-    if constexpr (KIND == Q5_1) {
-      mn[j] = -half_at(p + 2);
-      out.c[j] = _mm256_or_si256(nibbles16(p + 8), bits32(p + 4));
-    }
-  }
-  out.ws = _mm256_load_ps(d);
-  out.wm = _mm256_load_ps(mn);
-}
-
-// Q4_K / Q5_K's 6-bit scales and mins of the super-block's 8 sub-blocks
-inline void k_scales(const uint8_t* s, int32_t* sc, int32_t* mn) {
-  for (int j = 0; j < 4; j++) {
-    sc[j] = s[j] & 63;
-    mn[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
-    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
-}
-
-template <int KIND>
-inline void decode_k(const uint8_t* row, int64_t g, Group& out) {
-  const uint8_t* p = row + g * BYTES[KIND];
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  if constexpr (KIND == Q6_K) {
-    for (int h = 0; h < 2; h++) {
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32));
-      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
-      const __m256i lo[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
-                             _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                             _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
-      for (int s = 0; s < 4; s++) {
-        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * s)), _mm256_set1_epi8(3));
-        out.c[4 * h + s] = _mm256_or_si256(lo[s], _mm256_slli_epi16(hi, 4));
-      }
-    }
-    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-    for (int j = 0; j < 8; j++)
-      out.g6[j] = _mm256_setr_m128i(_mm_set1_epi32(sc[2 * j]), _mm_set1_epi32(sc[2 * j + 1]));
-    out.s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-    out.ws = _mm256_set1_ps(half_at(p + 208));
-    out.wm = _mm256_setzero_ps();
-    return;
-  }
-  alignas(32) int32_t sc[8], mn[8];
-  k_scales(p + 4, sc, mn);
-  const uint8_t* qs = p + (KIND == Q5_K ? 48 : 16);
-  for (int c = 0; c < 4; c++) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-    out.c[2 * c] = _mm256_and_si256(v, low);
-    out.c[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-  }
-  if constexpr (KIND == Q5_K) {
-    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
-    for (int j = 0; j < 8; j++) {
-      const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << j));
-      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit);
-      out.c[j] = _mm256_or_si256(out.c[j], _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
-    }
-  }
-  const __m256 d = _mm256_set1_ps(half_at(p)), dmin = _mm256_set1_ps(half_at(p + 2));
-  out.ws = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc))));
-  out.wm = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mn))));
-}
+// activation rows from which the tile path serves: below, decoding a tile costs more than it saves (one
+// thread, a 1B's Q4_K shapes: the row path ~2x faster at 1 row, ~1.4x at 3)
+constexpr int64_t TILE_MIN_ROWS = 4;
 
 // Unsigned codes u (0..63) times signed xq: 8 int32 lanes, lane k the sum over values 4k .. 4k + 3 of
 // each 128-bit half (lanes 0..3: values 0..15, lanes 4..7: values 16..31)
-inline __m256i udot(__m256i u, __m256i x) {
+KQ_INLINE __m256i udot(__m256i u, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
 #else
@@ -173,7 +55,7 @@ inline __m256i udot(__m256i u, __m256i x) {
 }
 
 // 8 vectors of 8 int32 -> one vector, lane j the sum of vector j's lanes (exact)
-inline __m256i reduce8(const __m256i* v) {
+KQ_INLINE __m256i reduce8(const __m256i* v) {
   const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
   const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
@@ -181,7 +63,7 @@ inline __m256i reduce8(const __m256i* v) {
 
 // The integer sums I of one decoded group against one activation row's blocks 8g .. 8g + 7
 template <int KIND>
-inline __m256i group_sums(const Group& w, const ActRow& x, int64_t g) {
+KQ_INLINE __m256i group_sums(const Group& w, const ActRow& x, int64_t g) {
   const int8_t* xq = x.q + g * 256;
   __m256i s[8];
   for (int j = 0; j < 8; j++) {
@@ -189,7 +71,7 @@ inline __m256i group_sums(const Group& w, const ActRow& x, int64_t g) {
     if constexpr (KIND == Q8_0) {
       s[j] = udot(_mm256_abs_epi8(w.c[j]), _mm256_sign_epi8(xv, w.c[j]));
     } else if constexpr (KIND == Q6_K) {
-      s[j] = _mm256_mullo_epi32(udot(w.c[j], xv), w.g6[j]);
+      s[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(w.c[j], xv), w.g6[j]);  // pairs < 2 * 63 * 127
     } else {
       s[j] = udot(w.c[j], xv);
     }
@@ -206,7 +88,7 @@ inline __m256i group_sums(const Group& w, const ActRow& x, int64_t g) {
 }
 
 template <int KIND, int MB>
-inline void row_dot(const uint8_t* row, int64_t G, int64_t B, const ActRow* xr, float* out) {
+KQ_INLINE void row_dot(const uint8_t* row, int64_t G, int64_t B, const ActRow* xr, float* out) {
   __m256 acc[MB], macc[MB];
   for (int i = 0; i < MB; i++) acc[i] = macc[i] = _mm256_setzero_ps();
   constexpr bool kq = KIND == Q4_K || KIND == Q5_K || KIND == Q6_K;
@@ -227,46 +109,13 @@ inline void row_dot(const uint8_t* row, int64_t G, int64_t B, const ActRow* xr, 
   for (int i = 0; i < MB; i++) out[i] = hsum(acc[i]) - hsum(macc[i]);
 }
 
-// x [M, K] -> the ActRow arrays of every row (BP blocks each)
-struct Quantized {
-  int64_t BP;
-  std::vector<int8_t> q;
-  std::vector<float> dx, dxs;
-  std::vector<int32_t> xs;
-  std::vector<int16_t> xs16;
-  Quantized(const float* x, int64_t M, int64_t K)
-      : BP(pad8(K / 32)), q(M * BP * 32, 0), dx(M * BP, 0.f), dxs(M * BP, 0.f), xs(M * BP, 0), xs16(M * BP * 2, 0) {
-    const int64_t B = K / 32;
-#pragma omp parallel for schedule(static) if (M >= 8)
-    for (int64_t m = 0; m < M; m++) {
-      for (int64_t b = 0; b < B; b++) {
-        float d;
-        int32_t sum;
-        const __m256i p = mfs_cpu::quantize_block(x + m * K + b * 32, &d, &sum);
-        int8_t* qb = q.data() + (m * BP + b) * 32;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), p);
-        int32_t h0 = 0;
-        for (int j = 0; j < 16; j++) h0 += qb[j];
-        dx[m * BP + b] = d;
-        xs[m * BP + b] = sum;
-        dxs[m * BP + b] = d * static_cast<float>(sum);
-        xs16[(m * BP + b) * 2] = static_cast<int16_t>(h0);
-        xs16[(m * BP + b) * 2 + 1] = static_cast<int16_t>(sum - h0);
-      }
-    }
-  }
-  ActRow row(int64_t m) const {
-    return ActRow{q.data() + m * BP * 32, dx.data() + m * BP, dxs.data() + m * BP, xs.data() + m * BP,
-                  xs16.data() + m * BP * 2};
-  }
-};
-
+// Weight rows n0 .. N of y [M, N]
 template <int KIND>
-void gemv(const Quantized& xq, const uint8_t* w, int64_t M, int64_t N, int64_t K, float* y) {
+void gemv(const Quantized& xq, const uint8_t* w, int64_t M, int64_t n0, int64_t N, int64_t K, float* y) {
   const int64_t B = K / 32, G = pad8(B) / 8, row_bytes = K / VALUES[KIND] * BYTES[KIND];
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), (N + 15) / 16));
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), (N - n0 + 15) / 16));
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t n = 0; n < N; n++) {
+  for (int64_t n = n0; n < N; n++) {
     const uint8_t* row = w + n * row_bytes;
     mfs_cpu::row_passes<MAXR, ActRow>(
         M, [&](int64_t m) { return xq.row(m); },
@@ -293,14 +142,18 @@ at::Tensor gguf_a8_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t k
   const Quantized xq(xc.const_data_ptr<float>(), M, K);
   const uint8_t* w = blocks.const_data_ptr<uint8_t>();
   float* yp = y.mutable_data_ptr<float>();
+  // from TILE_MIN_ROWS activation rows on, whole tiles of 8 weight rows through the tile path (the
+  // same values bit for bit), the rest one weight row at a time
+  const int64_t n0 = M >= TILE_MIN_ROWS && tile_gemv(kind, xq, w, M, N, K, yp) ? N / 8 * 8 : 0;
+  if (n0 == N) return y;
   switch (kind) {
-    case Q4_0: gemv<Q4_0>(xq, w, M, N, K, yp); break;
-    case Q5_0: gemv<Q5_0>(xq, w, M, N, K, yp); break;
-    case Q8_0: gemv<Q8_0>(xq, w, M, N, K, yp); break;
-    case Q4_K: gemv<Q4_K>(xq, w, M, N, K, yp); break;
-    case Q5_K: gemv<Q5_K>(xq, w, M, N, K, yp); break;
-    case Q5_1: gemv<Q5_1>(xq, w, M, N, K, yp); break;
-    default: gemv<Q6_K>(xq, w, M, N, K, yp); break;
+    case Q4_0: gemv<Q4_0>(xq, w, M, n0, N, K, yp); break;
+    case Q5_0: gemv<Q5_0>(xq, w, M, n0, N, K, yp); break;
+    case Q8_0: gemv<Q8_0>(xq, w, M, n0, N, K, yp); break;
+    case Q4_K: gemv<Q4_K>(xq, w, M, n0, N, K, yp); break;
+    case Q5_K: gemv<Q5_K>(xq, w, M, n0, N, K, yp); break;
+    case Q5_1: gemv<Q5_1>(xq, w, M, n0, N, K, yp); break;
+    default: gemv<Q6_K>(xq, w, M, n0, N, K, yp); break;
   }
   return y;
 }

@@ -3,7 +3,9 @@ Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) times activations quantized per 32 values to 8 bit
 summed exactly in integers (the C++ file gives the formula and the order). AVX2; vpdpbusd where the
 build has AVX-512 VNNI. Built with :func:`kernels.cpu_gemv.build` (the same compiler flags, ISA choice
 and cache) and loaded once per process; :func:`gemv_kernel` is the operator where it builds (AVX2 or
-AVX-512 CPUs), else None. A row's output is the same bit for bit at any batch size.
+AVX-512 CPUs), else None. A row's output is the same bit for bit at any batch size. Two paths, the same
+values: one weight row at a time (``cpu_kquant.cpp``, below 4 activation rows) and tiles of 8 weight rows
+decoded once for blocks of activation rows (``cpu_kquant_tile.cpp``, prefill chunks and batches).
 
 :func:`reference` computes the same sum in float64 from the same quantized activations (tests)."""
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 from kernels.cpu_gemv import load_once, pick_operator, quantize_activations_q8
 
 SOURCE = Path(__file__).with_name("cpu_kquant.cpp")
+# the operator's library: the row path and the operator (SOURCE), the tile path (cpu_kquant.h between them)
+SOURCES = (SOURCE, SOURCE.with_name("cpu_kquant_tile.cpp"))
 # the operator's kind argument: the index here
 KINDS = ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_1")
 _loaded: list[bool] = []
@@ -29,7 +33,7 @@ def load() -> None:
         def _(x, blocks, kind):
             return x.new_empty(x.shape[0], blocks.shape[0])
 
-    load_once(_loaded, SOURCE, register)
+    load_once(_loaded, list(SOURCES), register)
 
 
 def gemv_kernel() -> Callable | None:

@@ -77,6 +77,37 @@ def test_operator_matches_the_float64_sum_at_every_batch(op, kind, K):
     assert torch.equal(op(x[9:10], raw, kind_id(kind))[0], y[9])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_tiles_of_weight_rows_give_every_row_alone_bit_for_bit(op, kind):
+    """From 4 activation rows on, whole tiles of 8 weight rows are decoded once for blocks of activation rows
+    (kernels/cpu_kquant_tile.cpp; here K 4096: blocks of 32 rows, so 100 rows take four, the last short;
+    27 weight rows: three tiles and 3 rows of the row path): each output equals that row computed alone,
+    one weight row at a time, bit for bit, at 1, 3, 16 and 100 rows, and the float64 sum within the bound."""
+    from kernels.cpu_gemv import quantize_activations_q8
+    from kernels.cpu_kquant import kind_id, reference
+    K = 4096
+    raw = torch.from_numpy(random_rows(kind, 27, K, np.random.default_rng(5)))
+    x = torch.randn(100, K, generator=torch.Generator().manual_seed(3))
+    y = op(x, raw, kind_id(kind))
+    xq, dx = quantize_activations_q8(x)
+    xd = (xq.double().view(100, -1, 32) * dx.double()[..., None]).view(100, K)
+    bound = xd.abs() @ dequantize(raw, kind).double().abs().T
+    assert (y.double() - reference(x, *codes(raw, kind))).abs().le(2e-6 * bound + 1e-30).all()
+    alone = torch.cat([op(x[m:m + 1], raw, kind_id(kind)) for m in range(100)])
+    assert torch.equal(y, alone)
+    for m in (3, 16):
+        assert torch.equal(op(x[:m], raw, kind_id(kind)), y[:m])
+        assert torch.equal(op(x[-m:], raw, kind_id(kind)), y[-m:])
+
+
+def test_the_operator_bench_times_each_shape_and_batch(op):
+    from benches.linears_gguf import measure
+    rows = measure([("tiny", 256, 24, "Q4_K"), ("tiny", 512, 16, "Q6_K")], batches=(1, 5), reps=2, cache_bytes=1 << 16)
+    assert [(r["kind"], r["batch"]) for r in rows] == [("Q4_K", 1), ("Q4_K", 5), ("Q6_K", 1), ("Q6_K", 5)]
+    assert all(r["ms"] > 0 and r["GMACps"] > 0 for r in rows)
+    assert rows[0]["weight_GBps"] * rows[0]["ms"] * 1e6 == pytest.approx(24 * 144)  # the bytes of one copy
+
+
 def test_operator_checks_its_inputs(op):
     x = torch.randn(2, 256)
     with pytest.raises(RuntimeError, match="kind must be 0..6"):
@@ -98,6 +129,7 @@ def test_the_avx512_vnni_build_compiles_here_too(tmp_path):
     cxx = shutil.which("g++")
     if cxx is None:
         pytest.skip("no g++")
-    cmd = cpu_gemv._compile(cxx, cpu_kquant.SOURCE, str(tmp_path / "kq.o"))
-    res = subprocess.run([*cmd, *cpu_gemv.VNNI_FLAGS], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
+    for source in cpu_kquant.SOURCES:
+        cmd = cpu_gemv._compile(cxx, source, str(tmp_path / f"{source.stem}.o"))
+        res = subprocess.run([*cmd, *cpu_gemv.VNNI_FLAGS], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-2000:]
