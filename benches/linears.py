@@ -105,6 +105,29 @@ def measure(shapes=SMOLLM2_SHAPES, batches=(1, 16), reps: int = 7, group: int = 
     return list(rows.values()), steps
 
 
+def measure_argmax(vocab: int = SMOLLM2_SHAPES[-1][2], batches=(1, 16), reps: int = 200) -> list[dict] | None:
+    """Greedy decoding's choice over the head's logits [batch, vocab]: ``mfs::argmax_rows`` (what serving
+    takes where it builds) against ``torch.argmax``, alternated call by call; medians. None where the
+    operator does not build (serving then takes torch's)."""
+    from kernels.cpu_argmax import argmax_kernel  # noqa: PLC0415
+    op = argmax_kernel()
+    if op is None:
+        return None
+    out = []
+    for b in batches:
+        x = torch.randn(b, vocab, generator=torch.Generator().manual_seed(b))
+        assert torch.equal(op(x), torch.argmax(x, dim=-1))  # the same answer, or the timing means nothing
+        times: dict[str, list[float]] = {"mfs": [], "torch": []}
+        for _ in range(reps):
+            for name, fn in (("mfs", op), ("torch", lambda t: torch.argmax(t, dim=-1))):
+                t0 = time.perf_counter()
+                fn(x)
+                times[name].append(time.perf_counter() - t0)
+        mfs, ref = (1e6 * statistics.median(times[k]) for k in ("mfs", "torch"))
+        out.append({"batch": b, "vocab": vocab, "mfs_us": mfs, "torch_us": ref, "speedup": ref / mfs})
+    return out
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("linears", help="each weight format's matmuls on the model's shapes, batch 1 and 16")
     p.add_argument("--json", default=None)
@@ -129,13 +152,19 @@ def run(args) -> int:
         print(f"{r['shape']:<20}{r['batch']:>6}" + "".join(f"{r[f + '_us']:>14.1f}" for f in fmts))
     for b, t in totals.items():
         print(f"one decode step's linears (fastest pass), batch {b}: " + ", ".join(f"{f} {v:.1f} ms" for f, v in t.items()))
+    argmax = measure_argmax()
+    for a in argmax or []:
+        print(f"greedy argmax over [{a['batch']}, {a['vocab']}]: mfs::argmax_rows {a['mfs_us']:.1f} us, "
+              f"torch.argmax {a['torch_us']:.1f} us ({a['speedup']:.1f}x)")
+    if argmax is None:
+        print("greedy argmax: mfs::argmax_rows does not build here (serving takes torch.argmax)")
     if args.json:
         res = {"benchmark": "linears", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
                            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                            "mfs_operators_isa": isa() if _ours_build() else None,
                            "torch": torch.__version__},
-               "rows": rows, "step_ms": totals}
+               "rows": rows, "step_ms": totals, "argmax": argmax}
         write_json(args.json, res)
     return 0
 

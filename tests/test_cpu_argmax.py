@@ -86,3 +86,14 @@ def test_greedy_sampling_goes_through_the_operator(op, monkeypatch):
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3))
     got = sample(logits, [SamplingParams(max_tokens=1)] * 4, [None] * 4)
     assert got == torch.argmax(logits, dim=-1).tolist() and calls == [(4, 300)]
+
+
+def test_the_linears_bench_times_the_operator_against_torch_on_the_same_answer():
+    from benches.linears import measure_argmax
+    from kernels.cpu_argmax import argmax_kernel
+    rows = measure_argmax(vocab=1000, batches=(1, 3), reps=3)
+    if argmax_kernel() is None:
+        assert rows is None  # serving takes torch.argmax, and the bench says so
+        return
+    assert [r["batch"] for r in rows] == [1, 3]
+    assert all(r["mfs_us"] > 0 and r["torch_us"] > 0 and r["speedup"] == r["torch_us"] / r["mfs_us"] for r in rows)
