@@ -163,24 +163,13 @@ def test_the_gguf_format_packs_an_hf_model_as_w4a8_does(llama_dir):
 def test_a_worker_with_auto_weights_serves_a_k_quant_gguf_as_the_offline_engine(kq_gguf):
     """A worker started with --weights auto on the K-quant GGUF registers weights "gguf" (and says why in
     its choice) and answers what the offline engine over the same family answers."""
-    import redis
-
-    from core import protocol as P
-    from service.launch import Service
-    from tests.support.pipeline import Reader, submit
+    from tests.support.pipeline import serve_each_tier
     from worker.family import load_family
-    with Service(str(kq_gguf), tiers="2,4", gateway=False, dtype="float32",
-                 worker_args=["--num-blocks", "64", "--block-size", "4", "--threads", "1",
-                              "--weights", "auto"]) as svc:
-        r = redis.Redis.from_url(svc.redis_url)
-        prompts = {f"k{t}": ([9, 8, 7, 6 + t, 5], t) for t in range(2)}
-        for rid, (p, t) in prompts.items():
-            submit(r, rid, p, t, max_tokens=6, ignore_eos=True)
-        rd = Reader(r)
-        rd.until(lambda: all(rd.finished(rid) for rid in prompts))
-        workers = {w.decode() for w in r.smembers(P.WORKERS_SET)}
-        assert workers and all(r.hget(P.worker_key(w), "weights") == b"gguf" for w in workers)
-        assert all(b"the GGUF's own block types" in r.hget(P.worker_key(w), "choice") for w in workers)
+    served = serve_each_tier(str(kq_gguf), "2,4", "k", lambda t: [9, 8, 7, 6 + t, 5], dtype="float32",
+                             worker_args=("--weights", "auto"))
+    prompts, rd = served.prompts, served.reader
+    assert served.workers and all(h[b"weights"] == b"gguf" for h in served.workers.values())
+    assert all(b"the GGUF's own block types" in h[b"choice"] for h in served.workers.values())
     fam = load_family(str(kq_gguf), tiers="2,4", dtype="float32", weights="auto")
     for rid, (p, t) in prompts.items():
         assert rd.tokens(rid) == make_engine(fam).generate([p], [t], greedy(6))[0]

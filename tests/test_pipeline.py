@@ -10,7 +10,7 @@ from core.keyrecords import decode_progress
 from worker.family import load_family
 from service.launch import Service
 from engine import Engine
-from tests.support.pipeline import Reader, submit, wait_kv_idle
+from tests.support.pipeline import Reader, serve_each_tier, submit, wait_kv_idle
 from tests.support.wait import pace
 from worker.sampling import SamplingParams
 
@@ -82,19 +82,14 @@ def test_bad_requests_get_an_error_event(nested_service, prompt, tier, kw, code,
 
 
 def test_independent_layout_serves_each_tier_from_its_own_copy(llama_dir):
-    with Service(str(llama_dir), tiers="2,4,6", layout="independent", gateway=False, dtype="float64",
-                 worker_args=["--num-blocks", "64", "--block-size", "4", "--threads", "1"]) as svc:
-        r = redis.Redis.from_url(svc.redis_url)
-        prompts = {f"i{t}": ([9, 8, 7, 6 + t], t) for t in range(3)}
-        for rid, (p, t) in prompts.items():
-            submit(r, rid, p, t, max_tokens=6, ignore_eos=True)
-        rd = Reader(r)
-        rd.until(lambda: all(rd.finished(rid) for rid in prompts))
-        fam = load_family(str(llama_dir), tiers="2,4,6", dtype="float64")
-        eng = Engine(fam.model, block_size=4, num_blocks=64)
-        for rid, (p, t) in prompts.items():
-            assert rd.tokens(rid) == eng.generate([p], [t], SamplingParams(max_tokens=6, ignore_eos=True))[0]
-        assert {e.worker for evs in rd.events.values() for e in evs} == {"w0-small", "w0-medium", "w0-large"}
+    served = serve_each_tier(str(llama_dir), "2,4,6", "i", lambda t: [9, 8, 7, 6 + t], dtype="float64",
+                             layout="independent")
+    rd = served.reader
+    fam = load_family(str(llama_dir), tiers="2,4,6", dtype="float64")
+    eng = Engine(fam.model, block_size=4, num_blocks=64)
+    for rid, (p, t) in served.prompts.items():
+        assert rd.tokens(rid) == eng.generate([p], [t], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert {e.worker for evs in rd.events.values() for e in evs} == {"w0-small", "w0-medium", "w0-large"}
 
 
 def test_session_escalating_to_the_top_tier_reuses_its_lower_segment_kv(nested_service, llama_dir):

@@ -312,23 +312,13 @@ def test_quantized_weights_need_an_fp32_model(llama_dir):
 def test_a_w8a8_worker_serves_what_the_offline_w8a8_engine_does(llama_dir):
     """The worker's w8a8 family (smoothed at load, calibrated the same way) answers a mixed batch
     exactly as the offline engine over ``load_family(..., weights="w8a8")``."""
-    import redis
-    from core import protocol as P
     from engine import Engine
-    from service.launch import Service
-    from tests.support.pipeline import Reader, submit
+    from tests.support.pipeline import serve_each_tier
     from worker.sampling import SamplingParams
-    with Service(str(llama_dir), tiers="2,4,6", gateway=False, dtype="float32",
-                 worker_args=["--num-blocks", "64", "--block-size", "4", "--threads", "1",
-                              "--weights", "w8a8"]) as svc:
-        r = redis.Redis.from_url(svc.redis_url)
-        prompts = {f"w{t}": ([9, 8, 7, 6 + t, 5], t) for t in range(3)}
-        for rid, (p, t) in prompts.items():
-            submit(r, rid, p, t, max_tokens=6, ignore_eos=True)
-        rd = Reader(r)
-        rd.until(lambda: all(rd.finished(rid) for rid in prompts))
-        workers = {w.decode() for w in r.smembers(P.WORKERS_SET)}
-        assert workers and all(r.hget(P.worker_key(w), "weights") == b"w8a8" for w in workers)
+    served = serve_each_tier(str(llama_dir), "2,4,6", "w", lambda t: [9, 8, 7, 6 + t, 5], dtype="float32",
+                             worker_args=("--weights", "w8a8"))
+    prompts, rd = served.prompts, served.reader
+    assert served.workers and all(h[b"weights"] == b"w8a8" for h in served.workers.values())
     eng = Engine(_family(llama_dir, "w8a8").model, block_size=4, num_blocks=64)
     for rid, (p, t) in prompts.items():
         assert rd.tokens(rid) == eng.generate([p], [t], SamplingParams(max_tokens=6, ignore_eos=True))[0]
@@ -338,24 +328,13 @@ def test_a_w8a8_worker_serves_what_the_offline_w8a8_engine_does(llama_dir):
 def test_independent_workers_quantize_their_standalone_tier(llama_dir):
     """A standalone-tier worker cuts its copy from the fp32 family, then quantizes it: the tokens
     equal the offline engine's over the quantized nested family."""
-    import redis
-    from service.launch import Service
-    from tests.support.pipeline import Reader, submit
     from engine import Engine
+    from tests.support.pipeline import serve_each_tier
     from worker.sampling import SamplingParams
-    with Service(str(llama_dir), tiers="2,4,6", layout="independent", gateway=False, dtype="float32",
-                 worker_args=["--num-blocks", "64", "--block-size", "4", "--threads", "1",
-                              "--weights", "int8"]) as svc:
-        r = redis.Redis.from_url(svc.redis_url)
-        prompts = {f"q{t}": ([9, 8, 7, 6 + t], t) for t in range(3)}
-        for rid, (p, t) in prompts.items():
-            submit(r, rid, p, t, max_tokens=6, ignore_eos=True)
-        rd = Reader(r)
-        rd.until(lambda: all(rd.finished(rid) for rid in prompts))
-        from core import protocol as P
-        workers = {w.decode() for w in r.smembers(P.WORKERS_SET)}
-        assert len(workers) == 3
-        assert all(r.hget(P.worker_key(w), "weights") == b"int8" for w in workers)
+    served = serve_each_tier(str(llama_dir), "2,4,6", "q", lambda t: [9, 8, 7, 6 + t], dtype="float32",
+                             worker_args=("--weights", "int8"), layout="independent")
+    prompts, rd = served.prompts, served.reader
+    assert len(served.workers) == 3 and all(h[b"weights"] == b"int8" for h in served.workers.values())
     eng = Engine(_family(llama_dir, "int8").model, block_size=4, num_blocks=64)
     for rid, (p, t) in prompts.items():
         assert rd.tokens(rid) == eng.generate([p], [t], SamplingParams(max_tokens=6, ignore_eos=True))[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from core import protocol as P
 from core.keyrecords import StatsSnapshot
@@ -82,3 +83,31 @@ def wait_kv_idle(r, timeout=10) -> StatsSnapshot:
 def wait_idle(r, timeout=10) -> StatsSnapshot:
     """No request left, running or waiting."""
     return stats_after(r, idle, timeout, "the scheduler to be idle")
+
+
+@dataclass(slots=True)
+class Served:
+    """What :func:`serve_each_tier` got: the prompts by request id ((prompt, tier)), the reader holding
+    their token events, and each registered worker's hash (bytes keys and values, as Redis gives them)."""
+    prompts: dict[str, tuple[list[int], int]]
+    reader: Reader
+    workers: dict[str, dict[bytes, bytes]]
+
+
+def serve_each_tier(model: str, tiers: str, prefix: str, prompt: Callable[[int], list[int]], *, dtype: str,
+                    worker_args: tuple[str, ...] = (), layout: str = "nested", max_tokens: int = 6) -> Served:
+    """One greedy request of ``max_tokens`` per tier of ``tiers`` (``prompt(tier)``) through the scheduler
+    and workers (no gateway; 64 blocks of 4, one thread a worker), read until all have finished."""
+    import redis  # noqa: PLC0415
+
+    from service.launch import Service  # noqa: PLC0415
+    prompts = {f"{prefix}{t}": (prompt(t), t) for t in range(len(tiers.split(",")))}
+    with Service(model, tiers=tiers, layout=layout, gateway=False, dtype=dtype,
+                 worker_args=["--num-blocks", "64", "--block-size", "4", "--threads", "1", *worker_args]) as svc:
+        r = redis.Redis.from_url(svc.redis_url)
+        for rid, (p, t) in prompts.items():
+            submit(r, rid, p, t, max_tokens=max_tokens, ignore_eos=True)
+        rd = Reader(r)
+        rd.until(lambda: all(rd.finished(rid) for rid in prompts))
+        workers = {w.decode(): r.hgetall(P.worker_key(w.decode())) for w in r.smembers(P.WORKERS_SET)}
+    return Served(prompts, rd, workers)
