@@ -32,8 +32,8 @@ from kernels import TORCH_OPS
 from training import data as D
 from training.exit_features import (FeatureCache, fill_cache, from_bf16_bits, heldout_windows,
                                 training_windows)
-from training.loop import (Budget, Evaluation, Method, Options, RunState, StepResult, Trainer, method_defaults,
-                           say)
+from training.loop import (Budget, Evaluation, Method, Options, RunState, StepResult, Trainer, load_tensors_state,
+                           method_defaults, say, tensors_state)
 from family.manifest import DEFAULT_FLOOR, Manifest, TierSpec, parse_tiers, resolve_base_arg
 from worker.family import build_model
 from engine.runtime import autocast_dtype
@@ -344,17 +344,11 @@ class ExitBlocks(Method):
         export(model, Path(a.out), self.base_ref, self.family, self.tiers, self.lower, info, notes)
 
     def state_dict(self, run: RunState) -> dict:
-        exit_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()
-                      if k.startswith(("exit_blocks.", "exit_norms."))}
-        return {"exit_state": exit_state, "opt": self.opt.state_dict(), "st": run.as_dict(),
-                "ce_generator": self.gen.get_state()}
+        return tensors_state(self.model, lambda k: k.startswith(("exit_blocks.", "exit_norms.")), "exit_state",
+                             self.opt, self.gen, run)
 
     def load_state_dict(self, saved: dict) -> RunState:
-        self.model.load_state_dict(saved["exit_state"], strict=False)
-        self.opt.load_state_dict(saved["opt"])
-        if "ce_generator" in saved:  # a checkpoint written before it was kept starts the positions anew
-            self.gen.set_state(saved["ce_generator"])
-        return RunState(**saved["st"])
+        return load_tensors_state(self.model, "exit_state", self.opt, self.gen, saved)
 
 
 def run(args) -> int:

@@ -34,8 +34,8 @@ from family.manifest import DEFAULT_FLOOR, Manifest
 from training import data as D
 from training.exit_features import heldout_windows, training_windows
 from training.exitblocks import build_exit_model, ce_sample, exit_loss, exit_parameters, warm_start
-from training.loop import (Budget, Evaluation, Method, Options, RunState, StepResult, Trainer, method_defaults,
-                           say)
+from training.loop import (Budget, Evaluation, Method, Options, RunState, StepResult, Trainer, load_tensors_state,
+                           method_defaults, say, tensors_state)
 from worker import checkpoint as ckpt
 from worker.model import NestedModel
 
@@ -279,17 +279,11 @@ class Joint(Method):
         (out / "provenance.json").write_text(json.dumps(self.prov, indent=2) + "\n")
 
     def state_dict(self, run: RunState) -> dict:
-        trainable = {k: v.detach().clone() for k, v in self.model.state_dict().items()
-                     if ".lora_" in k or k.startswith(("exit_blocks.", "exit_norms."))}
-        return {"trainable": trainable, "opt": self.opt.state_dict(), "st": run.as_dict(),
-                "ce_generator": self.gen.get_state()}
+        return tensors_state(self.model, lambda k: ".lora_" in k or k.startswith(("exit_blocks.", "exit_norms.")),
+                             "trainable", self.opt, self.gen, run)
 
     def load_state_dict(self, saved: dict) -> RunState:
-        self.model.load_state_dict(saved["trainable"], strict=False)
-        self.opt.load_state_dict(saved["opt"])
-        if "ce_generator" in saved:  # a checkpoint written before it was kept starts the positions anew
-            self.gen.set_state(saved["ce_generator"])
-        return RunState(**saved["st"])
+        return load_tensors_state(self.model, "trainable", self.opt, self.gen, saved)
 
 
 def run(args) -> int:

@@ -170,6 +170,22 @@ class Method:
         return None
 
 
+def tensors_state(model: torch.nn.Module, keep, key: str, opt, gen: torch.Generator, run: RunState) -> dict:
+    """A :meth:`Method.state_dict` of the model's tensors whose names ``keep`` accepts (under ``key``), the
+    optimizer, the loop's counters and the generator that draws the CE positions."""
+    return {key: {k: v.detach().clone() for k, v in model.state_dict().items() if keep(k)},
+            "opt": opt.state_dict(), "st": run.as_dict(), "ce_generator": gen.get_state()}
+
+
+def load_tensors_state(model: torch.nn.Module, key: str, opt, gen: torch.Generator, saved: dict) -> RunState:
+    """Restores what :func:`tensors_state` saved under ``key``; returns the loop's counters."""
+    model.load_state_dict(saved[key], strict=False)
+    opt.load_state_dict(saved["opt"])
+    if "ce_generator" in saved:  # a checkpoint written before it was kept starts the positions anew
+        gen.set_state(saved["ce_generator"])
+    return RunState(**saved["st"])
+
+
 def method_defaults(args, *, lr: float, ce, steps: int) -> None:
     """Fills the options whose default depends on --method (None on the command line); ``ce`` keeps its
     default's type (a float, or lora's per-tier string)."""
