@@ -128,20 +128,22 @@ inline __m256i quantize_block(const float* xb, float* dx, int32_t* sum) {
                                      order);
 }
 
-// x [M, K] -> per row xq (plain order) and dx [M, B]; side(m * B + b, dx, sum of the block's xq) for
-// what else a tile operator keeps per block (w4a8: xs; the int8 head: its correction)
+// x [M, K] -> per row xq (plain order) and dx, row m's block b at i = m * RB + b (RB: row_blocks, K / 32
+// where 0; a larger stride leaves each row's tail as the caller filled it); side(i, dx, sum of the
+// block's xq) for what else an operator keeps per block (w4a8: xs; the int8 head: its correction)
 template <class Side>
-inline void quantize_rows_plain(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, Side&& side) {
-  const int64_t B = K / 32;
+inline void quantize_rows_plain(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, Side&& side,
+                                int64_t row_blocks = 0) {
+  const int64_t B = K / 32, RB = row_blocks ? row_blocks : B;
 #pragma omp parallel for schedule(static) if (M >= 8)
   for (int64_t m = 0; m < M; m++) {
     for (int64_t b = 0; b < B; b++) {
       float d;
       int32_t sum;
       const __m256i p = quantize_block(x + m * K + b * 32, &d, &sum);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + b * 32), p);
-      dx[m * B + b] = d;
-      side(m * B + b, d, sum);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + (m * RB + b) * 32), p);
+      dx[m * RB + b] = d;
+      side(m * RB + b, d, sum);
     }
   }
 }

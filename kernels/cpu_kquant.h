@@ -157,24 +157,15 @@ struct Quantized {
   std::vector<int16_t> xs16;
   Quantized(const float* x, int64_t M, int64_t K)
       : BP(pad8(K / 32)), q(M * BP * 32, 0), dx(M * BP, 0.f), dxs(M * BP, 0.f), xs(M * BP, 0), xs16(M * BP * 2, 0) {
-    const int64_t B = K / 32;
-#pragma omp parallel for schedule(static) if (M >= 8)
-    for (int64_t m = 0; m < M; m++) {
-      for (int64_t b = 0; b < B; b++) {
-        float d;
-        int32_t sum;
-        const __m256i p = mfs_cpu::quantize_block(x + m * K + b * 32, &d, &sum);
-        int8_t* qb = q.data() + (m * BP + b) * 32;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), p);
-        int32_t h0 = 0;
-        for (int j = 0; j < 16; j++) h0 += qb[j];
-        dx[m * BP + b] = d;
-        xs[m * BP + b] = sum;
-        dxs[m * BP + b] = d * static_cast<float>(sum);
-        xs16[(m * BP + b) * 2] = static_cast<int16_t>(h0);
-        xs16[(m * BP + b) * 2 + 1] = static_cast<int16_t>(sum - h0);
-      }
-    }
+    mfs_cpu::quantize_rows_plain(x, M, K, q.data(), dx.data(), [&](int64_t i, float d, int32_t sum) {
+      const int8_t* qb = q.data() + i * 32;
+      int32_t h0 = 0;
+      for (int j = 0; j < 16; j++) h0 += qb[j];
+      xs[i] = sum;
+      dxs[i] = d * static_cast<float>(sum);
+      xs16[i * 2] = static_cast<int16_t>(h0);
+      xs16[i * 2 + 1] = static_cast<int16_t>(sum - h0);
+    }, BP);
   }
   ActRow row(int64_t m) const {
     return ActRow{q.data() + m * BP * 32, dx.data() + m * BP, dxs.data() + m * BP, xs.data() + m * BP,
