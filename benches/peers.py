@@ -32,10 +32,11 @@ from pathlib import Path
 import torch
 
 from benches import peers_synth
-from benches.peers_common import Spec, perplexity, release, rss
+from benches.peers_common import Spec, perplexity, rss
 from benches.peers_floor import bandwidth_gbs, bytes_per_token, cpu_name, floor_record, load_avg
 from benches.peers_report import markdown, merge_rounds, plot, print_table, ratios_vs_llama_cpp
 from engine.runtime import write_json
+from worker.memory import release_memory
 
 
 def _engine(model, n: int):
@@ -72,7 +73,7 @@ def run_mfs(spec: Spec, mode: str) -> dict:
     fam = load_family(spec.model, weights=weights, device=spec.device)
     model = fam.model
     load_s = time.perf_counter() - t0
-    release()
+    release_memory()  # freed memory returned before the contender's memory is read
     mem = rss(spec.device)
     warm_s = None
     if compiled:  # the graphs are built as a serving worker builds them, before anything is timed
@@ -105,7 +106,7 @@ def run_hf(spec: Spec) -> dict:
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                               **({"gguf_file": gguf} if gguf else {})).eval().to(spec.device)
     load_s = time.perf_counter() - t0
-    release()
+    release_memory()  # freed memory returned before the contender's memory is read
     mem = rss(spec.device)
     pad = hf.generation_config.eos_token_id
     pad = pad[0] if isinstance(pad, list) else pad

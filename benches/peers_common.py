@@ -1,5 +1,5 @@
 """`mfs bench peers`' spec, which every contender's child reads, and the measurements the children share:
-resident memory, a memory release before it is read, and perplexity over the held-out windows."""
+resident memory and perplexity over the held-out windows."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -35,16 +35,6 @@ def rss(device: str = "cpu") -> dict:
     if device.startswith("cuda"):
         res.update(cuda_bytes=torch.cuda.memory_allocated(), peak_cuda_bytes=torch.cuda.max_memory_allocated())
     return res
-
-
-def release() -> None:
-    import ctypes  # noqa: PLC0415
-    import gc  # noqa: PLC0415
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
 
 
 @torch.inference_mode()

@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benches.peers_common import Spec, perplexity, release, rss
+from benches.peers_common import Spec, perplexity, rss
+from worker.memory import release_memory
 
 
 def run_llama_cpp(spec: Spec) -> dict:
@@ -59,7 +60,7 @@ def run_llama_cpp(spec: Spec) -> dict:
     res.update(rss())  # resident while serving: every weight page touched by now
     res["model_rss_bytes"] = res["rss_bytes"] - before
     del llm
-    release()
+    release_memory()  # freed memory returned before the contender's memory is read
     full = llama_cpp.Llama(model_path=spec.gguf, n_threads=spec.threads, n_ctx=2048, logits_all=True, verbose=False)
 
     def logits(ids):
