@@ -45,6 +45,17 @@ def _default(f: dataclasses.Field) -> Any:
     return None
 
 
+def positive_int(s: str) -> int:
+    """An argparse type: a whole number of at least 1 (a size or a count), else a message naming the value."""
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {s!r}")
+    return v
+
+
 def _checked(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """argparse shows a type function's ArgumentTypeError message, but only "invalid value" for a
     ValueError: re-raise it as the former so the error says what is wrong."""

@@ -5,6 +5,7 @@ import argparse
 import os
 import sys
 
+from core.cli import positive_int
 from core.params import PARAMS
 from engine.prompts import encode_prompt
 from family.manifest import DEFAULT_FLOOR, floor_failures
@@ -135,7 +136,7 @@ def add_up(sub) -> None:
                         "serves eagerly, then swapped in (responses name the path in mfs.paths): on CPU inductor's "
                         "(cached under $MFS_CACHE/inductor; needs a C++ compiler), on CUDA CUDA graphs. Default: on "
                         "where they build; --compile: refused where they cannot; --no-compile: eager")
-    p.add_argument("--kv-cache-mb", type=int, default=None,
+    p.add_argument("--kv-cache-mb", type=positive_int, default=None,
                    help="each worker's memory for its KV pools, every segment's together (default: the worker's "
                         "--kv-cache-mb; each worker's log names its pool): more holds more tokens of concurrent "
                         "requests before the scheduler preempts")

@@ -103,6 +103,23 @@ def test_mfs_up_passes_the_kv_budget_to_its_workers_only_when_given(argv, want):
     wa = service_from_args(args).worker_args
     assert (wa[wa.index("--kv-cache-mb") + 1] if "--kv-cache-mb" in wa else None) == want
 
+
+@pytest.mark.parametrize("value", ["0", "-5", "lots"])
+def test_a_kv_budget_below_one_mb_is_refused_by_mfs_up_and_the_worker(value, capsys):
+    import argparse
+
+    from core.cli import add_args
+    from mfs.cli import build_parser
+    from worker.service import WorkerConfig
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--kv-cache-mb", value])
+    worker = argparse.ArgumentParser(prog="worker")
+    add_args(worker, WorkerConfig)
+    with pytest.raises(SystemExit):
+        worker.parse_args(["--kv-cache-mb", value])
+    err = capsys.readouterr().err
+    assert err.count(f"--kv-cache-mb: must be a whole number of at least 1, got {value!r}") == 2
+
 def test_the_compose_worker_serves_as_mfs_up_does():
     worker = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]["worker"]
     cmd = worker["command"][-1]

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 
 from core import protocol as P
-from core.cli import add_args, from_args, opt
+from core.cli import add_args, from_args, opt, positive_int
 from core.redisconn import RedisTarget, add_redis_args, connect, target_from_args
 from worker.background_compile import BackgroundCompile
 from worker.family import ModelArgs
@@ -33,7 +33,8 @@ class WorkerConfig(ModelArgs):
     worker_id: str = opt(default_factory=lambda: f"w-{os.getpid()}")
     num_blocks: int | None = opt(None, "KV blocks per segment pool (default: as many as --kv-cache-mb holds, "
                                        "at most 1024, at least one --max-model-len request's)")
-    kv_cache_mb: int = opt(256, "memory for the KV pools, every segment's together, when --num-blocks is not given")
+    kv_cache_mb: int = opt(256, "memory for the KV pools, every segment's together, when --num-blocks is not given",
+                           parse=positive_int)
     block_size: int = 16
     max_model_len: int = 4096
     shard: str = opt(P.DEFAULT_SHARD, parse=P.Shard.check,
