@@ -32,12 +32,13 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _child(argv: list[str]) -> float:
-    """Seconds the child reports (its last stdout line); its stderr shown where it fails."""
+def _child(what: str, argv: list[str]) -> float:
+    """Seconds the child reports (its last stdout line); RuntimeError with its last error line where it fails."""
     env = {**os.environ, "MFS_LOG_LEVEL": os.environ.get("MFS_LOG_LEVEL", "warning")}
     r = subprocess.run(argv, capture_output=True, text=True, env=env)
     if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv[:4])} … failed ({r.returncode}):\n{r.stderr[-2000:]}")
+        last = r.stderr.strip().splitlines()[-1:] or ["(no message)"]
+        raise RuntimeError(f"{what} failed (exit {r.returncode}): {last[0]}")
     return float(r.stdout.strip().splitlines()[-1])
 
 
@@ -45,9 +46,9 @@ def _generate(model: str, weights: str, tokens: int) -> float:
     """Wall seconds of ``mfs generate`` end to end (interpreter start to exit)."""
     code = ("import subprocess, sys, time; t = time.perf_counter(); "
             "subprocess.run([sys.executable, '-m', 'mfs.cli', 'generate', '--model', sys.argv[1], '--weights', "
-            "sys.argv[2], '--max-tokens', sys.argv[3], 'Name three colours.'], check=True, "
-            "capture_output=True); print(time.perf_counter() - t)")
-    return _child([sys.executable, "-c", code, model, weights, str(tokens)])
+            "sys.argv[2], '--max-tokens', sys.argv[3], 'Name three colours.'], check=True); "
+            "print(time.perf_counter() - t)")
+    return _child("mfs generate", [sys.executable, "-c", code, model, weights, str(tokens)])
 
 
 def run(args) -> int:
@@ -58,9 +59,14 @@ def run(args) -> int:
     figures = {"load_family": [], "load_frontend": [], "generate": []}
     load_start = os.getloadavg()
     for i in range(args.runs):  # alternated, so drift in the machine's load spreads over all three
-        figures["load_family"].append(_child([sys.executable, "-c", _LOAD, args.model, args.weights]))
-        figures["load_frontend"].append(_child([sys.executable, "-c", _FRONTEND, args.model]))
-        figures["generate"].append(_generate(args.model, args.weights, args.tokens))
+        try:
+            py = [sys.executable, "-c"]
+            figures["load_family"].append(_child("load_family", [*py, _LOAD, args.model, args.weights]))
+            figures["load_frontend"].append(_child("load_frontend", [*py, _FRONTEND, args.model]))
+            figures["generate"].append(_generate(args.model, args.weights, args.tokens))
+        except RuntimeError as e:
+            print(f"mfs bench startup: {e}", file=sys.stderr)
+            return 1
         print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in figures.items()),
               flush=True)
     out = {"benchmark": "startup", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -148,6 +148,9 @@ def test_bench_startup_times_each_stage_in_fresh_processes(tmp_path, frontend):
     assert res["machine"]["cpu"] and "median" in r.stdout
     bad = run("bench", "startup", "--runs", "0")
     assert bad.returncode == 2 and "--runs and --tokens must be at least 1" in bad.stderr
+    missing = run("bench", "startup", "--model", str(tmp_path / "nowhere"), "--runs", "1")
+    assert missing.returncode == 1 and "mfs bench startup: load_family failed (exit 1): " in missing.stderr
+    assert "no such file or directory" in missing.stderr
 
 def test_bench_peers_rounds_give_medians_and_ratios_within_each_round(tmp_path):
     """--repeats: each figure is the median over rounds, and a ratio to llama.cpp pairs the runs of one
