@@ -13,6 +13,8 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV MFS_CACHE=/cache
 # the pinned packages first: a change to MFS's sources keeps this layer
 COPY requirements.lock requirements-dev.lock Makefile ./
+# uv: its package cache stays out of the image; TLS trusts the system store (a base image with a local CA)
+ENV UV_NO_CACHE=1 UV_NATIVE_TLS=1
 RUN make deps PY=python3 LOCK=requirements.lock TORCH_INDEX="${TORCH_INDEX}"
 COPY pyproject.toml README.md ./
 COPY core core

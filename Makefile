@@ -11,14 +11,20 @@ TORCH   := $(shell sed -n 's/^torch==/torch==/p' requirements.lock)
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # what `make setup` installs: the serving packages and the tests' (the image: LOCK=requirements.lock)
 LOCK    ?= requirements-dev.lock
-PIP     := $(BIN)/pip install -q --progress-bar off --no-cache-dir
+# The installer: uv (pinned in requirements.lock), bootstrapped with the venv's own pip. It installs in
+# parallel and compiles the bytecode on every core; on 2 cores `make setup` took 90 s with pip, ~35 s with
+# uv. uv reads no pip configuration: where pip's environment names package sources, they are passed on.
+UV      := $(shell sed -n 's/^uv==/uv==/p' requirements.lock)
+SOURCES := $(if $(PIP_INDEX_URL),--index-url $(PIP_INDEX_URL)) $(foreach u,$(PIP_EXTRA_INDEX_URL),--extra-index-url $(u)) \
+           $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
+PIP     := $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode $(SOURCES)
 
 .PHONY: setup deps up test test-tools test-fast bench gpu-precipitate lm-eval guidellm clean compose-env compose-test
 
 setup: $(STAMP)
 deps: $(DEPS)
 
-# Each step says what it does (one line, no pip progress bars): a first run reads as five lines. The
+# Each step says what it does (one line, no progress bars): a first run reads as five lines. The
 # locks pin every package, so they install as written with --no-deps: nothing is resolved again, upgraded
 # or added (xgrammar declares triton for its CUDA kernels: the CPU image goes without it). Torch comes
 # first: its CPU build from TORCH_INDEX where it answers; else the public index's build with what that
@@ -26,10 +32,11 @@ deps: $(DEPS)
 $(DEPS): requirements.lock $(LOCK)
 	@echo "mfs setup [1/5] virtual environment in $(VENV)"
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@$(PIP) --upgrade pip
+	@test -x $(BIN)/uv || $(BIN)/python -m pip install -q --progress-bar off --no-cache-dir --disable-pip-version-check $(UV)
 	@if [ -n "$(TORCH_INDEX)" ] && $(BIN)/python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1].rstrip('/') + '/torch/', timeout=15)" "$(TORCH_INDEX)" 2>/dev/null; then \
 	  echo "mfs setup [2/5] $(TORCH), CPU build, from $(TORCH_INDEX)"; \
-	  $(PIP) --no-deps --index-url $(TORCH_INDEX) $(TORCH); \
+	  $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode --no-deps --index-url $(TORCH_INDEX) \
+	    $(foreach d,$(PIP_FIND_LINKS),--find-links $(d)) $(TORCH); \
 	else \
 	  if [ -n "$(TORCH_INDEX)" ]; then why="PyTorch's CPU index $(TORCH_INDEX) cannot be reached"; else why="TORCH_INDEX is empty"; fi; \
 	  echo "mfs setup [2/5] $(TORCH) from the public index ($$why; on Linux x86_64 that is the CUDA build, ~6 GB: TORCH_INDEX=URL names a CPU index)"; \
