@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from core.logs import configure  # noqa: PLC0415
     configure(level=os.environ.get("MFS_LOG_LEVEL", "WARNING"))
+    return run(argv)
+
+
+def run(argv: list[str] | None = None) -> int:
+    """One command, its exit status returned (argparse's usage errors exit 2 through SystemExit)."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -1,9 +1,10 @@
-"""The commands a new user runs first, as subprocesses of the installed `mfs` script."""
+"""The commands a new user runs first, as subprocesses of the installed `mfs` script; the arguments they
+refuse, in this process (`mfs.cli.run`: the same exit status and output, without a fresh interpreter)."""
 import json
 
 import pytest
 
-from tests.support.procs import run_mfs as run
+from tests.support.procs import mfs_refuses as refuses, run_mfs as run
 
 
 @pytest.mark.slow
@@ -36,9 +37,9 @@ def test_tiers_lists_layers_params_and_kv_bytes():
 
 
 def test_generate_rejects_unknown_tier_and_missing_model(llama_dir):
-    r = run("generate", "--model", str(llama_dir), "--tier", "gigantic", "hi")
+    r = refuses("generate", "--model", str(llama_dir), "--tier", "gigantic", "hi")
     assert r.returncode == 2 and "unknown tier" in r.stderr
-    r = run("generate", "--model", "/nonexistent/model", "hi")
+    r = refuses("generate", "--model", "/nonexistent/model", "hi")
     assert r.returncode == 2 and ("does not exist" in r.stderr or "no such file" in r.stderr)
 
 
@@ -53,9 +54,9 @@ def test_bench_step_times_each_format_and_batch(llama_dir, tmp_path):
     assert all(p["median_ms"] > 0 and p["p10_ms"] <= p["median_ms"] for p in pts)
     assert pts[4]["linear_mb_per_step"] < pts[0]["linear_mb_per_step"]  # int8 streams fewer bytes
     assert "no lower exit blocks" in r.stdout  # the tiny model has none: lazy and all run alike
-    bad = run("bench", "step", "--model", str(llama_dir), "--weights", "int3")
+    bad = refuses("bench", "step", "--model", str(llama_dir), "--weights", "int3")
     assert bad.returncode != 0 and "--weights" in bad.stderr
-    bad = run("bench", "step", "--model", str(llama_dir), "--exit-kv", "some")
+    bad = refuses("bench", "step", "--model", str(llama_dir), "--exit-kv", "some")
     assert bad.returncode != 0 and "--exit-kv" in bad.stderr
 
 
@@ -76,7 +77,7 @@ def test_bench_engine_reports_both_regimes(llama_dir, tmp_path):
         assert len(reg["ratios"]["tokens_per_s_per_repeat"]) == 1
     assert res["compiled"] is False and res["compile_warmup_s"] == []
     assert (tmp_path / "e.png").stat().st_size > 0
-    bad = run("bench", "engine", "--model", str(llama_dir), "--json", str(out), "--regimes", "fast")
+    bad = refuses("bench", "engine", "--model", str(llama_dir), "--json", str(out), "--regimes", "fast")
     assert bad.returncode != 0 and "--regimes" in bad.stderr
 
 
@@ -146,9 +147,9 @@ def test_bench_startup_times_each_stage_in_fresh_processes(tmp_path, frontend):
     assert set(res["seconds"]) == {"load_family", "load_frontend", "generate"}
     assert all(len(v) == 1 and v[0] > 0 for v in res["seconds"].values())
     assert res["machine"]["cpu"] and "median" in r.stdout
-    bad = run("bench", "startup", "--runs", "0")
+    bad = refuses("bench", "startup", "--runs", "0")
     assert bad.returncode == 2 and "--runs and --tokens must be at least 1" in bad.stderr
-    missing = run("bench", "startup", "--model", str(tmp_path / "nowhere"), "--runs", "1")
+    missing = refuses("bench", "startup", "--model", str(tmp_path / "nowhere"), "--runs", "1")
     assert missing.returncode == 1 and "mfs bench startup: load_family failed (exit 1): " in missing.stderr
     assert "no such file or directory" in missing.stderr
 
@@ -173,27 +174,27 @@ def test_bench_peers_rounds_give_medians_and_ratios_within_each_round(tmp_path):
     assert ratio["single"] == [1.25, 0.9, 1.222] and ratio["single_median"] == 1.222
     assert ratio["family_mix_median"] == 3.222  # 290 / 90 in the third round
     assert ratios_vs_llama_cpp([[rec("mfs int4", 100)]]) == {}  # no llama.cpp, no ratio
-    r = run("bench", "peers", "--repeats", "0", "--json", str(tmp_path / "p.json"))
+    r = refuses("bench", "peers", "--repeats", "0", "--json", str(tmp_path / "p.json"))
     assert r.returncode == 2 and "--repeats" in r.stderr
 
 
 def test_up_refuses_compile_with_the_wrong_kernels_before_starting_anything():
-    r = run("up", "--compile", "--device", "cuda", "--kernels", "torch", "--port", "0")
+    r = refuses("up", "--compile", "--device", "cuda", "--kernels", "torch", "--port", "0")
     assert r.returncode == 2 and "--compile on CUDA records CUDA graphs of the Triton ops" in r.stderr
     assert "starting" not in r.stdout
-    r = run("up", "--compile", "--device", "cpu", "--kernels", "triton", "--port", "0")
+    r = refuses("up", "--compile", "--device", "cpu", "--kernels", "triton", "--port", "0")
     assert r.returncode == 2 and "--compile on CPU compiles the torch ops" in r.stderr
-    r = run("up", "--compile", "--weights", "w8a8", "--device", "cpu", "--port", "0")
+    r = refuses("up", "--compile", "--weights", "w8a8", "--device", "cpu", "--port", "0")
     assert r.returncode == 2 and "--compile does not serve --weights w8a8" in r.stderr
     assert "starting" not in r.stdout
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message without CUDA")
 def test_bench_peers_on_cuda_without_one_fails_fast(tmp_path):
-    r = run("bench", "peers", "--device", "cuda", "--json", str(tmp_path / "p.json"))
+    r = refuses("bench", "peers", "--device", "cuda", "--json", str(tmp_path / "p.json"))
     assert r.returncode == 2 and "CUDA is not available" in r.stderr
     assert not (tmp_path / "p.json").exists()
-    r = run("bench", "peers", "--modes", "int4,int3+compile", "--json", str(tmp_path / "p.json"))
+    r = refuses("bench", "peers", "--modes", "int4,int3+compile", "--json", str(tmp_path / "p.json"))
     assert r.returncode == 2 and "unknown int3+compile" in r.stderr
-    r = run("bench", "peers", "--modes", "w8a8+compile", "--json", str(tmp_path / "p.json"))
+    r = refuses("bench", "peers", "--modes", "w8a8+compile", "--json", str(tmp_path / "p.json"))
     assert r.returncode == 2 and "unknown w8a8+compile" in r.stderr

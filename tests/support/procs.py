@@ -18,6 +18,27 @@ def run_mfs(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
     return subprocess.run(MFS + list(args), capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+def mfs_refuses(*args: str) -> subprocess.CompletedProcess:
+    """`mfs ARGS...` expected to refuse its arguments, run in this process (``mfs.cli.run``: no fresh
+    interpreter importing torch for an error, ~3 CPU-seconds each), its output captured: the same exit
+    status and stdout/stderr as the script's. Torch's thread count is put back (a command may set it)."""
+    import contextlib
+    import io
+
+    import torch
+
+    from mfs import cli
+    out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.run(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else 1
+        finally:
+            torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(["mfs", *args], code, out.getvalue(), err.getvalue())
+
+
 class Procs:
     """A group of child processes; ``with Procs() as procs:`` stops every one of them on exit."""
 
