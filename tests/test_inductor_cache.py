@@ -53,3 +53,22 @@ def test_torchs_default_is_computed_as_torch_computes_it(monkeypatch, user):
         return user
     monkeypatch.setattr(getpass, "getuser", getuser)
     assert torch_default_inductor_dir() == default_cache_dir()
+
+
+def test_a_kernels_key_does_not_depend_on_where_torch_is_installed(tmp_path, monkeypatch):
+    """worker.compiled_step.stable_kernel_keys: the same kernel source and flags under another install's
+    torch path hash to the key this install's do (a second clone finds the kernels built); another path
+    than this torch's is left as it is."""
+    import torch
+    from torch._inductor import codecache
+
+    from worker.compiled_step import stable_kernel_keys
+    monkeypatch.setattr(codecache, "write", codecache.write)  # put back as it was after the test
+    stable_kernel_keys()
+    install, src = os.path.dirname(torch.__file__), "int main() { return 0; }"
+
+    def key(flags: str) -> str:
+        return codecache.write(src, "cpp", extra=flags, specified_dir=str(tmp_path))[0]
+    here = key(f"g++ -I{install}/include -L{install}/lib")
+    assert here == key(f"g++ -I<torch {torch.__version__}>/include -L<torch {torch.__version__}>/lib")
+    assert here != key("g++ -I/elsewhere/torch/include -L/elsewhere/torch/lib")
