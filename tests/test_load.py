@@ -93,8 +93,10 @@ def burst(url: str, n: int, body: dict = CHAT) -> list[tuple[int, str | None, di
 
 
 def test_a_burst_far_above_the_pool_is_served_not_503(redis_url, frontend, batcher):  # noqa: F811
-    """400 at once through 4 Redis connections (the old pool failed past its size with a false 503)."""
-    with gateway(redis_url, frontend, redis_pool=4, max_waiting=1000) as gw:
+    """400 at once through 4 Redis connections (the old pool failed past its size with a false 503). Neither
+    admission bound is under test: the expected-wait one is lifted too (at the 13.8 requests/s the fake
+    batcher started on a busy machine, 276 waiting were over its 20 s, and 78 were shed)."""
+    with gateway(redis_url, frontend, redis_pool=4, max_waiting=1000, max_queue_wait_s=3600) as gw:
         got = burst(gw.url, 400)
         assert sorted({s for s, _, _ in got}) == [200]
         assert all(b["usage"]["completion_tokens"] == 2 for _, _, b in got)
