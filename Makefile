@@ -12,12 +12,13 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # what `make setup` installs: the serving packages and the tests' (the image: LOCK=requirements.lock)
 LOCK    ?= requirements-dev.lock
 # The installer: uv (pinned in requirements.lock), bootstrapped with the venv's own pip. It installs in
-# parallel and compiles the bytecode on every core; on 2 cores `make setup` took 90 s with pip, ~35 s with
+# parallel and compiles the bytecode on every core; on 2 cores `make setup` took 90 s with pip, ~40 s with
 # uv. uv reads no pip configuration: where pip's environment names package sources, they are passed on.
 UV      := $(shell sed -n 's/^uv==/uv==/p' requirements.lock)
-SOURCES := $(if $(PIP_INDEX_URL),--index-url $(PIP_INDEX_URL)) $(foreach u,$(PIP_EXTRA_INDEX_URL),--extra-index-url $(u)) \
-           $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
-PIP     := $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode $(SOURCES)
+UVPIP   := $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode
+LINKS   := $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
+PIP     := $(UVPIP) $(if $(PIP_INDEX_URL),--index-url $(PIP_INDEX_URL)) \
+           $(foreach u,$(PIP_EXTRA_INDEX_URL),--extra-index-url $(u)) $(LINKS)
 
 .PHONY: setup deps up test test-tools test-fast bench gpu-precipitate lm-eval guidellm clean compose-env compose-test
 
@@ -37,8 +38,7 @@ $(DEPS): requirements.lock $(LOCK)
 	@$(PIP) --upgrade pip
 	@if [ -n "$(TORCH_INDEX)" ] && $(BIN)/python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1].rstrip('/') + '/torch/', timeout=15)" "$(TORCH_INDEX)" 2>/dev/null; then \
 	  echo "mfs setup [2/5] $(TORCH), CPU build, from $(TORCH_INDEX)"; \
-	  $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode --no-deps --index-url $(TORCH_INDEX) \
-	    $(foreach d,$(PIP_FIND_LINKS),--find-links $(d)) $(TORCH); \
+	  $(UVPIP) --no-deps --index-url $(TORCH_INDEX) $(LINKS) $(TORCH); \
 	else \
 	  if [ -n "$(TORCH_INDEX)" ]; then why="PyTorch's CPU index $(TORCH_INDEX) cannot be reached"; else why="TORCH_INDEX is empty"; fi; \
 	  echo "mfs setup [2/5] $(TORCH) from the public index ($$why; on Linux x86_64 that is the CUDA build, ~6 GB: TORCH_INDEX=URL names a CPU index)"; \
