@@ -34,8 +34,6 @@ $(DEPS): requirements.lock $(LOCK)
 	@echo "mfs setup [1/5] virtual environment in $(VENV)"
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@test -x $(BIN)/uv || $(BIN)/python -m pip install -q --progress-bar off --no-cache-dir --disable-pip-version-check $(UV)
-	@# pip itself, current: the venv's own may be years old (tests/test_install.py resolves the locks with it)
-	@$(PIP) --upgrade pip
 	@if [ -n "$(TORCH_INDEX)" ] && $(BIN)/python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1].rstrip('/') + '/torch/', timeout=15)" "$(TORCH_INDEX)" 2>/dev/null; then \
 	  echo "mfs setup [2/5] $(TORCH), CPU build, from $(TORCH_INDEX)"; \
 	  $(UVPIP) --no-deps --index-url $(TORCH_INDEX) $(LINKS) $(TORCH); \

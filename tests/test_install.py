@@ -1,10 +1,11 @@
 """The install a user gets: the locks resolve from the public index alone, as pinned.
 
-``pip --isolated`` ignores this machine's pip configuration (its local package mirror, its find-links
-and constraints), so the dry run resolves what a user's machine resolves. It fails on a conflict, on a
-pinned package resolved to another version, and on a package resolved that no lock pins (the CUDA
-build of torch brings its nvidia-* / cuda-* packages and triton, pinned by torch itself)."""
-import json
+The resolve is uv's, the installer `make setup` runs, with no configuration read (``--no-config`` and no
+``UV_*`` variables; uv never reads pip's, so this machine's local package mirror is out of it): it
+resolves what a user's machine resolves. It fails on a conflict, on a pinned package resolved to another
+version, and on a package resolved that no lock pins (the CUDA build of torch brings its nvidia-* /
+cuda-* packages and triton, pinned by torch itself)."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,12 @@ CUDA_ONLY = ("nvidia-", "cuda-")
 
 def _norm(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
+
+
+def _norm_pin(line: str) -> tuple[str, str]:
+    name, sep, version = line.partition(";")[0].strip().partition("==")
+    assert sep, f"uv wrote {line!r}, not NAME==VERSION"
+    return _norm(name), version
 
 
 def read_lock(path: Path) -> dict[str, str]:
@@ -51,17 +58,18 @@ def test_the_locks_pin_torch_and_the_image_lock_leaves_out_the_tests():
 
 @pytest.mark.slow
 def test_the_locks_resolve_as_pinned_from_the_public_index_alone(tmp_path):
-    report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "pip", "--isolated", "install", "--dry-run", "--ignore-installed", "--quiet",
-           "--report", str(report), "-r", str(ROOT / "requirements-dev.lock")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
-    if res.returncode != 0 and ("ResolutionImpossible" not in res.stderr
-                                and "No matching distribution" not in res.stderr):
-        if any(s in res.stderr for s in ("NewConnectionError", "Temporary failure in name resolution",
-                                         "Network is unreachable", "ConnectTimeout")):
-            pytest.skip(f"the public index cannot be reached from here: {res.stderr.strip()[-300:]}")
+    uv = Path(sys.executable).with_name("uv")
+    assert uv.exists(), f"{uv} is missing: `make setup` installs uv (pinned in requirements.lock)"
+    out = tmp_path / "resolved.txt"
+    cmd = [str(uv), "pip", "compile", "--no-config", "--no-cache", "--index-url", "https://pypi.org/simple",
+           "--python", sys.executable, "--no-header", "--no-annotate", "--quiet", "--output-file", str(out),
+           str(ROOT / "requirements-dev.lock")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UV_")}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=env)
+    if res.returncode != 0 and any(s in res.stderr for s in ("dns error", "tcp connect error", "timed out")):
+        pytest.skip(f"the public index cannot be reached from here: {res.stderr.strip()[-300:]}")
     assert res.returncode == 0, f"the locks do not resolve from the public index alone:\n{res.stderr[-3000:]}"
-    resolved = {_norm(i["metadata"]["name"]): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    resolved = dict(_norm_pin(line) for line in out.read_text().splitlines() if line.strip())
     pins = read_lock(ROOT / "requirements-dev.lock")
     wrong = {n: (v, resolved.get(n)) for n, v in pins.items() if resolved.get(n) != v}
     assert not wrong, f"pinned -> resolved: {wrong}"
