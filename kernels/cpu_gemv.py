@@ -94,25 +94,26 @@ def cxx_standard() -> str:
     return f"-std=c++{max(found, key=int)}" if found else "-std=c++17"
 
 
-def flags() -> list[str]:
-    return [*FLAGS, cxx_standard(), *(VNNI_FLAGS if isa() == "avx512-vnni" else [])]
+def flags(target: str | None = None) -> list[str]:
+    """The compiler's flags for ``target`` (``avx2`` or ``avx512-vnni``; default :func:`isa`)."""
+    return [*FLAGS, cxx_standard(), *(VNNI_FLAGS if (target or isa()) == "avx512-vnni" else [])]
 
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("MFS_CACHE", Path.home() / ".cache" / "mfs")) / "kernels"
 
 
-def _compile(cxx: str, source: Path, out: str) -> list[str]:
+def _compile(cxx: str, source: Path, out: str, target: str | None = None) -> list[str]:
     from torch.utils import cpp_extension  # noqa: PLC0415 (only for a build)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     incs = [f"-I{p}" for p in cpp_extension.include_paths()]
-    return [cxx, *flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *incs, "-c", str(source), "-o", out]
+    return [cxx, *flags(target), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *incs, "-c", str(source), "-o", out]
 
 
-def _link(cxx: str, objects: list[str], out: str) -> list[str]:
+def _link(cxx: str, objects: list[str], out: str, target: str | None = None) -> list[str]:
     from torch.utils import cpp_extension  # noqa: PLC0415 (only for a build)
     libs = [f"-L{p}" for p in cpp_extension.library_paths()]
-    return [cxx, *flags(), "-shared", *objects, "-o", out, *libs, "-lc10", "-ltorch_cpu"]
+    return [cxx, *flags(target), "-shared", *objects, "-o", out, *libs, "-lc10", "-ltorch_cpu"]
 
 
 def _run(cmd: list[str], cxx: str, what: str) -> None:
@@ -122,11 +123,13 @@ def _run(cmd: list[str], cxx: str, what: str) -> None:
 
 
 def build(sources: Path | Sequence[Path] = SOURCES, cxx: str | None = None,
-          headers: Sequence[Path] | None = None) -> Path:
+          headers: Sequence[Path] | None = None, target: str | None = None) -> Path:
     """The operator library of ``sources`` (one file, several linked together, or a folder's
     cpu_gemv*.cpp — an older checkout's kernels/ for A/B probes), compiled once into the cache, each
     source on its own thread. ``headers``: what they include, part of the cache key (default: every .h
-    beside them). Raises RuntimeError with the compiler's message if it fails."""
+    beside them). ``target``: the instruction set to build for (default :func:`isa`, this CPU's; a library
+    built for another is there to show that it compiles, and this CPU may not load it). Raises RuntimeError
+    with the compiler's message if it fails."""
     if isinstance(sources, Path):
         sources = sorted(sources.glob("cpu_gemv*.cpp")) if sources.is_dir() else [sources]
     sources = sorted(sources)  # one cache entry per set of sources, whatever order they came in
@@ -138,7 +141,7 @@ def build(sources: Path | Sequence[Path] = SOURCES, cxx: str | None = None,
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
     text = b"".join(p.read_bytes() for p in [*sources, *headers])
-    key = hashlib.sha256(text + " ".join([cxx, *flags(), torch.__version__]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + " ".join([cxx, *flags(target), torch.__version__]).encode()).hexdigest()[:16]
     folder = _cache_dir() / key
     lib = folder / "libmfs_cpu_gemv.so"
     if lib.exists():
@@ -149,14 +152,14 @@ def build(sources: Path | Sequence[Path] = SOURCES, cxx: str | None = None,
         if lib.exists():  # another process built it while this one waited
             return lib
         log.info("building our CPU operators (once per machine, ~10 s)", sources=[p.name for p in sources],
-                 isa=isa(), into=str(folder))
+                 isa=target or isa(), into=str(folder))
         with tempfile.TemporaryDirectory(dir=folder) as work:
             objects = [str(Path(work) / f"{p.stem}.o") for p in sources]
             with ThreadPoolExecutor(len(sources)) as pool:
-                for done in [pool.submit(_run, _compile(cxx, p, o), cxx, p.name) for p, o in zip(sources, objects)]:
+                for done in [pool.submit(_run, _compile(cxx, p, o, target), cxx, p.name) for p, o in zip(sources, objects)]:
                     done.result()
             tmp = str(Path(work) / lib.name)
-            _run(_link(cxx, objects, tmp), cxx, "linking " + ", ".join(p.name for p in sources))
+            _run(_link(cxx, objects, tmp, target), cxx, "linking " + ", ".join(p.name for p in sources))
             os.replace(tmp, lib)  # atomic: a reader never loads a half-written library
     return lib
 
