@@ -7,37 +7,27 @@ import importlib
 import os
 import sys
 
-# (module, attribute) of each subcommand's add_parser, in the order `mfs --help` lists them.
+# (command, module, attribute) of each subcommand's add_parser, in the order `mfs --help` lists them. A
+# command's own module is the only one imported to run it (most import torch: ~1 s each on 2 cores); the
+# name is checked against what that add_parser registers whenever the whole table is read (`mfs --help`).
 COMMANDS = [
-    ("mfs.commands", "add_generate"),
-    ("mfs.commands", "add_tiers"),
-    ("mfs.commands", "add_up"),
-    ("training.precipitate", "add_parser"),
-    ("evaluation.evaluate", "add_parser"),
-    ("evaluation.lm_eval_run", "add_parser"),
-    ("mfs.gpu_precipitate", "add_parser"),
+    ("generate", "mfs.commands", "add_generate"),
+    ("tiers", "mfs.commands", "add_tiers"),
+    ("up", "mfs.commands", "add_up"),
+    ("precipitate", "training.precipitate", "add_parser"),
+    ("eval", "evaluation.evaluate", "add_parser"),
+    ("lm-eval", "evaluation.lm_eval_run", "add_parser"),
+    ("gpu-precipitate", "mfs.gpu_precipitate", "add_parser"),
 ]
-BENCHES = [
-    ("benches.engine", "add_parser"),
-    ("benches.kernels", "add_parser"),
-    ("benches.linears", "add_parser"),
-    ("benches.step", "add_parser"),
-    ("benches.peers", "add_parser"),
-    ("benches.serve", "add_parser"),
-    ("benches.spec", "add_parser"),
-    ("benches.route", "add_parser"),
-    ("benches.control_plane", "add_parser"),
-    ("benches.grammar", "add_parser"),
-    ("benches.load", "add_parser"),
-    ("benches.chaos", "add_parser"),
-    ("benches.determinism", "add_parser"),
-    ("benches.cuts", "add_parser"),
-    ("benches.startup", "add_parser"),
-]
+BENCHES = [(name, "benches." + name.replace("-", "_"), "add_parser") for name in (
+    "engine", "kernels", "linears", "step", "peers", "serve", "spec", "route", "control-plane", "grammar", "load",
+    "chaos", "determinism", "cuts", "startup")]
 
 
-def _register(sub, entries) -> None:
-    for mod, attr in entries:
+def _register(sub, entries, word: str | None) -> None:
+    """The subcommands of ``entries``: only ``word``'s where it names one, else all of them."""
+    chosen = [e for e in entries if e[0] == word] or entries
+    for name, mod, attr in chosen:
         try:
             module = importlib.import_module(mod)
         except ModuleNotFoundError as e:
@@ -45,15 +35,23 @@ def _register(sub, entries) -> None:
                 raise
             continue  # that command is not part of this build yet
         getattr(module, attr)(sub)
+        if name not in sub.choices:
+            raise RuntimeError(f"mfs.cli names {name!r} for {mod}.{attr}, which registers {sorted(sub.choices)}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """``mfs``'s parser. Given the command line, only the command it names is registered (its module
+    alone imported); without one, or where the name is not a command, every command is."""
+    argv = list(argv or [])
+    word = argv[0] if argv else None
     p = argparse.ArgumentParser(prog="mfs", description="Serve an LLM model family from one nested model.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _register(sub, COMMANDS)
-    bench = sub.add_parser("bench", help="benchmarks (engine, kernels, serve, spec, control-plane, ...)")
-    bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    _register(bsub, BENCHES)
+    if word != "bench":
+        _register(sub, COMMANDS, word)
+    if word == "bench" or not any(e[0] == word for e in COMMANDS):
+        bench = sub.add_parser("bench", help="benchmarks (engine, kernels, serve, spec, control-plane, ...)")
+        bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+        _register(bsub, BENCHES, argv[1] if word == "bench" and len(argv) > 1 else None)
     return p
 
 
@@ -65,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(argv: list[str] | None = None) -> int:
     """One command, its exit status returned (argparse's usage errors exit 2 through SystemExit)."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (FileNotFoundError, ValueError) as e:

@@ -198,3 +198,22 @@ def test_bench_peers_on_cuda_without_one_fails_fast(tmp_path):
     assert r.returncode == 2 and "unknown int3+compile" in r.stderr
     r = refuses("bench", "peers", "--modes", "w8a8+compile", "--json", str(tmp_path / "p.json"))
     assert r.returncode == 2 and "unknown w8a8+compile" in r.stderr
+
+
+def test_a_command_imports_only_its_own_module_and_the_table_names_what_each_registers(monkeypatch):
+    import subprocess
+    import sys
+
+    script = ("import sys; from mfs.cli import build_parser; build_parser(sys.argv[1:]).parse_args(sys.argv[1:]); "
+              "print(sorted(m for m in ('benches.engine', 'benches.peers', 'training.precipitate', "
+              "'evaluation.evaluate') if m in sys.modules))")
+    got = {argv[0] + (" " + argv[1] if len(argv) > 1 else ""): subprocess.run(
+        [sys.executable, "-c", script, *argv], capture_output=True, text=True, check=True).stdout.strip()
+        for argv in (["tiers"], ["bench", "engine", "--json", "x.json"])}
+    assert got == {"tiers": "[]", "bench engine": "['benches.engine']"}
+    from mfs import cli
+    parser = cli.build_parser()  # every command: the names checked against what each module registers
+    assert set(parser._subparsers._group_actions[0].choices) == {n for n, _, _ in cli.COMMANDS} | {"bench"}
+    monkeypatch.setattr(cli, "COMMANDS", [("generat", "mfs.commands", "add_generate")])
+    with pytest.raises(RuntimeError, match="names 'generat' for mfs.commands.add_generate"):
+        cli.build_parser()
