@@ -12,8 +12,8 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # what `make setup` installs: the serving packages and the tests' (the image: LOCK=requirements.lock)
 LOCK    ?= requirements-dev.lock
 # The installer: uv (pinned in requirements.lock), bootstrapped with the venv's own pip. It installs in
-# parallel and compiles the bytecode on every core; on 2 cores `make setup` took 90 s with pip, ~40 s with
-# uv. uv reads no pip configuration: where pip's environment names package sources, they are passed on.
+# parallel and compiles the bytecode on every core (on 2 cores about twice as fast as pip). uv reads no pip
+# configuration: where pip's environment names package sources, they are passed on.
 UV      := $(shell sed -n 's/^uv==/uv==/p' requirements.lock)
 UVPIP   := $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode
 LINKS   := $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))

@@ -8,7 +8,7 @@ import os
 import sys
 
 # (command, module, attribute) of each subcommand's add_parser, in the order `mfs --help` lists them. A
-# command's own module is the only one imported to run it (most import torch: ~1 s each on 2 cores); the
+# command's own module is the only one imported to run it (most import torch); the
 # name is checked against what that add_parser registers whenever the whole table is read (`mfs --help`).
 COMMANDS = [
     ("generate", "mfs.commands", "add_generate"),

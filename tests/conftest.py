@@ -23,8 +23,8 @@ configure(level="WARNING")
 def pytest_configure(config):
     """One torch thread in the suite's own processes. Their runners, kernels and compiled graphs run
     in-process, TEST_WORKERS of them on the cores, so a second intra-op thread finds no idle core and
-    only adds its wake-ups: test_compiled_step.py with test_quant_matmul.py alone on 2 cores took 112 s
-    of CPU (112 s wall) with torch's 2 threads, 101 s (101 s) with 1. The services the tests start
+    only adds its wake-ups (about a tenth more CPU for the compiled-step and quantized-matmul files on 2
+    cores). The services the tests start
     choose their own (--threads), and tests of threading set theirs."""
     import torch
     torch.set_num_threads(1)

@@ -161,9 +161,8 @@ def stable_kernel_keys() -> None:
     """Inductor names each C++ kernel it builds by a hash of the kernel's source and its compile command.
     That command holds the absolute path of this install's torch (``-I.../site-packages/torch/include``,
     ``-L.../torch/lib``), so another install of the same torch (a second clone's .venv) finds none of the
-    kernels in the shared cache ($MFS_CACHE/inductor) and builds every one again: test_compiled_step's
-    parity test took 93 s in a fresh clone against 33 s, 12 kernels rebuilt, each identical to a cached
-    one. Here the key is hashed with that path written as torch's version: the same source, flags and
+    kernels in the shared cache ($MFS_CACHE/inductor) and builds every one again, each identical to a
+    cached one. Here the key is hashed with that path written as torch's version: the same source, flags and
     torch find the kernel already built; another torch still builds its own. Only the key changes: the
     compile itself runs the real command. Once per process."""
     from torch._inductor import codecache  # noqa: PLC0415 (imports dynamo: only where a graph compiles)

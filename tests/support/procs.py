@@ -33,7 +33,7 @@ def mfs_refuses(*args: str) -> subprocess.CompletedProcess:
         try:
             code = cli.run(list(args))
         except SystemExit as e:  # argparse's usage errors
-            code = e.code if isinstance(e.code, int) else 1
+            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
         finally:
             torch.set_num_threads(threads)
     return subprocess.CompletedProcess(["mfs", *args], code, out.getvalue(), err.getvalue())
